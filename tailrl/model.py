@@ -1,0 +1,286 @@
+"""Native PyTorch decoder for the Llama / Qwen2 / Qwen3 families, with a slotted KV cache.
+
+The module names mirror Hugging Face's (model.layers.N.self_attn.q_proj, ...) so a checkpoint's
+state dict loads without renaming. The architecture comes only from the checkpoint's config.
+
+Knows: weights, RMSNorm, RoPE (default / linear / llama3 scaling), grouped-query attention,
+SwiGLU, tied embeddings, Qwen2 q/k/v bias, Qwen3 q/k norm, the KV cache layout.
+Does not know: sampling, drafting, RL, tokenizers.
+
+Shapes: B batch rows, T new tokens, S key positions, H query heads, K kv heads, G = H / K,
+D head dim, E hidden size, V vocabulary, L layers, C cache slots, M cache capacity (tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture read from a checkpoint's config.json (never from flags)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_TYPES:
+            raise ValueError(f"unsupported model_type {mt!r}; tailrl supports {', '.join(SUPPORTED_TYPES)}")
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            rope = dict(d.get("rope_parameters") or {})  # transformers >= 5 layout
+            theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+            scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            eos = d.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                model_type=mt,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v bias; Llama/Qwen3 say so in attention_bias.
+                attention_bias=mt == "qwen2" or bool(d.get("attention_bias", False)),
+                qk_norm=mt == "qwen3",
+                eos_token_ids=eos_ids,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed model config: {e!r}") from e
+
+
+class KVCache:
+    """Preallocated keys/values: C slots x M positions per layer.  k, v: (L, C, K, M, D)
+
+    A sequence owns one slot; the engine keeps running sequences in slots 0..B-1 so a batch's
+    cache is a view, never a gather.
+    """
+
+    def __init__(self, cfg: ModelConfig, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (cfg.num_layers, slots, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots, self.capacity = slots, capacity
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+@dataclass
+class CacheView:
+    """What one forward reads and writes: rows `first..first+B` of the cache.
+
+    write_pos (B, T): cache index each new token's K/V goes to. kv_len: keys attended (S).
+    mask (B, T, S): True where a query may attend a key.
+    """
+
+    cache: KVCache
+    first: int
+    write_pos: torch.Tensor  # (B, T)
+    kv_len: int
+    mask: torch.Tensor  # (B, T, S)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies with the checkpoint's theta and scaling.  # (D/2,)"""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
+    if cfg.rope_scaling is None:
+        return inv
+    s = dict(cfg.rope_scaling)
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "linear":
+        return inv / float(s["factor"])
+    if kind == "llama3":
+        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        return torch.where(is_mid, mid, scaled)
+    if kind == "default":
+        return inv
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Hugging Face layout).  x (B, H, T, D), cos/sin (B, 1, T, D)"""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference does; bf16 variance loses too much.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, k, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.h, self.k, self.d = h, k, d
+        self.q_proj = nn.Linear(e, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(e, k * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(e, k * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, e, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.h, self.d)
+        k = self.k_proj(x).view(b, t, self.k, self.d)
+        v = self.v_proj(x).view(b, t, self.k, self.d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)
+        v = v.transpose(1, 2)
+        if view is None:
+            # Training / reference path: causal attention over the given tokens only.
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.h != self.k
+            )
+        else:
+            out = self._cached(q, k, v, layer, view)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d))
+
+    def _cached(self, q, k, v, layer: int, view: CacheView) -> torch.Tensor:
+        b, _, t, d = q.shape
+        rows = slice(view.first, view.first + b)
+        ck, cv = view.cache.k[layer, rows], view.cache.v[layer, rows]  # (B, K, M, D) views
+        bidx = torch.arange(b, device=q.device).unsqueeze(1).expand(b, t)
+        ck[bidx, :, view.write_pos] = k.transpose(1, 2)
+        cv[bidx, :, view.write_pos] = v.transpose(1, 2)
+        keys, vals = ck[:, :, : view.kv_len], cv[:, :, : view.kv_len]  # (B, K, S, D)
+        g = self.h // self.k
+        # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
+        # copies for GQA, and on CPU it beats SDPA for bf16 decode (DESIGN.md section 9).
+        qg = q.reshape(b, self.k, g * t, d)
+        scores = (qg @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
+        scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = probs.view(b, self.k, g * t, -1) @ vals  # (B, K, G*T, D)
+        return out.view(b, self.h, t, d)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, view, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """The target model: token ids in, logits (and optionally the LM head's input) out."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # A plain attribute, not a buffer: module.to(bf16) must not round the frequencies.
+        self.inv_freq = rope_inv_freq(cfg).float()
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        ang = positions.float().unsqueeze(-1) * self.inv_freq  # (B, T, D/2)
+        ang = torch.cat((ang, ang), dim=-1).unsqueeze(1)  # (B, 1, T, D)
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def hidden(
+        self,
+        ids: torch.Tensor,  # (B, T)
+        positions: torch.Tensor,  # (B, T)
+        view: CacheView | None = None,
+        mask: torch.Tensor | None = None,  # (B, 1, T, T) for the no-cache path; None = causal
+    ) -> torch.Tensor:
+        """Final-normed hidden states, the LM head's input.  # (B, T, E)"""
+        x = self.model.embed_tokens(ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, view, mask)
+        return self.model.norm(x)
+
+    def forward(self, ids, positions, view=None, mask=None, return_hidden: bool = False):
+        """Logits (B, T, V), and the hidden states (B, T, E) when asked."""
+        h = self.hidden(ids, positions, view, mask)
+        logits = self.lm_head(h)
+        return (logits, h) if return_hidden else logits

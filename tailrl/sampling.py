@@ -1,0 +1,131 @@
+"""Position-keyed sampling: logits -> processed probabilities -> one token per row.
+
+Every random choice in tailrl's decoding is keyed by (sequence seed, absolute position): the
+uniform for a position comes from a counter-based hash (splitmix64), and the token is the inverse
+CDF of the processed target probabilities, walked in token-id order. Plain decoding and every
+speculative path therefore use the same uniform for the same position, so they emit the same
+tokens (up to float rounding at near-ties), whatever the batch composition.
+
+Knows: sampling settings, probability processing (temperature, top-k, top-p), the hash, the
+inverse CDF. Does not know: models, caches, drafting, tokenizers.
+
+Shapes: B rows, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: a bijective avalanche on uint64 (wrap-around arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def hash_ints(*parts: int | np.ndarray) -> np.ndarray:
+    """Hash a tuple of non-negative integers (or arrays of them) to uint64, order-sensitive."""
+    with np.errstate(over="ignore"):
+        z = np.zeros(np.broadcast(*[np.asarray(p) for p in parts]).shape, dtype=np.uint64)
+        for p in parts:
+            z = _mix64(z + _GOLDEN + np.asarray(p).astype(np.uint64))
+    return z
+
+
+def derive_seed(*parts: int) -> int:
+    """A sequence seed from e.g. (run seed, step, prompt index, sample index)."""
+    return int(hash_ints(*parts))
+
+
+def uniforms(seeds: np.ndarray | list[int], positions: np.ndarray | list[int]) -> np.ndarray:
+    """One uniform in [0, 1) per (seed, position) pair; depends on nothing else."""
+    z = hash_ints(np.asarray(seeds, dtype=np.uint64), np.asarray(positions, dtype=np.uint64))
+    return (z >> np.uint64(11)).astype(np.float64) * (2.0**-53)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Target probabilities after temperature, top-k and top-p, in fp32.  # (B, V) -> (B, V)
+
+    Greedy (temperature 0) returns a one-hot of the argmax, so the inverse CDF below and the
+    speculative acceptance walk treat greedy as the same walk.
+    """
+    x = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).float()
+    x = x / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep a token if the mass strictly before it is below top_p: the smallest nucleus.
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < params.top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def inverse_cdf(probs: torch.Tensor, u: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """Token ids: the first id whose cumulative probability exceeds u * total.  # (B, V) -> (B,)
+
+    The CDF runs in token-id order (not sorted by probability) so that near-equal
+    probabilities computed by different kernels cannot reorder the walk; it accumulates in
+    fp64 so a 49k-token vocabulary keeps its tail mass.
+    """
+    cdf = probs.double().cumsum(-1)
+    u = torch.as_tensor(u, dtype=torch.float64, device=probs.device).reshape(-1, 1)
+    target = u * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, seeds: list[int], positions: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and their log-probabilities for one row per sequence.  # (B, V) -> (B,), (B,)
+
+    The log-probability is that of the temperature-scaled distribution before top-k/top-p
+    (the quantity an RL trainer recomputes); for greedy it is the raw log-softmax.
+    """
+    probs = process_logits(logits, params)
+    tokens = inverse_cdf(probs, uniforms(seeds, positions))
+    return tokens, token_logprobs(logits, tokens, params)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature).  # (B, V), (B,) -> (B,)"""
+    x = logits.float()
+    if not params.greedy:
+        x = x / params.temperature
+    return torch.log_softmax(x, dim=-1).gather(-1, tokens.reshape(-1, 1)).squeeze(-1)

