@@ -1,0 +1,311 @@
+"""Rollout engine: continuous batching over a slotted KV cache, plain and speculative steps.
+
+Sequences occupy cache slots 0..B-1 (a finished sequence's slot is refilled by moving the last
+running sequence into it), so every forward reads a view of the cache, never a gather. Prompts
+shared by several samples (GRPO groups) are prefilled once and their KV copied to each sibling.
+A step is either plain (one token per sequence) or speculative (a draft tree per sequence,
+verified in one forward); `decoder` chooses per step. Token choice is position-keyed
+(tailrl.sampling), so a sequence's output does not depend on the batch it ran in or on how its
+tokens were produced.
+
+Knows: sampling, KV cache, continuous batching, drafting/verification plumbing, hidden-state
+capture. Does not know: rewards, tokenizer text (stop strings arrive as a callable), optimizers.
+
+Shapes: B running sequences, T tokens per row in a forward, S attended keys, V vocabulary,
+E hidden size, N draft nodes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from tailrl.model import CacheView, KVCache, Transformer
+from tailrl.sampling import SamplingParams, sample
+
+
+@dataclass
+class EngineConfig:
+    """Rollout engine resources."""
+
+    max_batch: int = field(default=64, metadata={"help": "most sequences decoded together (cache slots)"})
+    kv_budget_gb: float = field(default=4.0, metadata={"help": "memory for the KV cache, GiB"})
+    capture_hidden: bool = field(default=False, metadata={"help": "record each token's target hidden state"})
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate. Requests with equal `group` share `prompt_ids` (prefilled once)."""
+
+    prompt_ids: tuple[int, ...]
+    seed: int
+    group: int = 0
+
+
+@dataclass
+class Completion:
+    """What the engine returns per request, in request order."""
+
+    prompt_ids: tuple[int, ...]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "eos" | "stop" | "length"
+    seed: int
+    group: int
+    # (n, E) hidden state that produced each generated token (the LM head's input), when captured.
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters for one generate call."""
+
+    verify_steps: int = 0  # sequence-verifies (one per row per speculative step)
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    emitted: int = 0  # tokens emitted by speculative steps (accepted + bonus)
+    accept_hist: list[int] = field(default_factory=list)  # accept_hist[d]: verifies accepting exactly d drafts
+
+    @property
+    def accept_len(self) -> float:
+        return self.emitted / self.verify_steps if self.verify_steps else 0.0
+
+
+@dataclass
+class EngineStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    steps: int = 0
+    # One entry per decode step: (seconds since start, running batch size, arm label or "plain").
+    timeline: list[tuple[float, int, str]] = field(default_factory=list)
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class Progress:
+    done: int
+    total: int
+    running: int
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class Seq:
+    """A running sequence. Cache slot = its index in the running list."""
+
+    req_index: int
+    req: Request
+    length: int  # tokens in the KV cache (prompt + fed generated tokens)
+    pending: int  # last emitted token, not yet fed (at position `length`)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)  # (E,) or (k, E) chunks
+    finish: str | None = None
+
+
+class StepDecoder(Protocol):
+    """Chooses, per step, how to decode the running batch (plain or speculative)."""
+
+    def step(self, engine: "Engine", running: list[Seq]) -> str:
+        """Advance every running sequence by >= 1 token; return the arm label used."""
+        ...
+
+
+class Engine:
+    """Generates completions for token-id requests with a target model."""
+
+    def __init__(self, model: Transformer, config: EngineConfig | None = None):
+        self.model = model
+        self.cfg = config or EngineConfig()
+        self.eos = set(model.cfg.eos_token_ids)
+        self.cache: KVCache | None = None
+        self.stats = EngineStats()
+        self.decoder: StepDecoder = PlainDecoder()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    # ---- set-up -------------------------------------------------------------------------
+
+    def _ensure_cache(self, capacity: int, want_slots: int) -> None:
+        per_seq = KVCache.bytes_per_token(self.model.cfg, self.dtype) * capacity
+        slots = min(want_slots, self.cfg.max_batch, int(self.cfg.kv_budget_gb * 2**30 // per_seq))
+        if slots < 1:
+            raise ValueError(
+                f"kv_budget_gb={self.cfg.kv_budget_gb} cannot hold one sequence of {capacity} tokens "
+                f"({per_seq / 2**30:.2f} GiB needed)"
+            )
+        c = self.cache
+        if c is None or c.capacity < capacity or c.slots < slots:
+            self.cache = None  # free the old cache before allocating the new one
+            self.cache = KVCache(self.model.cfg, slots, capacity, self.dtype, self.device)
+
+    def check_requests(self, requests: Sequence[Request], max_new_tokens: int, extra: int = 0) -> int:
+        """Validate lengths; return the cache capacity needed per sequence."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        limit = self.model.cfg.max_position_embeddings
+        longest = 0
+        for i, r in enumerate(requests):
+            if not r.prompt_ids:
+                raise ValueError(f"request {i} has an empty prompt")
+            longest = max(longest, len(r.prompt_ids))
+        if longest + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+                f"context of {limit} tokens"
+            )
+        return longest + max_new_tokens + extra
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        max_new_tokens: int,
+        stop: Callable[[list[int]], bool] | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> list[Completion]:
+        """Run all requests to completion; stats of the call are left in `self.stats`."""
+        capacity = self.check_requests(requests, max_new_tokens, extra=getattr(self.decoder, "max_tree", 0) + 1)
+        self._ensure_cache(capacity, len(requests))
+        self.stats = EngineStats()
+        self.params, self.max_new_tokens, self.stop = params, max_new_tokens, stop
+        start = time.perf_counter()
+        # Siblings adjacent, so one admission wave usually covers a whole group.
+        order = sorted(range(len(requests)), key=lambda i: (requests[i].group, i))
+        waiting = deque((i, requests[i]) for i in order)
+        running: list[Seq] = []
+        results: list[Completion | None] = [None] * len(requests)
+        with torch.inference_mode():
+            while waiting or running:
+                self._admit(waiting, running)
+                label = self.decoder.step(self, running)
+                self.stats.steps += 1
+                self.stats.timeline.append((time.perf_counter() - start, len(running), label))
+                self._retire(running, results)
+                if on_progress is not None:
+                    done = sum(r is not None for r in results)
+                    now = time.perf_counter() - start
+                    on_progress(Progress(done, len(requests), len(running), self.stats.tokens, now))
+        self.stats.seconds = time.perf_counter() - start
+        return results  # type: ignore[return-value]
+
+    def _admit(self, waiting: deque, running: list[Seq]) -> None:
+        """Prefill waiting requests into free slots; one prefill per distinct prompt."""
+        t0 = time.perf_counter()
+        while waiting and len(running) < self.cache.slots:
+            idx, req = waiting.popleft()
+            slot = len(running)
+            prompt = torch.tensor([req.prompt_ids], device=self.device)
+            p = prompt.shape[1]
+            pos = torch.arange(p, device=self.device)[None]
+            mask = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None]
+            logits, h = self.model(prompt, pos, CacheView(self.cache, slot, pos, p, mask), return_hidden=True)
+            seqs = [self._start(idx, req, logits[:, -1], h[0, -1])]
+            # Siblings with the same prompt reuse this prefill: copy the KV, sample their own first token.
+            while waiting and len(running) + len(seqs) < self.cache.slots and waiting[0][1].prompt_ids == req.prompt_ids:
+                j, sib = waiting.popleft()
+                self.cache.copy_slot(slot, slot + len(seqs), p)
+                seqs.append(self._start(j, sib, logits[:, -1], h[0, -1]))
+            running.extend(seqs)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def _start(self, idx: int, req: Request, logits: torch.Tensor, h_last: torch.Tensor) -> Seq:
+        p = len(req.prompt_ids)
+        tok, lp = sample(logits, self.params, [req.seed], [p])
+        seq = Seq(idx, req, length=p, pending=int(tok[0]))
+        self._emit(seq, [seq.pending], [float(lp[0])], h_last[None] if self._keep_hidden else None)
+        return seq
+
+    @property
+    def _keep_hidden(self) -> bool:
+        return self.cfg.capture_hidden or getattr(self.decoder, "needs_hidden", False)
+
+    def _emit(self, seq: Seq, tokens: list[int], logprobs: list[float], hidden: torch.Tensor | None) -> None:
+        """Append emitted tokens, cutting at EOS / stop / the length limit.  hidden: (k, E)"""
+        for k, (t, lp) in enumerate(zip(tokens, logprobs)):
+            seq.tokens.append(t)
+            seq.logprobs.append(lp)
+            if hidden is not None:
+                seq.hidden.append(hidden[k : k + 1])
+            self.stats.tokens += 1
+            if t in self.eos:
+                seq.finish = "eos"
+            elif self.stop is not None and self.stop(seq.tokens):
+                seq.finish = "stop"
+            elif len(seq.tokens) >= self.max_new_tokens:
+                seq.finish = "length"
+            if seq.finish:
+                return
+
+    def _retire(self, running: list[Seq], results: list[Completion | None]) -> None:
+        """Move finished sequences out; refill their slots from the end of the batch."""
+        i = 0
+        while i < len(running):
+            seq = running[i]
+            if seq.finish is None:
+                i += 1
+                continue
+            hidden = torch.cat(seq.hidden).float().cpu() if seq.hidden else None
+            results[seq.req_index] = Completion(
+                seq.req.prompt_ids, seq.tokens, seq.logprobs, seq.finish, seq.req.seed, seq.req.group, hidden
+            )
+            last = running.pop()
+            if last is not seq:
+                self.cache.copy_slot(len(running), i, last.length)
+                self.decoder_moved(len(running), i, last)
+                running[i] = last
+
+    def decoder_moved(self, src: int, dst: int, seq: Seq) -> None:
+        """Tell the decoder a sequence changed slots (a drafter with its own cache follows)."""
+        moved = getattr(self.decoder, "moved", None)
+        if moved is not None:
+            moved(src, dst, seq)
+
+    # ---- the plain step, used by every decoder ------------------------------------------
+
+    def plain_step(self, running: list[Seq]) -> None:
+        """Feed each sequence's pending token; sample the next one."""
+        b = len(running)
+        lens = torch.tensor([s.length for s in running], device=self.device)
+        kv_len = int(lens.max()) + 1
+        mask = (torch.arange(kv_len, device=self.device)[None] <= lens[:, None])[:, None]  # (B, 1, S)
+        ids = torch.tensor([[s.pending] for s in running], device=self.device)
+        logits, h = self.model(
+            ids, lens[:, None], CacheView(self.cache, 0, lens[:, None], kv_len, mask), return_hidden=True
+        )
+        toks, lps = sample(logits[:, 0], self.params, [s.req.seed for s in running], (lens + 1).tolist())
+        keep = self._keep_hidden
+        for i, s in enumerate(running):
+            s.length += 1
+            s.pending = int(toks[i])
+            self._emit(s, [s.pending], [float(lps[i])], h[i] if keep else None)
+        del b
+
+
+class PlainDecoder:
+    """Always plain decoding: the baseline and the reference path."""
+
+    max_tree = 0
+    needs_hidden = False
+
+    def step(self, engine: Engine, running: list[Seq]) -> str:
+        engine.plain_step(running)
+        return "plain"

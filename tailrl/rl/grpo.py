@@ -1,0 +1,116 @@
+"""GRPO as pure tensor functions: group advantages, token log-probs, the PPO-clip policy loss.
+
+Knows: rewards, log-probabilities, masks, the clipped surrogate and the k3 KL estimator.
+Does not know: models, tokenizers, how tokens were produced, optimizers.
+
+Shapes: P prompts, G responses per prompt (group_size), B = P * G rows, T response tokens
+(right-padded; `mask` marks real tokens), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ADV_EPS = 1e-6
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(r - group mean) / (group std + 1e-6), one group per row.  # (P, G) -> (P, G)
+
+    The std is the unbiased one (torch.std, divisor G - 1), as TRL's GRPOTrainer computes it,
+    so advantages match that reference. A group whose rewards are all equal gets zeros: it
+    carries no learning signal. G = 1 has no spread to normalise by, so it is rejected.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must have shape (num_prompts, group_size), got {tuple(rewards.shape)}")
+    if rewards.shape[1] < 2:
+        raise ValueError("group_size must be >= 2 for group-relative advantages")
+    r = rewards.double()
+    mean = r.mean(dim=1, keepdim=True)  # (P, 1)
+    std = r.std(dim=1, keepdim=True)  # (P, 1), unbiased
+    return ((r - mean) / (std + ADV_EPS)).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def sequence_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature), per position.  # (B, T, V), (B, T) -> (B, T)
+
+    `logits[:, t]` must be the prediction for `tokens[:, t]` (the caller shifts by one).
+    Temperature 0 (greedy rollouts) is scored at temperature 1: greedy has no density of its
+    own, and the raw policy is what the update moves. Computed in fp32 for bf16 models.
+    """
+    scale = 1.0 if temperature == 0.0 else float(temperature)
+    logp = torch.log_softmax(logits.float() / scale, dim=-1)  # (B, T, V)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """The loss to backpropagate and detached diagnostics (token means over this micro-batch)."""
+
+    loss: torch.Tensor  # scalar, carries the graph
+    pg_loss: float
+    kl: float
+    clip_fraction: float
+    ratio_mean: float
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    num_tokens: int | None = None,
+) -> LossTerms:
+    """PPO-clip surrogate with token-mean aggregation and an optional k3 KL penalty.
+
+    logprobs (B, T) carry the graph; old_logprobs, ref_logprobs (B, T), advantages (B,) and
+    mask (B, T) are constants. Per token:
+        ratio = exp(logprobs - old_logprobs)
+        pg    = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+        k3    = exp(ref - lp) - (ref - lp) - 1        (>= 0, unbiased for KL(pi || ref))
+    loss = sum over valid tokens of (pg + kl_coef * k3) / num_tokens.
+
+    num_tokens defaults to this batch's valid-token count. With gradient accumulation pass the
+    valid-token count of the whole optimizer batch: the micro-batch losses then sum to exactly
+    the full-batch token mean (a per-micro-batch mean would overweight short micro-batches).
+    """
+    valid = mask.bool()  # (B, T)
+    mask = valid.to(logprobs.dtype)
+    denom = float(num_tokens) if num_tokens is not None else mask.sum().clamp(min=1.0).item()
+    if denom <= 0:
+        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    if kl_coef and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # (B, 1)
+    # Padding may hold any log-prob (even -inf): zero its log-ratio before exp so that neither
+    # the forward (inf * 0) nor the backward (0 * inf) produces NaN.
+    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    pg = -torch.minimum(unclipped, clipped)  # (B, T)
+    per_token = pg
+    kl = torch.zeros_like(pg)
+    if ref_logprobs is not None:
+        d = torch.where(valid, ref_logprobs.detach() - logprobs, 0.0)  # (B, T)
+        kl = torch.exp(d) - d - 1.0
+        per_token = pg + kl_coef * kl
+    loss = (per_token * mask).sum() / denom
+
+    with torch.no_grad():
+        n_here = mask.sum().clamp(min=1.0)
+        # A token is "clipped" when the clipped branch is the one min() picked (no gradient).
+        is_clipped = (clipped < unclipped).to(mask.dtype)
+        return LossTerms(
+            loss=loss,
+            pg_loss=((pg * mask).sum() / n_here).item(),
+            kl=((kl * mask).sum() / n_here).item(),
+            clip_fraction=((is_clipped * mask).sum() / n_here).item(),
+            ratio_mean=((ratio * mask).sum() / n_here).item(),
+        )

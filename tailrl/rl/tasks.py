@@ -1,0 +1,303 @@
+"""Tasks: problems with checkable answers, the prompt template, and answer extraction.
+
+A task turns (run seed, index) into a Problem deterministically, so the data order of a run is
+a pure function of its seed and resumes exactly, and scores an extracted answer in [0, 1].
+
+Knows: reasoning-gym datasets and their scorers, JSONL problem files, math_verify, the chat
+prompt and the answer format. Does not know: tokenizers, models, how completions were
+produced, advantages.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from tailrl.sampling import derive_seed
+
+__all__ = [
+    "DEFAULT_TASK",
+    "JsonlTask",
+    "Problem",
+    "ReasoningGymTask",
+    "Task",
+    "extract_answer",
+    "format_prompt",
+    "make_task",
+    "math_match",
+]
+
+# The task of `tailrl train` with no arguments: "a + b =" / "a - b =" with one-digit operands.
+# Measured with SmolLM2-135M-Instruct (fp32), format_prompt below, temperature 1, top_p 1:
+# - starting mean reward 0.156 over 64 problems (max_new_tokens 256) and 0.167 over another 24;
+#   44% of responses use the answer tags. Response lengths p10/p50/p90 = 8/19/96 tokens, 8% hit
+#   the 256 limit (rambling), so the start is long-tailed.
+# - every harder setting tried started at 0 of 24 (no GRPO signal): chain_sum with 2-3 terms of
+#   1-2 digits, leg_counting (1-2 animals), letter_counting (3-5 words), simple_equations (2 terms,
+#   values <= 10); basic_arithmetic with one-digit "+" only, or "+ - *", gave 0.083.
+# - GRPO, 4 prompts x 8 responses, max_new_tokens 128, AdamW lr 1e-5, one update per step:
+#   mean reward 0.21 at step 0, 0.67 over steps 1-9, 0.74 over steps 10-19 (no-update control on
+#   the same prompts: 0.19 and 0.15). The format is learned first (tag use 38% -> ~100% by step 5)
+#   and responses shrink to ~18 tokens, so the length tail is gone after a few steps.
+DEFAULT_TASK = "rg:chain_sum(min_terms=2, max_terms=2, min_digits=1, max_digits=1)"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One question, its reference answer, and what the task's scorer needs besides them."""
+
+    question: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(Protocol):
+    name: str
+
+    def sample(self, rng_seed: int, index: int) -> Problem:
+        """The index-th problem of the stream for rng_seed; the same pair gives the same problem."""
+
+    def score(self, problem: Problem, answer_text: str) -> float:
+        """Score an extracted answer in [0, 1]."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt template and answer format
+
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant. Think step by step, briefly. Then give the final answer "
+    "inside <answer></answer> tags."
+)
+# One worked exchange before the question. SmolLM2-135M at temperature 1 almost never follows a
+# format it is only told about (tags or "Answer:" lines in 2 of 64 samples, reward 0 of 64, across
+# four instruction-only prompts); after one example 38-54% of responses use the tags.
+EXAMPLE = [
+    {"role": "user", "content": "What is 7 + 5?"},
+    {"role": "assistant", "content": "7 + 5 = 12.\n<answer>12</answer>"},
+]
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+
+
+def format_prompt(question: str) -> list[dict[str, str]]:
+    """Chat messages: instructions, one worked example, then the question.
+
+    The answer format is the last <answer>...</answer> pair (extract_answer), the convention
+    reasoning-gym's own prompts use.
+    """
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE, {"role": "user", "content": question}]
+
+
+def extract_answer(completion: str) -> str | None:
+    """The text inside the last <answer>...</answer> pair, stripped; None if there is none.
+
+    The last pair wins because the model may quote the format before answering.
+    """
+    found = _ANSWER_TAG.findall(completion)
+    if not found:
+        return None
+    answer = found[-1].strip()
+    return answer or None
+
+
+# ---------------------------------------------------------------------------------------------
+# reasoning-gym
+
+
+def _reasoning_gym():
+    # Imported on first use: it takes ~1 s and JSONL-only runs do not need it.
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    return reasoning_gym, DATASETS
+
+
+class ReasoningGymTask:
+    """A reasoning-gym dataset as an endless, seeded problem stream scored by its own verifier.
+
+    Items come from datasets of CHUNK items whose seeds are hashed from (run seed, chunk), so
+    sample() is O(1) after the first call per chunk and the streams of different run seeds do
+    not overlap (reasoning-gym seeds item i with seed + i, so consecutive seeds would share
+    items). Difficulty keyword arguments go to the dataset's config unchanged.
+    """
+
+    CHUNK = 1024
+    CACHED_CHUNKS = 4
+
+    def __init__(self, name: str, **difficulty: Any) -> None:
+        _, datasets = _reasoning_gym()
+        if name not in datasets:
+            raise ValueError(_unknown_task_message(name, sorted(datasets)))
+        self.name = name
+        self.difficulty = dict(difficulty)
+        self._chunks: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        # Built once up front so that bad settings fail here, not mid-run; score() uses it.
+        self._scorer = self._build(seed=0)
+        try:
+            self._scorer[0]
+        except Exception as e:  # some settings only fail when an item is generated
+            raise ValueError(
+                f"reasoning-gym task {name!r} cannot generate problems with {self.difficulty}: {e}"
+            ) from e
+
+    def _build(self, seed: int) -> Any:
+        rg, datasets = _reasoning_gym()
+        try:
+            return rg.create_dataset(self.name, seed=seed, size=self.CHUNK, **self.difficulty)
+        except (TypeError, AssertionError, ValueError) as e:
+            config_fields = datasets[self.name][1].__dataclass_fields__
+            fields = sorted(f for f in config_fields if f not in ("seed", "size"))
+            raise ValueError(
+                f"invalid settings {self.difficulty} for reasoning-gym task {self.name!r} ({e}); "
+                f"its settings are: {', '.join(fields)}"
+            ) from e
+
+    def _chunk(self, rng_seed: int, chunk: int) -> Any:
+        key = (rng_seed, chunk)
+        if key in self._chunks:
+            self._chunks.move_to_end(key)
+        else:
+            self._chunks[key] = self._build(seed=derive_seed(rng_seed, chunk) % 2**32)
+            if len(self._chunks) > self.CACHED_CHUNKS:
+                self._chunks.popitem(last=False)
+        return self._chunks[key]
+
+    def sample(self, rng_seed: int, index: int) -> Problem:
+        if index < 0 or rng_seed < 0:
+            raise ValueError(f"rng_seed and index must be >= 0, got {rng_seed} and {index}")
+        chunk, offset = divmod(index, self.CHUNK)
+        entry = self._chunk(rng_seed, chunk)[offset]
+        return Problem(question=entry["question"], answer=str(entry["answer"]), meta={"entry": entry})
+
+    def score(self, problem: Problem, answer_text: str) -> float:
+        score = float(self._scorer.score_answer(answer_text, problem.meta["entry"]))
+        return min(1.0, max(0.0, score))
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL files
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.strip().strip("$").strip().rstrip(".").lower().split())
+
+
+def math_match(prediction: str, reference: str) -> float:
+    """1.0 if prediction equals reference as math (math_verify), else by normalised string.
+
+    math_verify's own timeouts use SIGALRM, which only works on the main thread; they are
+    switched off here because rewards run in worker threads (rewards.safe_rewards bounds time).
+    """
+    from math_verify import parse, verify
+
+    if _normalise(prediction) == _normalise(reference):
+        return 1.0
+    gold = parse(reference, parsing_timeout=None)
+    pred = parse(prediction, parsing_timeout=None)
+    if gold and pred:
+        return float(verify(gold, pred, timeout_seconds=None))
+    return 0.0
+
+
+def _read_jsonl(path: Path) -> list[Problem]:
+    problems = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            question = row.get("prompt", row.get("question"))
+            if not isinstance(question, str):
+                raise ValueError(f"{where}: needs a 'prompt' or 'question' string")
+            if row.get("answer") is None:
+                raise ValueError(f"{where}: missing 'answer' field")
+            problems.append(Problem(question=question, answer=str(row["answer"]), meta=row))
+    if not problems:
+        raise ValueError(f"{path}: no problems found")
+    return problems
+
+
+class JsonlTask:
+    """Problems from a JSONL file, reshuffled every pass by (run seed, pass), math_verify-scored."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"task file {self.path} does not exist")
+        self.name = self.path.name
+        self.problems = _read_jsonl(self.path)
+        self._order_key: tuple[int, int] | None = None
+        self._order = np.arange(0)
+
+    def sample(self, rng_seed: int, index: int) -> Problem:
+        if index < 0 or rng_seed < 0:
+            raise ValueError(f"rng_seed and index must be >= 0, got {rng_seed} and {index}")
+        epoch, offset = divmod(index, len(self.problems))
+        if self._order_key != (rng_seed, epoch):
+            self._order = np.random.default_rng([rng_seed, epoch]).permutation(len(self.problems))
+            self._order_key = (rng_seed, epoch)
+        return self.problems[int(self._order[offset])]
+
+    def score(self, problem: Problem, answer_text: str) -> float:
+        return math_match(answer_text, problem.answer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Task specs
+
+
+def _unknown_task_message(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=3)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    examples = ", ".join(["basic_arithmetic", "chain_sum", "leg_counting", "simple_equations"])
+    return (
+        f"unknown task {name!r}: {hint}use a reasoning-gym name ({len(valid)} available, e.g. "
+        f"{examples}) or a path ending in .jsonl"
+    )
+
+
+def _parse_rg_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """'name' or 'name(key=literal, ...)' -> (name, settings)."""
+    try:
+        node = ast.parse(spec.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ValueError(f"cannot parse task spec {spec!r}; expected name or name(key=value, ...)") from e
+    if isinstance(node, ast.Name):
+        return node.id, {}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
+        try:
+            settings = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+        except ValueError as e:
+            raise ValueError(f"task settings in {spec!r} must be Python literals") from e
+        return node.func.id, settings
+    raise ValueError(f"cannot parse task spec {spec!r}; expected name or name(key=value, ...)")
+
+
+def make_task(spec: str, **difficulty: Any) -> Task:
+    """A task from a spec string.
+
+    "rg:chain_sum", "chain_sum" or "rg:chain_sum(max_terms=3, max_digits=1)" name a
+    reasoning-gym dataset and its settings (keyword arguments here override the spec's);
+    a path ending in .jsonl names a JsonlTask.
+    """
+    spec = spec.strip()
+    if spec.endswith(".jsonl"):
+        if difficulty:
+            raise ValueError(f"JSONL tasks take no settings, got {sorted(difficulty)}")
+        return JsonlTask(spec)
+    name, settings = _parse_rg_spec(spec.removeprefix("rg:"))
+    return ReasoningGymTask(name, **{**settings, **difficulty})

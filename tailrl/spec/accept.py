@@ -1,0 +1,103 @@
+"""The lossless acceptance walk: which draft tokens the target keeps, and the token after them.
+
+At each visited verify token (root first) the target's processed probabilities p and the
+position-keyed uniform u pick x = inverse_cdf(p, u), exactly the token plain decoding would
+sample at that position. If a child of the current node carries x, the walk descends into it;
+otherwise x is emitted and the walk stops (at a leaf x is the "bonus" token). Every emitted token
+is thus the token plain decoding emits, so any drafter is safe: its probabilities are never read.
+
+Knows: the tree, the target's verify logits, sampling settings, seeds and root positions. Does
+not know: models, caches, how the tree was drafted.
+
+Shapes: B rows, N draft nodes, V vocabulary, A rows still walking at a given depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tailrl.sampling import SamplingParams, inverse_cdf, process_logits, token_logprobs, uniforms
+from tailrl.spec.tree import DraftTree
+
+
+@dataclass
+class AcceptResult:
+    """Per row: emitted tokens (accepted drafts, then the target's own pick) and where they came from."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]  # sampling.token_logprobs of each emitted token
+    path: list[list[int]]  # verify indices of the accepted draft nodes (root excluded), root to leaf
+    accept_len: list[int]  # len(tokens[b]): accepted drafts + 1
+
+
+def accept_walk(
+    logits: Tensor, tree: DraftTree, params: SamplingParams, seeds: list[int], root_positions: list[int]
+) -> AcceptResult:
+    """Walk each row's tree from the root with the target's position-keyed picks.  # (B, N+1, V)
+
+    logits[b, j] are the target's logits at verify token j (j = 0 the root, j = i + 1 node i);
+    root_positions[b] is the root's absolute position P_b. Only visited nodes are processed,
+    depth by depth with the still-walking rows batched.
+    """
+    b, n = tree.tokens.shape
+    if logits.dim() != 3 or logits.shape[:2] != (b, n + 1):
+        raise ValueError(f"logits must be (B, N+1, V) = ({b}, {n + 1}, V), got {tuple(logits.shape)}")
+    if len(seeds) != b or len(root_positions) != b:
+        raise ValueError(
+            f"need one seed and one root position per row ({b}), got {len(seeds)} and {len(root_positions)}"
+        )
+    device = logits.device
+    node_parents = tree.parents.to(device) + 1  # (B, N) verify index of each node's parent
+    node_tokens = tree.tokens.to(device)  # (B, N)
+    tokens: list[list[int]] = [[] for _ in range(b)]
+    picked_at: list[list[int]] = [[] for _ in range(b)]  # verify index each token was picked at
+    path: list[list[int]] = [[] for _ in range(b)]
+    at = [0] * b  # verify index each row stands on
+    rows, depth = list(range(b)), 0
+    while rows:
+        r = torch.tensor(rows, device=device)
+        j = torch.tensor([at[i] for i in rows], device=device)
+        probs = process_logits(logits[r, j], params)  # (A, V)
+        # The uniform plain decoding uses for the token at position P_b + depth + 1.
+        u = uniforms([seeds[i] for i in rows], [root_positions[i] + depth + 1 for i in rows])
+        x = inverse_cdf(probs, u)  # (A,)
+        # Descend iff the target's own pick is a child's draft token (the first such child).
+        match = (node_parents[r] == j[:, None]) & (node_tokens[r] == x[:, None])  # (A, N)
+        child = _first_true(match)  # (A,) verify index of the matching child, 0 if none
+        still = []
+        for i, xi, c in zip(rows, x.tolist(), child.tolist()):
+            tokens[i].append(xi)
+            picked_at[i].append(at[i])
+            if c:
+                path[i].append(c)
+                at[i] = c
+                still.append(i)
+        rows, depth = still, depth + 1
+    logprobs = _logprobs(logits, tokens, picked_at, params)
+    return AcceptResult(tokens, logprobs, path, [len(t) for t in tokens])
+
+
+def _first_true(match: Tensor) -> Tensor:
+    """1 + index of the first True per row, 0 if none.  # (A, N) -> (A,)"""
+    if match.shape[1] == 0:
+        return torch.zeros(match.shape[0], dtype=torch.long, device=match.device)
+    return torch.where(match.any(1), match.int().argmax(1) + 1, 0)
+
+
+def _logprobs(
+    logits: Tensor, tokens: list[list[int]], picked_at: list[list[int]], params: SamplingParams
+) -> list[list[float]]:
+    """token_logprobs of every emitted token, in one batched call over the visited rows only."""
+    device = logits.device
+    rows = torch.tensor([i for i, t in enumerate(tokens) for _ in t], dtype=torch.long, device=device)
+    cols = torch.tensor([j for js in picked_at for j in js], dtype=torch.long, device=device)
+    flat = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=device)
+    lps = token_logprobs(logits[rows, cols], flat, params).tolist()
+    out, k = [], 0
+    for t in tokens:
+        out.append(lps[k : k + len(t)])
+        k += len(t)
+    return out

@@ -1,0 +1,242 @@
+"""Tuner: a bucketed epsilon-greedy bandit that picks how the rollout engine decodes each step.
+
+An arm is one way to decode a step: plain (one target forward, one token per sequence), or
+speculative decoding with the learned drafter or the n-gram drafter and a draft-tree shape
+(num_steps, topk, num_draft_tokens). The reward of a step is the tokens it emitted per wall
+second. Rewards are kept per (bucket, arm), the bucket being the range the running batch size
+falls in, in a sliding window of the last `window` rewards. Within a bucket the tuner plays
+untried arms first (in the order given), then with probability epsilon a uniformly random arm
+(the greedy one included), else the arm with the best median reward over its window (TLT's
+rule; the median shrugs off the odd slow step). Ties go to the arm listed first.
+
+A switch gate sits in front (TLT's rule): SD is considered only once the running batch has
+stayed <= switch_batch for switch_patience consecutive decode steps, counting the current one.
+A step above switch_batch closes the gate and restarts the count. While the gate is closed the
+step decodes plain and the tuner draws no randomness. PLAIN must be one of the arms, so inside
+the gate the bandit can learn to keep decoding plain where speculation does not pay: the learned
+threshold overrides the fixed one. switch_patience 0 leaves the gate always open.
+
+Per decode step the engine does:
+    arm = tuner.step(batch_size)                       # gate + choose
+    ... decode one step with arm ...
+    tuner.update(batch_size, arm, tokens / seconds)    # also for plain steps of a closed gate
+
+One random.Random, seeded, serves every bucket, so the whole sequence of choices is a function
+of the seed and the rewards; state_dict() captures it as plain JSON-serialisable data.
+
+Knows: arms, buckets, rewards (tokens per second), its own random generator. Does not know:
+torch, models, how an arm is executed, what a token is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from statistics import median
+
+ARM_KINDS = ("plain", "drafter", "ngram")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way to decode a step. Plain has no draft tree; drafter/ngram carry its shape."""
+
+    kind: str  # "plain" | "drafter" | "ngram"
+    num_steps: int = 0  # draft depth
+    topk: int = 0  # children expanded per node
+    num_draft_tokens: int = 0  # tree nodes kept for verification
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARM_KINDS:
+            raise ValueError(f"arm kind must be one of {ARM_KINDS}, got {self.kind!r}")
+        shape = (self.num_steps, self.topk, self.num_draft_tokens)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in shape):
+            raise ValueError(f"num_steps, topk and num_draft_tokens must be ints, got {shape}")
+        if self.kind == "plain":
+            if shape != (0, 0, 0):
+                raise ValueError(f"a plain arm has no draft tree: its shape must be (0, 0, 0), got {shape}")
+            return
+        if min(shape) < 1:
+            raise ValueError(f"a {self.kind} arm needs num_steps, topk, num_draft_tokens >= 1, got {shape}")
+        max_nodes = sum(self.topk**d for d in range(1, self.num_steps + 1))
+        if self.num_draft_tokens > max_nodes:
+            raise ValueError(
+                f"num_draft_tokens {self.num_draft_tokens} exceeds the {max_nodes} nodes a tree of "
+                f"depth {self.num_steps} and width {self.topk} can hold"
+            )
+
+    @property
+    def label(self) -> str:
+        """Short name for plots and metrics, e.g. "plain" or "drafter(3,4,8)"."""
+        if self.kind == "plain":
+            return "plain"
+        return f"{self.kind}({self.num_steps},{self.topk},{self.num_draft_tokens})"
+
+
+PLAIN = Arm("plain")
+
+
+@dataclass
+class TunerConfig:
+    """Bandit and switch-gate settings; the defaults are TLT's."""
+
+    epsilon: float = field(
+        default=0.1, metadata={"help": "probability of trying a uniformly random arm instead of the best one"}
+    )
+    window: int = field(
+        default=300, metadata={"help": "rewards kept per (bucket, arm); arms are ranked by their median"}
+    )
+    bucket_edges: tuple[int, ...] = field(
+        default=(1, 2, 4, 8, 16, 32),
+        metadata={
+            "help": "running-batch-size bucket upper edges: bucket i covers (edges[i-1], edges[i]], "
+            "sizes above the last edge form one more bucket"
+        },
+    )
+    switch_batch: int = field(
+        default=32, metadata={"help": "SD is considered only while the running batch is at most this"}
+    )
+    switch_patience: int = field(
+        default=10,
+        metadata={"help": "consecutive decode steps at <= switch-batch before SD is considered (0: always)"},
+    )
+
+    def __post_init__(self) -> None:
+        self.bucket_edges = tuple(self.bucket_edges)
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1], got {self.epsilon}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        edges = self.bucket_edges
+        if any(e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
+            raise ValueError(f"bucket_edges must be strictly increasing integers >= 1, got {edges}")
+        if self.switch_batch < 0 or self.switch_patience < 0:
+            raise ValueError(
+                "switch_batch and switch_patience must be >= 0, "
+                f"got {self.switch_batch} and {self.switch_patience}"
+            )
+
+
+class Tuner:
+    """Bucketed epsilon-greedy bandit over decode arms, with TLT's SD switch gate in front."""
+
+    def __init__(self, arms: Sequence[Arm], config: TunerConfig | None = None, seed: int = 0) -> None:
+        self.arms = tuple(arms)
+        if PLAIN not in self.arms:
+            raise ValueError("arms must include PLAIN, the arm the switch gate falls back to")
+        if len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"arms must be distinct, got {[a.label for a in self.arms]}")
+        self.config = config if config is not None else TunerConfig()
+        self._index = {arm: i for i, arm in enumerate(self.arms)}
+        self._rng = random.Random(seed)
+        num_buckets = len(self.config.bucket_edges) + 1
+        self._rewards = [[deque(maxlen=self.config.window) for _ in self.arms] for _ in range(num_buckets)]
+        self._pulls = [[0] * len(self.arms) for _ in range(num_buckets)]
+        self._gate_run = 0  # consecutive steps at <= switch_batch, capped at switch_patience
+
+    def bucket(self, batch_size: int) -> int:
+        """Index of the bucket whose range (edges[i-1], edges[i]] holds batch_size."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return bisect.bisect_left(self.config.bucket_edges, batch_size)
+
+    def gate(self, batch_size: int) -> bool:
+        """Record one decode step's running batch size; True if SD may be used. Call once per step."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        patience = self.config.switch_patience
+        self._gate_run = min(self._gate_run + 1, patience) if batch_size <= self.config.switch_batch else 0
+        return self._gate_run >= patience
+
+    def choose(self, batch_size: int) -> Arm:
+        """The bandit's pick for this bucket, ignoring the gate: untried, random, or best median."""
+        b = self.bucket(batch_size)
+        for arm, pulls in zip(self.arms, self._pulls[b]):
+            if pulls == 0:
+                return arm
+        if self._rng.random() < self.config.epsilon:
+            return self._rng.choice(self.arms)
+        return self._best(b)
+
+    def step(self, batch_size: int) -> Arm:
+        """The arm for this decode step: PLAIN while the gate is closed, else choose()."""
+        return self.choose(batch_size) if self.gate(batch_size) else PLAIN
+
+    def best(self, batch_size: int) -> Arm | None:
+        """The greedy arm of the bucket (best window median among tried arms); None if none tried."""
+        return self._best(self.bucket(batch_size))
+
+    def _best(self, b: int) -> Arm | None:
+        best, best_median = None, -math.inf
+        for arm, window in zip(self.arms, self._rewards[b]):
+            if window and (m := median(window)) > best_median:
+                best, best_median = arm, m
+        return best
+
+    def update(self, batch_size: int, arm: Arm, reward: float) -> None:
+        """Record the reward (tokens emitted per wall second) of one step decoded with arm."""
+        b = self.bucket(batch_size)
+        i = self._index.get(arm)
+        if i is None:
+            raise ValueError(f"{arm!r} is not one of this tuner's arms")
+        if not (math.isfinite(reward) and reward >= 0.0):
+            raise ValueError(f"reward must be a finite number >= 0 (tokens per second), got {reward}")
+        self._rewards[b][i].append(float(reward))
+        self._pulls[b][i] += 1
+
+    def state_dict(self) -> dict:
+        """Everything that decides future choices, as JSON-serialisable lists and numbers."""
+        version, internal, gauss_next = self._rng.getstate()
+        return {
+            "arms": [asdict(arm) for arm in self.arms],
+            "bucket_edges": list(self.config.bucket_edges),
+            "rewards": [[list(window) for window in bucket] for bucket in self._rewards],
+            "pulls": [list(pulls) for pulls in self._pulls],
+            "rng": [version, list(internal), gauss_next],
+            "gate_run": self._gate_run,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from state_dict(). Same arms (in order) and bucket edges required; a smaller
+        window keeps each arm's newest rewards."""
+        arms = tuple(Arm(**a) for a in state["arms"])
+        if arms != self.arms:
+            raise ValueError(
+                f"state has arms {[a.label for a in arms]} but this tuner has {[a.label for a in self.arms]}"
+            )
+        if tuple(state["bucket_edges"]) != self.config.bucket_edges:
+            raise ValueError(
+                f"state has bucket_edges {tuple(state['bucket_edges'])} "
+                f"but this tuner has {self.config.bucket_edges}"
+            )
+        window = self.config.window
+        self._rewards = [[deque(w, maxlen=window) for w in bucket] for bucket in state["rewards"]]
+        self._pulls = [list(pulls) for pulls in state["pulls"]]
+        version, internal, gauss_next = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss_next))
+        self._gate_run = min(int(state["gate_run"]), self.config.switch_patience)
+
+    def summary(self) -> dict:
+        """Per bucket with any pulls, keyed like "3-4" or "33+": best arm label, pulls per arm,
+        median reward per tried arm."""
+        out = {}
+        for b, (windows, pulls) in enumerate(zip(self._rewards, self._pulls)):
+            if not any(pulls):
+                continue
+            out[self._bucket_label(b)] = {
+                "best": self._best(b).label,
+                "pulls": {arm.label: n for arm, n in zip(self.arms, pulls)},
+                "median": {arm.label: median(w) for arm, w in zip(self.arms, windows) if w},
+            }
+        return out
+
+    def _bucket_label(self, b: int) -> str:
+        edges = self.config.bucket_edges
+        lo = edges[b - 1] + 1 if b > 0 else 1
+        if b == len(edges):
+            return f"{lo}+"
+        return str(lo) if lo == edges[b] else f"{lo}-{edges[b]}"

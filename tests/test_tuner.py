@@ -1,0 +1,256 @@
+"""The tuner: arm validation, buckets, convergence, exploration rate, sliding window, gate, state.
+
+Statistical tests state their false-failure probability for any seed; the seeds are fixed, so a
+run is deterministic. Rewards are synthetic (no timing is measured).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
+
+DRAFTER = Arm("drafter", 3, 4, 8)
+NGRAM = Arm("ngram", 2, 2, 4)
+
+
+def binomial_interval(n: int, p: float, delta: float) -> tuple[int, int]:
+    """[lo, hi] with P(X < lo) <= delta/2 and P(X > hi) <= delta/2, X ~ Binomial(n, p), exactly."""
+    log_q = math.log1p(-p)
+    log_choose = [math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) for k in range(n + 1)]
+    pmf = [math.exp(c + k * math.log(p) + (n - k) * log_q) for k, c in enumerate(log_choose)]
+    lo, tail = 0, 0.0
+    while tail + pmf[lo] <= delta / 2:
+        tail += pmf[lo]
+        lo += 1
+    hi, tail = n, 0.0
+    while tail + pmf[hi] <= delta / 2:
+        tail += pmf[hi]
+        hi -= 1
+    return lo, hi
+
+
+def test_arm_validation_and_labels():
+    assert PLAIN.label == "plain" and DRAFTER.label == "drafter(3,4,8)" and NGRAM.label == "ngram(2,2,4)"
+    assert Arm("drafter", 2, 2, 6).num_draft_tokens == 6  # 2 + 4 nodes: a full tree is allowed
+    bad = [
+        ("beam", 0, 0, 0),
+        ("plain", 1, 0, 0),
+        ("drafter", 0, 4, 8),
+        ("drafter", 3, 0, 8),
+        ("ngram", 3, 4, 0),
+        ("drafter", 2, 2, 7),  # only 2 + 4 = 6 nodes exist
+        ("drafter", 3.0, 4, 8),
+    ]
+    for args in bad:
+        with pytest.raises(ValueError):
+            Arm(*args)
+
+
+def test_config_and_tuner_validation():
+    for kwargs in [
+        {"epsilon": 1.5},
+        {"window": 0},
+        {"bucket_edges": (1, 4, 4)},
+        {"bucket_edges": (0, 2)},
+        {"switch_patience": -1},
+    ]:
+        with pytest.raises(ValueError):
+            TunerConfig(**kwargs)
+    assert TunerConfig(bucket_edges=[2, 8]).bucket_edges == (2, 8)
+    with pytest.raises(ValueError):
+        Tuner([DRAFTER])  # no PLAIN to fall back to
+    with pytest.raises(ValueError):
+        Tuner([PLAIN, DRAFTER, DRAFTER])
+    tuner = Tuner([PLAIN, DRAFTER])
+    for call in (lambda: tuner.update(1, NGRAM, 1.0), lambda: tuner.update(1, PLAIN, -1.0),
+                 lambda: tuner.update(1, PLAIN, math.nan), lambda: tuner.choose(0)):
+        with pytest.raises(ValueError):
+            call()
+
+
+def test_bucket_ranges():
+    tuner = Tuner([PLAIN])  # edges (1, 2, 4, 8, 16, 32)
+    expected = {1: 0, 2: 1, 3: 2, 4: 2, 5: 3, 8: 3, 9: 4, 16: 4, 17: 5, 32: 5, 33: 6, 1000: 6}
+    assert {b: tuner.bucket(b) for b in expected} == expected
+    assert [tuner._bucket_label(i) for i in range(7)] == ["1", "2", "3-4", "5-8", "9-16", "17-32", "33+"]
+
+
+def test_converges_to_best_arm_per_bucket():
+    # Per bucket a different arm is best (tokens/s means, gap >= 10), gaussian noise sigma 3.
+    # Bound, for any seed: each arm gets >= Binomial(N=4000, eps/k=1/30) exploration pulls per
+    # bucket, mean 133; P(< 50) <= exp(-0.625^2 * 133 / 2) < 1e-11 (Chernoff). Each window then
+    # holds >= 50 rewards and its median is off by >= 5 only if >= half of them are, which has
+    # P <= P(Binomial(50, P(|Z| > 5/3) = 0.096) >= 25) < 4e-13; a union bound over the <= 4000
+    # windows per arm, 3 arms, 3 buckets stays < 2e-8. Medians within 5 of gap-10 means order right.
+    means = {
+        1: {PLAIN: 20.0, DRAFTER: 40.0, NGRAM: 30.0},
+        6: {PLAIN: 100.0, DRAFTER: 110.0, NGRAM: 120.0},
+        64: {PLAIN: 365.0, DRAFTER: 300.0, NGRAM: 330.0},
+    }
+    tuner = Tuner([PLAIN, DRAFTER, NGRAM], TunerConfig(epsilon=0.1, window=300), seed=0)
+    noise = random.Random(1)
+    for _ in range(4000):
+        for batch, arm_means in means.items():  # interleaved: buckets share one generator
+            arm = tuner.choose(batch)
+            tuner.update(batch, arm, max(0.0, noise.gauss(arm_means[arm], 3.0)))
+    best = {batch: tuner.best(batch) for batch in means}
+    assert best == {batch: max(m, key=m.get) for batch, m in means.items()}
+    assert len(set(best.values())) == 3
+    assert tuner.summary()["33+"]["best"] == "plain"
+
+
+def test_updates_in_one_bucket_leave_other_buckets_alone():
+    tuner = Tuner([PLAIN, DRAFTER, NGRAM], TunerConfig(epsilon=0.0))
+    for arm, reward in [(PLAIN, 300.0), (DRAFTER, 100.0), (NGRAM, 200.0)]:
+        tuner.update(64, arm, reward)
+    before = tuner.summary()["33+"]
+    for _ in range(1000):
+        for arm, reward in [(PLAIN, 1.0), (DRAFTER, 1000.0), (NGRAM, 500.0)]:
+            tuner.update(1, arm, reward)
+    assert tuner.choose(1) == DRAFTER
+    assert tuner.choose(64) == PLAIN and tuner.choose(1000) == PLAIN
+    assert tuner.summary()["33+"] == before
+    # Untried-first is per bucket too: bucket 3-4 has seen nothing.
+    assert tuner.best(3) is None and tuner.choose(3) == PLAIN
+    tuner.update(3, PLAIN, 1.0)
+    assert tuner.choose(4) == DRAFTER
+
+
+def test_untried_arms_come_first_in_order():
+    tuner = Tuner([DRAFTER, NGRAM, PLAIN], TunerConfig(epsilon=1.0))
+    order = []
+    for reward in (1.0, 2.0, 3.0):
+        arm = tuner.choose(5)
+        order.append(arm)
+        tuner.update(5, arm, reward)
+    assert order == [DRAFTER, NGRAM, PLAIN]
+
+
+def test_exploration_rate_matches_epsilon():
+    # Non-greedy picks ~ Binomial(n, eps * (k-1)/k); each other arm ~ Binomial(n, eps/k).
+    # Four exact two-sided binomial intervals at delta = 2.5e-7 each: false failure < 1e-6.
+    eps, n, delta = 0.1, 20_000, 2.5e-7
+    arms = [PLAIN, DRAFTER, NGRAM, Arm("drafter", 1, 8, 8)]
+    tuner = Tuner(arms, TunerConfig(epsilon=eps), seed=3)
+    for reward in (1.0, 2.0, 3.0, 4.0):  # warm-up: every arm tried once, the last is greedy
+        tuner.update(1, tuner.choose(1), reward)
+    greedy = tuner.best(1)
+    assert greedy == arms[-1]
+    counts = dict.fromkeys(arms, 0)
+    for _ in range(n):
+        counts[tuner.choose(1)] += 1
+    k = len(arms)
+    lo, hi = binomial_interval(n, eps * (k - 1) / k, delta)
+    assert lo <= n - counts[greedy] <= hi
+    lo, hi = binomial_interval(n, eps / k, delta)
+    for arm in arms[:-1]:
+        assert lo <= counts[arm] <= hi
+
+
+def test_epsilon_zero_never_explores():
+    tuner = Tuner([PLAIN, DRAFTER], TunerConfig(epsilon=0.0), seed=5)
+    tuner.update(2, PLAIN, 10.0)
+    tuner.update(2, DRAFTER, 11.0)
+    assert {tuner.choose(2) for _ in range(1000)} == {DRAFTER}
+
+
+@pytest.mark.parametrize("window", [1, 5, 20, 21])
+def test_sliding_window_abandons_an_arm_whose_reward_dropped(window):
+    # The drafter earned 10 for a full window, plain earns 5. After the drop the drafter earns 1;
+    # its median falls below 5 once the new rewards are a majority: window // 2 + 1 pulls.
+    tuner = Tuner([PLAIN, DRAFTER], TunerConfig(epsilon=0.0, window=window))
+    for _ in range(window):
+        tuner.update(1, DRAFTER, 10.0)
+    tuner.update(1, PLAIN, 5.0)
+    pulls_after_drop = 0
+    while (arm := tuner.choose(1)) == DRAFTER:
+        tuner.update(1, arm, 1.0)
+        pulls_after_drop += 1
+        assert pulls_after_drop <= window
+    assert arm == PLAIN and pulls_after_drop == window // 2 + 1
+
+
+def test_gate_opens_after_patience_and_closes_above_switch_batch():
+    config = TunerConfig(epsilon=1.0, switch_batch=32, switch_patience=10)
+    tuner = Tuner([DRAFTER, PLAIN], config, seed=0)
+    for arm in (DRAFTER, PLAIN):  # everything tried: an open gate would explore
+        for batch in (20, 32, 64):
+            tuner.update(batch, arm, 1.0)
+    rng_before = tuner.state_dict()["rng"]
+    assert [tuner.gate(64) for _ in range(5)] == [False] * 5
+    assert [tuner.gate(32) for _ in range(10)] == [False] * 9 + [True]
+    assert tuner.gate(1) is True
+    assert tuner.gate(33) is False  # one large step closes it and restarts the count
+    assert [tuner.gate(20) for _ in range(10)] == [False] * 9 + [True]
+    assert tuner.state_dict()["rng"] == rng_before  # gate() draws nothing
+    # step(): a closed gate returns PLAIN without exploring (no randomness drawn).
+    tuner.gate(64)
+    assert [tuner.step(20) for _ in range(9)] == [PLAIN] * 9
+    assert tuner.state_dict()["rng"] == rng_before
+    picks = [tuner.step(20) for _ in range(200)]  # open, epsilon 1: uniform over both arms
+    assert tuner.state_dict()["rng"] != rng_before
+    assert set(picks) == {DRAFTER, PLAIN}  # P(one arm missing) = 2 * 2^-200
+
+
+def test_gate_patience_zero_is_always_open():
+    tuner = Tuner([DRAFTER, PLAIN], TunerConfig(switch_patience=0))
+    assert all(tuner.gate(b) for b in (1000, 1, 64, 33))
+    assert tuner.step(1000) == DRAFTER  # untried first, even at large batch
+
+
+def test_summary_hand_computed():
+    tuner = Tuner([PLAIN, DRAFTER, NGRAM])
+    for reward in (10.0, 30.0, 20.0):
+        tuner.update(3, PLAIN, reward)
+    tuner.update(4, DRAFTER, 50.0)
+    assert tuner.summary() == {
+        "3-4": {
+            "best": "drafter(3,4,8)",
+            "pulls": {"plain": 3, "drafter(3,4,8)": 1, "ngram(2,2,4)": 0},
+            "median": {"plain": 20.0, "drafter(3,4,8)": 50.0},
+        }
+    }
+
+
+def _drive(tuner: Tuner, batches: list[int], noise: random.Random) -> list[Arm]:
+    """One step()/update() per batch size, rewards depending on arm and batch."""
+    base = {PLAIN: 10.0, DRAFTER: 12.0, NGRAM: 11.0}
+    picks = []
+    for batch in batches:
+        arm = tuner.step(batch)
+        mean = base[arm] * (1 + batch / (8 if arm == PLAIN else 16))  # plain scales better with batch
+        tuner.update(batch, arm, max(0.0, noise.gauss(mean, 2.0)))
+        picks.append(arm)
+    return picks
+
+
+def test_state_round_trip_gives_identical_choices():
+    arms = [PLAIN, DRAFTER, NGRAM]
+    config = TunerConfig(epsilon=0.3, window=7)
+    schedule = [64] * 20 + [b for b in range(40, 0, -1) for _ in range(4)] + [48] * 3 + [30] * 20 + [2] * 50
+    cut = 20 + 4 * 8 + 5  # five steps at <= 32: the gate is half-way when the state is saved
+    a = Tuner(arms, config, seed=11)
+    _drive(a, schedule[:cut], random.Random(0))
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["gate_run"] == 5
+    b = Tuner(arms, config, seed=999)  # a different seed: the loaded rng state must win
+    b.load_state_dict(state)
+    assert b.state_dict() == a.state_dict()
+    assert _drive(a, schedule[cut:], random.Random(1)) == _drive(b, schedule[cut:], random.Random(1))
+    assert a.summary() == b.summary()
+    assert len(a.summary()) >= 5  # several buckets were exercised
+
+    with pytest.raises(ValueError):
+        Tuner([PLAIN, DRAFTER], config).load_state_dict(state)
+    with pytest.raises(ValueError):
+        Tuner([PLAIN, NGRAM, DRAFTER], config).load_state_dict(state)  # order is part of identity
+    with pytest.raises(ValueError):
+        Tuner(arms, TunerConfig(bucket_edges=(4, 32))).load_state_dict(state)
+    small = Tuner(arms, TunerConfig(window=2))
+    small.load_state_dict(state)  # a smaller window keeps each arm's newest rewards
+    assert small.state_dict()["rewards"] == [[w[-2:] for w in bucket] for bucket in state["rewards"]]
