@@ -109,7 +109,10 @@ class Seq:
     pending: int  # last emitted token, not yet fed (at position `length`)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    hidden: list[torch.Tensor] = field(default_factory=list)  # (E,) or (k, E) chunks
+    hidden: list[torch.Tensor] = field(default_factory=list)  # (k, E) chunks, one row per emitted token
+    # (P, E) target hidden states of the prompt, kept when hidden states are needed, so a drafter
+    # switched on mid-rollout can catch up without re-running the prompt.
+    prompt_hidden: torch.Tensor | None = None
     finish: str | None = None
 
 
@@ -187,6 +190,9 @@ class Engine:
         self._ensure_cache(capacity, len(requests))
         self.stats = EngineStats()
         self.params, self.max_new_tokens, self.stop = params, max_new_tokens, stop
+        begin = getattr(self.decoder, "begin", None)
+        if begin is not None:  # a decoder with per-slot state (a drafter's cache) starts afresh
+            begin(self)
         start = time.perf_counter()
         # Siblings adjacent, so one admission wave usually covers a whole group.
         order = sorted(range(len(requests)), key=lambda i: (requests[i].group, i))
@@ -218,20 +224,24 @@ class Engine:
             pos = torch.arange(p, device=self.device)[None]
             mask = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None]
             logits, h = self.model(prompt, pos, CacheView(self.cache, slot, pos, p, mask), return_hidden=True)
-            seqs = [self._start(idx, req, logits[:, -1], h[0, -1])]
+            seqs = [self._start(idx, req, logits[:, -1], h[0])]
             # Siblings with the same prompt reuse this prefill: copy the KV, sample their own first token.
             while waiting and len(running) + len(seqs) < self.cache.slots and waiting[0][1].prompt_ids == req.prompt_ids:
                 j, sib = waiting.popleft()
                 self.cache.copy_slot(slot, slot + len(seqs), p)
-                seqs.append(self._start(j, sib, logits[:, -1], h[0, -1]))
+                seqs.append(self._start(j, sib, logits[:, -1], h[0]))
             running.extend(seqs)
         self.stats.prefill_seconds += time.perf_counter() - t0
 
-    def _start(self, idx: int, req: Request, logits: torch.Tensor, h_last: torch.Tensor) -> Seq:
+    def _start(self, idx: int, req: Request, logits: torch.Tensor, h_prompt: torch.Tensor) -> Seq:
+        """A running sequence from its prompt's last logits (1, V) and hidden states (P, E)."""
         p = len(req.prompt_ids)
         tok, lp = sample(logits, self.params, [req.seed], [p])
         seq = Seq(idx, req, length=p, pending=int(tok[0]))
-        self._emit(seq, [seq.pending], [float(lp[0])], h_last[None] if self._keep_hidden else None)
+        keep = self._keep_hidden
+        if keep:
+            seq.prompt_hidden = h_prompt[:-1]
+        self._emit(seq, [seq.pending], [float(lp[0])], h_prompt[-1:] if keep else None)
         return seq
 
     @property
@@ -283,7 +293,6 @@ class Engine:
 
     def plain_step(self, running: list[Seq]) -> None:
         """Feed each sequence's pending token; sample the next one."""
-        b = len(running)
         lens = torch.tensor([s.length for s in running], device=self.device)
         kv_len = int(lens.max()) + 1
         mask = (torch.arange(kv_len, device=self.device)[None] <= lens[:, None])[:, None]  # (B, 1, S)
@@ -297,7 +306,6 @@ class Engine:
             s.length += 1
             s.pending = int(toks[i])
             self._emit(s, [s.pending], [float(lps[i])], h[i] if keep else None)
-        del b
 
 
 class PlainDecoder:
