@@ -69,6 +69,12 @@ class SpecStats:
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens emitted by speculative steps (accepted + bonus)
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[d]: verifies accepting exactly d drafts
+    spec_steps: int = 0  # batched speculative steps (each verifies every running row)
+    draft_seconds: float = 0.0  # proposing trees
+    verify_seconds: float = 0.0  # target forward, acceptance walk, cache compaction, emission
+    plain_steps: int = 0  # plain steps taken by a speculative decoder (e.g. the tuner's plain arm)
+    plain_tokens: int = 0
+    plain_seconds: float = 0.0
 
     @property
     def accept_len(self) -> float:
@@ -202,6 +208,9 @@ class Engine:
         with torch.inference_mode():
             while waiting or running:
                 self._admit(waiting, running)
+                self._retire(running, results)  # a first token can already end a sequence
+                if not running:
+                    continue
                 label = self.decoder.step(self, running)
                 self.stats.steps += 1
                 self.stats.timeline.append((time.perf_counter() - start, len(running), label))

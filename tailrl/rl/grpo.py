@@ -1,7 +1,8 @@
 """GRPO as pure tensor functions: group advantages, token log-probs, the PPO-clip policy loss.
 
-Knows: rewards, log-probabilities, masks, the clipped surrogate and the k3 KL estimator.
-Does not know: models, tokenizers, how tokens were produced, optimizers.
+Knows: rewards, log-probabilities, masks, the clipped surrogate and the k3 KL estimator, and
+the update's settings (GRPOConfig). Does not know: models, tokenizers, how tokens were
+produced; it names the optimizer's settings but never builds one.
 
 Shapes: P prompts, G responses per prompt (group_size), B = P * G rows, T response tokens
 (right-padded; `mask` marks real tokens), V vocabulary.
@@ -9,11 +10,45 @@ Shapes: P prompts, G responses per prompt (group_size), B = P * G rows, T respon
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 ADV_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """How the policy is updated from one rollout batch (one optimizer step per RL step)."""
+
+    lr: float = field(default=1e-5, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    micro_batch: int = field(
+        default=4, metadata={"help": "responses per forward/backward; gradients accumulate over the batch"}
+    )
+    grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0 = no clipping)"})
+    clip_low: float = field(default=0.2, metadata={"help": "PPO clip range below 1 (ratio >= 1 - clip_low)"})
+    clip_high: float | None = field(
+        default=None, metadata={"help": "PPO clip range above 1; None = clip_low (DAPO clip-higher: 0.28)"}
+    )
+    kl_coef: float = field(
+        default=0.0, metadata={"help": "weight of the k3 KL to the initial policy (0 = no reference model)"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        for name in ("weight_decay", "grad_clip", "clip_low", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.clip_high is not None and self.clip_high < 0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+
+    @property
+    def clip_upper(self) -> float:
+        return self.clip_low if self.clip_high is None else self.clip_high
 
 
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -38,10 +73,12 @@ def sequence_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: f
 
     `logits[:, t]` must be the prediction for `tokens[:, t]` (the caller shifts by one).
     Temperature 0 (greedy rollouts) is scored at temperature 1: greedy has no density of its
-    own, and the raw policy is what the update moves. Computed in fp32 for bf16 models.
+    own, and the raw policy is what the update moves. Computed in at least fp32 (bf16 models
+    are upcast; fp64 stays fp64).
     """
     scale = 1.0 if temperature == 0.0 else float(temperature)
-    logp = torch.log_softmax(logits.float() / scale, dim=-1)  # (B, T, V)
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp = torch.log_softmax(x / scale, dim=-1)  # (B, T, V)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
 
 

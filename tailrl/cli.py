@@ -1,0 +1,134 @@
+"""The `tailrl` command: parses flags (generated from component configs) and calls components.
+
+Bad input ends with one line on stderr and exit code 2; set TAILRL_DEBUG=1 for the traceback.
+
+Knows: argument parsing, printing. Does not know: how any component works inside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable
+
+from tailrl import config as cfglib
+from tailrl.engine import EngineConfig, Progress
+from tailrl.sampling import SamplingParams
+
+
+def progress_printer(label: str = "") -> Callable[[Progress], None]:
+    """A callback that redraws one status line on stderr, at most ~5 times a second."""
+    last = [0.0]
+
+    def show(p: Progress) -> None:
+        now = time.perf_counter()
+        if now - last[0] < 0.2 and p.done < p.total:
+            return
+        last[0] = now
+        rate = p.tokens / p.seconds if p.seconds else 0.0
+        end = "\n" if p.done == p.total else ""
+        print(
+            f"\r{label}{p.done}/{p.total} done | running {p.running:3d} | {p.tokens} tok | {rate:6.1f} tok/s",
+            end=end, file=sys.stderr, flush=True,
+        )
+
+    return show
+
+
+# ---- generate ---------------------------------------------------------------------------------
+
+GENERATE_SECTIONS = {"generate": "tailrl.generate:GenerateConfig", "sampling": SamplingParams, "engine": EngineConfig}
+
+
+def _sections(spec: dict) -> dict[str, type]:
+    out = {}
+    for name, cls in spec.items():
+        if isinstance(cls, str):
+            mod, attr = cls.split(":")
+            cls = getattr(__import__(mod, fromlist=[attr]), attr)
+        out[name] = cls
+    return out
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="sample completions for prompts", description="Sample completions for prompts.")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts", metavar="FILE.jsonl", help='prompts file: objects with "prompt" or "messages"')
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="one JSON line per sample, then a stats line")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with [generate], [sampling], [engine] tables")
+    cfglib.add_arguments(p, _sections(GENERATE_SECTIONS))
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> None:
+    from tailrl.engine import Engine
+    from tailrl.generate import completion_text, encode_prompt, load_prompts, make_requests, stop_checker
+    from tailrl.loading import load_model, load_tokenizer
+
+    toml = cfglib.read_toml(args.config) if args.config else None
+    c = cfglib.resolve(_sections(GENERATE_SECTIONS), args, toml)
+    gen, sampling = c["generate"], c["sampling"]
+    prompts = list(args.prompt) + (load_prompts(args.prompts) if args.prompts else [])
+    if not prompts:
+        raise ValueError("no prompts: give --prompt TEXT or --prompts FILE.jsonl")
+    model = load_model(gen.model, dtype=gen.dtype)
+    tok = load_tokenizer(gen.model)
+    ids = [encode_prompt(tok, p, gen.chat) for p in prompts]
+    requests = make_requests(ids, gen.n, gen.seed)
+    engine = Engine(model, c["engine"])
+    out = engine.generate(
+        requests, sampling, gen.max_new_tokens, stop=stop_checker(tok, args.stop),
+        on_progress=None if args.json else progress_printer(),
+    )
+    stats = engine.stats
+    for k, (req, comp) in enumerate(zip(requests, out)):
+        text = completion_text(tok, comp, args.stop)
+        if args.json:
+            print(json.dumps({
+                "prompt_index": req.group, "sample_index": k % gen.n, "text": text,
+                "token_ids": comp.token_ids, "logprobs": comp.logprobs, "finish_reason": comp.finish_reason,
+            }))
+        else:
+            print(f"--- prompt {req.group} sample {k % gen.n} ({len(comp.token_ids)} tokens, {comp.finish_reason})")
+            print(text)
+    summary = {"tokens": stats.tokens, "seconds": round(stats.seconds, 4), "tokens_per_s": round(stats.tokens_per_s, 2)}
+    if args.json:
+        print(json.dumps({"stats": summary}))
+    else:
+        print(f"{summary['tokens']} tokens in {summary['seconds']:.2f} s ({summary['tokens_per_s']:.1f} tok/s)", file=sys.stderr)
+
+
+# ---- entry ------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tailrl", description="GRPO training with fast, lossless speculative rollouts.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "run", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        args.run(args)
+    except (ValueError, OSError) as e:  # bad input: config, model dir, prompts, sampling settings
+        if os.environ.get("TAILRL_DEBUG"):
+            raise
+        print(f"tailrl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ntailrl: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

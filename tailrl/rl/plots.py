@@ -1,0 +1,106 @@
+"""PNG plots of a run, redrawn from its metrics records after every step.
+
+- rewards.png: mean reward per step with a +-1 std band, and the share of answers in the format.
+- lengths.png: every response's length per step (the long tail made visible) with the median,
+  90th percentile and max, and a histogram of the latest step.
+- times.png: the step time split into rollout, reward, train and the rest.
+
+Uses matplotlib's object API with the Agg canvas (no pyplot, no global backend, no display).
+Files are replaced atomically, so an image viewer never reads a half-written PNG.
+
+Knows: the metrics record fields (step, reward_mean, reward_std, format_rate, response_lens,
+max_new_tokens, rollout_s, reward_s, train_s, step_s). Does not know: how they were measured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from tailrl.rl.run_dir import atomic_file
+
+
+def _save(fig: Any, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    # Fixed margins: tight_layout would cost ~0.2 s per figure, every step.
+    fig.subplots_adjust(left=0.09, right=0.97, bottom=0.13, top=0.91, wspace=0.25)
+    return fig
+
+
+def plot_rewards(records: Sequence[dict[str, Any]], path: Path) -> None:
+    steps = np.array([r["step"] for r in records])
+    mean = np.array([r["reward_mean"] for r in records])
+    std = np.array([r["reward_std"] for r in records])
+    fig = _figure(7, 4)
+    ax = fig.add_subplot()
+    ax.plot(steps, mean, marker="o", ms=3, label="mean reward")
+    ax.fill_between(steps, mean - std, mean + std, alpha=0.2, label="+-1 std")
+    if all("format_rate" in r for r in records):
+        ax.plot(steps, [r["format_rate"] for r in records], ls="--", label="answer in format")
+    ax.set(xlabel="step", ylabel="reward", title="Reward per step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    _save(fig, path)
+
+
+def plot_lengths(records: Sequence[dict[str, Any]], path: Path) -> None:
+    fig = _figure(11, 4)
+    ax, hist = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    rng = np.random.default_rng(0)  # horizontal jitter only, so points do not hide each other
+    for r in records:
+        lens = np.asarray(r["response_lens"])
+        ax.scatter(r["step"] + rng.uniform(-0.25, 0.25, len(lens)), lens, s=6, alpha=0.35, color="tab:blue", lw=0)
+    steps = [r["step"] for r in records]
+    for q, style, label in ((50, "-", "median"), (90, "--", "p90"), (100, ":", "max")):
+        ax.plot(steps, [np.percentile(r["response_lens"], q) for r in records], ls=style, color="k", label=label)
+    limit = records[-1].get("max_new_tokens")
+    if limit:
+        ax.axhline(limit, color="tab:red", lw=0.8, label="max_new_tokens")
+    ax.set(xlabel="step", ylabel="response length (tokens)", title="Response lengths per step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    last = records[-1]
+    hist.hist(last["response_lens"], bins=30, color="tab:blue")
+    hist.set(xlabel="response length (tokens)", ylabel="responses", title=f"Step {last['step']}")
+    _save(fig, path)
+
+
+def plot_times(records: Sequence[dict[str, Any]], path: Path) -> None:
+    steps = np.array([r["step"] for r in records])
+    parts = {name: np.array([r[f"{name}_s"] for r in records]) for name in ("rollout", "reward", "train")}
+    parts["other"] = np.maximum(np.array([r["step_s"] for r in records]) - sum(parts.values()), 0.0)
+    fig = _figure(7, 4)
+    ax = fig.add_subplot()
+    bottom = np.zeros(len(records))
+    for name, values in parts.items():
+        ax.bar(steps, values, bottom=bottom, label=name, width=0.8)
+        bottom = bottom + values
+    ax.set(xlabel="step", ylabel="seconds", title="Time per step")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(loc="best", fontsize=8)
+    _save(fig, path)
+
+
+def write_plots(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Redraw every plot from all records so far; returns the files written."""
+    if not records:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, draw in (("rewards", plot_rewards), ("lengths", plot_lengths), ("times", plot_times)):
+        path = out_dir / f"{name}.png"
+        draw(records, path)
+        written.append(path)
+    return written

@@ -1,0 +1,504 @@
+"""The GRPO training loop: rollout -> rewards -> advantages -> update -> publish the weights.
+
+`train` runs one RL step per iteration of one loop, readable top to bottom. The helpers above
+it are the update's tensor plumbing (log-probs of responses, gradient accumulation) and the
+seam where speculative decoding plugs in (`build_engine`).
+
+Weights. The policy trains in `train_dtype` (fp32 master weights: an AdamW update of lr ~1e-5
+relative to a weight vanishes in bf16's 8-bit mantissa). Rollouts run on a copy in `dtype`
+(bf16 decodes 1.1-2.8x faster than fp32 on this CPU) that is refreshed from the policy after
+every update; when the two dtypes match, the engine uses the policy itself.
+
+Old-policy log-probs. Each rollout batch gets exactly one optimizer step, so the policy that
+sampled it is the policy before the update, and its log-probs are the trainer's own: recomputed
+in the same forward and detached. The ratio is then exactly 1, the clip is inactive and the
+gradient is A * grad log p (DeepSeek's GRPO with one iteration per batch, TRL's default). The
+engine's log-probs are not used: they come from the bf16 copy, and would put its rounding
+difference from the fp32 policy into the ratio.
+
+Skipped groups. A group whose rewards are all equal has zero advantages; it is left out of the
+update (neither computed nor counted in the token mean, as DAPO's dynamic sampling drops it) but
+counts in the reward metrics.
+
+Knows: tasks, rewards, the tokenizer, the engine's interface, AdamW, the run directory.
+Does not know: how the engine produces tokens (plain or speculative).
+
+Shapes: P prompts, G group_size, B responses in a micro-batch, L prompt + response tokens,
+T response tokens, E hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence, TextIO
+
+import numpy as np
+import torch
+
+from tailrl.config import ConfigError
+from tailrl.engine import Engine, EngineConfig, Progress, Request
+from tailrl.loading import DTYPES, load_model, load_tokenizer, resolve_model_dir
+from tailrl.model import Transformer
+from tailrl.rl.grpo import GRPOConfig, group_advantages, policy_loss, sequence_logprobs
+from tailrl.rl.plots import write_plots
+from tailrl.rl.rewards import from_reward_fn, load_reward, safe_rewards, task_reward
+from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
+from tailrl.rl.tasks import DEFAULT_TASK, extract_answer, format_prompt, make_task
+from tailrl.sampling import SamplingParams, derive_seed
+
+SPEC_MODES = ("off",)
+# Fields that cannot change a run's results, so a resume may change them.
+RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One GRPO run: model, task, rollout shape, length and checkpoints."""
+
+    model: str | None = field(default=None, metadata={"help": "model directory (None = SmolLM2-135M-Instruct)"})
+    dtype: str = field(default="bf16", metadata={"help": "rollout dtype", "choices": tuple(DTYPES)})
+    train_dtype: str = field(
+        default="fp32", metadata={"help": "policy (master weights) dtype for the update", "choices": tuple(DTYPES)}
+    )
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym spec 'name(key=value)' or a .jsonl file"})
+    reward: str | None = field(
+        default=None, metadata={"help": "user reward 'module:function' (prompt, completion, answer) -> float"}
+    )
+    format_weight: float = field(
+        default=0.0, metadata={"help": "share of the default reward given for using the answer format"}
+    )
+    reward_timeout_s: float = field(default=10.0, metadata={"help": "a reward call slower than this scores 0"})
+    num_prompts: int = field(default=8, metadata={"help": "prompts per step"})
+    group_size: int = field(default=8, metadata={"help": "responses per prompt (GRPO group, >= 2)"})
+    max_new_tokens: int = field(default=384, metadata={"help": "longest response, in tokens"})
+    temperature: float = field(default=1.0, metadata={"help": "rollout sampling temperature (> 0)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling (0 = off)"})
+    steps: int = field(default=30, metadata={"help": "RL steps to run (in total, counting resumed ones)"})
+    seed: int = field(default=0, metadata={"help": "run seed: data order and every sampling seed"})
+    checkpoint_every: int = field(default=1, metadata={"help": "save a checkpoint every N steps (and at the end)"})
+    keep_checkpoints: int = field(default=1, metadata={"help": "checkpoints kept on disk (the newest)"})
+    spec: str = field(default="off", metadata={"help": "speculative rollout decoding", "choices": SPEC_MODES})
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2: GRPO normalises rewards within a group, got {self.group_size}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0: greedy rollouts make a group's responses identical")
+        for name in ("num_prompts", "max_new_tokens", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps < 0 or self.seed < 0:
+            raise ValueError(f"steps and seed must be >= 0, got {self.steps} and {self.seed}")
+        if not 0.0 <= self.format_weight <= 1.0:
+            raise ValueError(f"format_weight must be in [0, 1], got {self.format_weight}")
+        if not self.reward_timeout_s > 0:
+            raise ValueError(f"reward_timeout_s must be positive, got {self.reward_timeout_s}")
+        for name in ("dtype", "train_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        if self.spec not in SPEC_MODES:
+            raise ValueError(f"spec must be one of {', '.join(SPEC_MODES)}, got {self.spec!r}")
+
+
+CONFIG_SECTIONS: dict[str, type] = {"train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig}
+
+
+# ---- events: what a progress display sees ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RolloutProgress:
+    step: int
+    steps: int
+    progress: Progress
+
+
+@dataclass(frozen=True)
+class StepDone:
+    steps: int
+    metrics: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Notice:
+    text: str
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    out_dir: Path
+    step: int  # completed steps
+    interrupted: bool
+
+
+# ---- the update's plumbing -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One response to train on."""
+
+    prompt_ids: tuple[int, ...]
+    token_ids: Sequence[int]
+    advantage: float
+
+
+def response_logprobs(model: Transformer, samples: Sequence[Sample], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each response token's log-prob under `model`, and the mask of real tokens.  -> (B, T), (B, T)
+
+    Rows are prompt + response, right-padded; attention is causal, so padding never reaches a
+    real token. Only response positions go through the LM head (V is large).
+    """
+    device = model.lm_head.weight.device
+    b = len(samples)
+    rows = [list(s.prompt_ids) + list(s.token_ids) for s in samples]
+    length = max(map(len, rows))
+    t = max(len(s.token_ids) for s in samples)
+    ids = torch.zeros(b, length, dtype=torch.long)  # (B, L)
+    tokens = torch.zeros(b, t, dtype=torch.long)  # (B, T)
+    mask = torch.zeros(b, t, dtype=torch.bool)  # (B, T)
+    for i, (row, s) in enumerate(zip(rows, samples)):
+        ids[i, : len(row)] = torch.tensor(row)
+        tokens[i, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
+        mask[i, : len(s.token_ids)] = True
+    ids, tokens, mask = ids.to(device), tokens.to(device), mask.to(device)
+    positions = torch.arange(length, device=device).expand(b, length)  # (B, L)
+    h = model.hidden(ids, positions)  # (B, L, E)
+    # The hidden state at position len(prompt) - 1 + t predicts response token t.
+    start = torch.tensor([len(s.prompt_ids) - 1 for s in samples], device=device)
+    idx = (start[:, None] + torch.arange(t, device=device)[None]).clamp(max=length - 1)  # (B, T)
+    h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))  # (B, T, E)
+    return sequence_logprobs(model.lm_head(h), tokens, temperature), mask
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """Token means over the whole update batch (loss is the objective that was backpropagated)."""
+
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    ratio_mean: float = 0.0
+    tokens: int = 0
+
+
+def accumulate_gradients(
+    policy: Transformer,
+    samples: Sequence[Sample],
+    cfg: GRPOConfig,
+    temperature: float,
+    ref: Transformer | None = None,
+) -> UpdateStats:
+    """Backpropagate the token-mean GRPO loss of `samples` into .grad, cfg.micro_batch rows at a time.
+
+    Every micro-batch divides by the token count of the whole batch, so the accumulated gradient
+    is that of one big batch (a per-micro-batch mean would overweight short micro-batches).
+    """
+    total = sum(len(s.token_ids) for s in samples)
+    if total == 0:
+        return UpdateStats()
+    # Longest first, so a micro-batch holds similar lengths and little padding; the loss is a
+    # sum over rows, so the order changes only float rounding.
+    order = sorted(range(len(samples)), key=lambda i: -(len(samples[i].prompt_ids) + len(samples[i].token_ids)))
+    sums = dict(loss=0.0, pg_loss=0.0, kl=0.0, clip_fraction=0.0, ratio_mean=0.0)
+    for first in range(0, len(order), cfg.micro_batch):
+        rows = [samples[i] for i in order[first : first + cfg.micro_batch]]
+        logprobs, mask = response_logprobs(policy, rows, temperature)  # (B, T)
+        ref_logprobs = None
+        if ref is not None:
+            with torch.no_grad():
+                ref_logprobs, _ = response_logprobs(ref, rows, temperature)
+        adv = torch.tensor([s.advantage for s in rows], dtype=torch.float64, device=logprobs.device)  # (B,)
+        out = policy_loss(
+            logprobs, logprobs.detach(), adv, mask, cfg.clip_low, cfg.clip_upper,
+            ref_logprobs, cfg.kl_coef, num_tokens=total,
+        )
+        out.loss.backward()
+        share = int(mask.sum()) / total  # the diagnostics are micro-batch token means
+        sums["loss"] += out.loss.item()
+        for name in ("pg_loss", "kl", "clip_fraction", "ratio_mean"):
+            sums[name] += getattr(out, name) * share
+    return UpdateStats(tokens=total, **sums)
+
+
+@torch.no_grad()
+def publish_weights(policy: Transformer, rollout_model: Transformer) -> None:
+    """Copy the policy into the rollout model (casting to its dtype); a no-op when they are one."""
+    if rollout_model is policy:
+        return
+    for dst, src in zip(rollout_model.parameters(), policy.parameters(), strict=True):
+        dst.copy_(src)
+
+
+def policy_weights(model: Transformer) -> dict[str, torch.Tensor]:
+    """The state dict to save: contiguous tensors, a tied LM head left out (the config says so)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def build_engine(model: Transformer, config: EngineConfig, spec: str) -> Engine:
+    """The rollout engine for a `spec` mode: the one place speculative decoding plugs in."""
+    if spec != "off":
+        raise ConfigError(f"spec {spec!r} is not available; valid: {', '.join(SPEC_MODES)}")
+    return Engine(model, config)
+
+
+def _stateful(engine: Engine) -> dict[str, Any]:
+    """Components whose state a checkpoint keeps besides the policy (e.g. a tuner or drafter
+    behind the engine's decoder): anything with state_dict() / load_state_dict()."""
+    parts = {"decoder": engine.decoder}
+    return {name: obj for name, obj in parts.items() if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")}
+
+
+def encode_prompt(tokenizer: Any, question: str) -> tuple[int, ...]:
+    """The chat prompt of a question (tailrl.rl.tasks.format_prompt), ending where the answer starts."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model's tokenizer has no chat template; tailrl prompts are chat messages")
+    text = tokenizer.apply_chat_template(format_prompt(question), add_generation_prompt=True, tokenize=False)
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C until the block ends, so an interrupt never leaves a half-applied update."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _check_context(prompts: Sequence[tuple[int, ...]], first_index: int, max_new_tokens: int, limit: int) -> None:
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > limit:
+            raise ValueError(
+                f"problem {first_index + i}: its prompt of {len(p)} tokens + max_new_tokens {max_new_tokens} "
+                f"exceeds the model's context of {limit} tokens; lower --max-new-tokens or shorten the prompts"
+            )
+
+
+def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str], rewards: Any,
+                 skipped: int, stats: UpdateStats, grad_norm: float, times: dict[str, float],
+                 engine: Engine, lr: float) -> dict[str, Any]:
+    """The metrics record of one step (one line of metrics.jsonl)."""
+    lens = np.array([len(c.token_ids) for c in completions])
+    r = np.array(rewards.rewards)
+    return {
+        "step": step,
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std()),
+        "format_rate": float(np.mean([extract_answer(t) is not None for t in texts])),
+        "groups_skipped": skipped,
+        "reward_failures": rewards.failures,
+        "reward_timeouts": rewards.timeouts,
+        "response_len_mean": float(lens.mean()),
+        "response_len_p50": float(np.percentile(lens, 50)),
+        "response_len_p90": float(np.percentile(lens, 90)),
+        "response_len_max": int(lens.max()),
+        "truncated": sum(c.finish_reason == "length" for c in completions),
+        "max_new_tokens": tc.max_new_tokens,
+        "tokens_generated": int(lens.sum()),
+        "rollout_tok_s": engine.stats.tokens_per_s,
+        "prefill_s": engine.stats.prefill_seconds,
+        **times,
+        "loss": stats.loss,
+        "pg_loss": stats.pg_loss,
+        "kl": stats.kl,
+        "clip_fraction": stats.clip_fraction,
+        "ratio_mean": stats.ratio_mean,
+        "grad_norm": grad_norm,
+        "train_tokens": stats.tokens,
+        "lr": lr,
+        "response_lens": lens.tolist(),
+    }
+
+
+# ---- the loop --------------------------------------------------------------------------------
+
+
+def train(
+    configs: dict[str, Any],
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    on_event: Callable[[Any], None] | None = None,
+) -> TrainResult:
+    """Run GRPO as configured ({"train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig}).
+
+    A new run writes to `out_dir` (default runs/<timestamp>); `resume=True` continues the run
+    in `out_dir` from its last checkpoint and reproduces what an uninterrupted run computes.
+    Ctrl-C saves the last completed step and returns with `interrupted=True`.
+    """
+    tc, gc, ec = configs["train"], configs["grpo"], configs["engine"]
+    emit = on_event or (lambda event: None)
+    if resume:
+        if out_dir is None:
+            raise ValueError("resume needs the run directory")
+        run = RunDir.open(out_dir, configs, may_change=RESUMABLE_CHANGES)
+    else:
+        run = RunDir.create(out_dir if out_dir is not None else default_out_dir(), configs)
+    task = make_task(tc.task)
+    score = task_reward(task, tc.format_weight) if tc.reward is None else from_reward_fn(load_reward(tc.reward))
+    model_dir = resolve_model_dir(tc.model)
+    tokenizer = load_tokenizer(model_dir)
+    checkpoint = run.latest_checkpoint() if resume else None
+    policy = load_model(checkpoint or model_dir, dtype=tc.train_dtype).requires_grad_(True)
+    rollout_model = policy if tc.dtype == tc.train_dtype else load_model(checkpoint or model_dir, dtype=tc.dtype)
+    ref = load_model(model_dir, dtype=tc.train_dtype) if gc.kl_coef > 0 else None  # frozen initial policy
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
+    engine = build_engine(rollout_model, ec, tc.spec)
+    state = TrainState()
+    if checkpoint is not None:
+        optimizer_state, state = run.load_checkpoint(checkpoint)
+        optimizer.load_state_dict(optimizer_state)
+        restore_rng(state.rng)
+        for name, part in _stateful(engine).items():
+            if name in state.extra:
+                part.load_state_dict(state.extra[name])
+        run.truncate_metrics(state.step)
+        emit(Notice(f"resumed {run.path} at step {state.step}"))
+    else:
+        torch.manual_seed(tc.seed)
+        emit(Notice(f"run directory {run.path}"))
+    params = SamplingParams(tc.temperature, tc.top_p, tc.top_k)
+    P, G = tc.num_prompts, tc.group_size
+    saved_step = state.step if checkpoint is not None else -1
+
+    def save() -> None:
+        nonlocal saved_step
+        state.rng = capture_rng()
+        state.extra = {name: part.state_dict() for name, part in _stateful(engine).items()}
+        path = run.save_checkpoint(policy_weights(policy), optimizer.state_dict(), state, model_dir, tc.keep_checkpoints)
+        saved_step = state.step
+        emit(Notice(f"saved {path}"))
+
+    try:
+        while state.step < tc.steps:
+            step = state.step + 1
+            t_start = time.perf_counter()
+
+            # 1. Rollout: G responses per problem. Problems come from the task's seeded stream at
+            #    the data cursor; each response's sampling seed is keyed by (run seed, step,
+            #    prompt, sample), so the tokens do not depend on batching or on a resume.
+            problems = [task.sample(tc.seed, state.data_cursor + i) for i in range(P)]
+            prompts = [encode_prompt(tokenizer, p.question) for p in problems]
+            _check_context(prompts, state.data_cursor, tc.max_new_tokens, rollout_model.cfg.max_position_embeddings)
+            requests = [Request(prompts[i], derive_seed(tc.seed, step, i, j), group=i) for i in range(P) for j in range(G)]
+            completions = engine.generate(
+                requests, params, tc.max_new_tokens,
+                on_progress=lambda progress: emit(RolloutProgress(step, tc.steps, progress)),
+            )
+            t_rollout = time.perf_counter()
+
+            # 2. Rewards from the decoded text; a reward that raises or hangs scores 0 and is counted.
+            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+            rewards = safe_rewards(score, [(problems[k // G], texts[k]) for k in range(P * G)], tc.reward_timeout_s)
+            t_reward = time.perf_counter()
+
+            # 3. Group advantages; groups without reward spread carry no signal and sit out the update.
+            reward_table = torch.tensor(rewards.rewards, dtype=torch.float64).view(P, G)  # (P, G)
+            advantages = group_advantages(reward_table)  # (P, G)
+            informative = (reward_table.max(dim=1).values > reward_table.min(dim=1).values).tolist()  # (P,)
+            samples = [
+                Sample(c.prompt_ids, c.token_ids, float(advantages[k // G, k % G]))
+                for k, c in enumerate(completions)
+                if informative[k // G]
+            ]
+
+            # 4. Update: one optimizer step on the token-mean PPO-clip loss of the whole batch,
+            #    accumulated over micro-batches.
+            optimizer.zero_grad(set_to_none=True)
+            stats = accumulate_gradients(policy, samples, gc, tc.temperature, ref)
+            grad_norm = 0.0
+            if samples:
+                max_norm = gc.grad_clip if gc.grad_clip > 0 else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+            with sigint_deferred():  # from here to the checkpoint, all or nothing
+                if samples:
+                    optimizer.step()
+                # 5. Publish: the next rollout samples from the updated policy.
+                publish_weights(policy, rollout_model)
+                t_train = time.perf_counter()
+                state.step, state.data_cursor = step, state.data_cursor + P
+                times = {
+                    "rollout_s": t_rollout - t_start,
+                    "reward_s": t_reward - t_rollout,
+                    "train_s": t_train - t_reward,
+                    "step_s": t_train - t_start,
+                }
+                metrics = step_metrics(step, tc, completions, texts, rewards, informative.count(False),
+                                       stats, grad_norm, times, engine, gc.lr)
+                run.append_metrics(metrics)
+                if step % tc.checkpoint_every == 0 or step == tc.steps:
+                    save()
+            try:
+                write_plots(run.read_metrics(), run.plots_dir)
+            except Exception as e:  # noqa: BLE001 - a plot must never stop training
+                emit(Notice(f"warning: plots not written: {e!r}"))
+            emit(StepDone(tc.steps, metrics))
+    except KeyboardInterrupt:
+        if saved_step != state.step:
+            save()
+        emit(Notice(f"interrupted; resume with --resume {run.path}"))
+        return TrainResult(run.path, state.step, interrupted=True)
+    if saved_step != state.step:  # steps == completed steps at start (e.g. a resume with nothing left)
+        save()
+    return TrainResult(run.path, state.step, interrupted=False)
+
+
+# ---- console progress ------------------------------------------------------------------------
+
+
+def summary_line(m: dict[str, Any], steps: int) -> str:
+    return (
+        f"step {m['step']}/{steps} | reward {m['reward_mean']:.3f} +-{m['reward_std']:.2f} "
+        f"fmt {m['format_rate']:.2f} | len mean {m['response_len_mean']:.0f} p90 {m['response_len_p90']:.0f} "
+        f"max {m['response_len_max']} | rollout {m['rollout_s']:.1f}s reward {m['reward_s']:.1f}s "
+        f"train {m['train_s']:.1f}s step {m['step_s']:.1f}s | {m['rollout_tok_s']:.0f} tok/s "
+        f"| loss {m['loss']:+.4f} kl {m['kl']:.4f} gnorm {m['grad_norm']:.2f}"
+        + (f" | reward failures {m['reward_failures']} timeouts {m['reward_timeouts']}"
+           if m["reward_failures"] or m["reward_timeouts"] else "")
+    )
+
+
+class ConsolePrinter:
+    """A live rollout line (redrawn in place on a terminal, every `every_s` seconds otherwise)
+    and one summary line per step."""
+
+    def __init__(self, stream: TextIO = sys.stderr, every_s: float = 30.0):
+        self.stream = stream
+        self.live = stream.isatty()
+        self.every_s = every_s
+        self._last = 0.0
+
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, RolloutProgress):
+            p = event.progress
+            now = time.monotonic()
+            if not self.live and now - self._last < self.every_s:
+                return
+            self._last = now
+            rate = p.tokens / p.seconds if p.seconds else 0.0
+            line = (f"step {event.step}/{event.steps} rollout: {p.done}/{p.total} done, running {p.running}, "
+                    f"{p.tokens} tokens, {rate:.0f} tok/s")
+            self.stream.write(f"\r\033[K{line}" if self.live else line + "\n")
+        elif isinstance(event, StepDone):
+            self.stream.write(("\r\033[K" if self.live else "") + summary_line(event.metrics, event.steps) + "\n")
+        elif isinstance(event, Notice):
+            self.stream.write(("\r\033[K" if self.live else "") + event.text + "\n")
+        self.stream.flush()

@@ -1,0 +1,289 @@
+"""The engine's speculative step: propose a draft tree per row, verify all rows in one target
+forward, keep what the lossless walk accepts.
+
+A SpecDecoder is the engine's StepDecoder. Each step it asks `choose` for an arm: a plain arm runs
+`engine.plain_step`; a drafter or n-gram arm asks that kind's Proposer for a DraftTree, feeds
+[pending, tree nodes] per row to the target at positions length + depth (cache writes at
+length .. length + N, each node attending the prefix and its ancestors), walks the tree with
+`accept_walk` and compacts the accepted path's K/V to consecutive positions. The walk uses the
+uniform plain decoding would use at each position, so SD and plain emit the same tokens.
+
+NgramProposer adapts tailrl.spec.ngram to the Proposer protocol: one NgramIndex per prompt, holding
+the prompt, this call's sibling responses and earlier calls' responses to the same prompt.
+
+Knows: the Proposer protocol, verify-forward plumbing (positions, masks, cache writes and
+compaction), the engine's emission and stats. Does not know: how a drafter drafts, the tuner's
+policy (it only sees `choose` and `on_step`), rewards, tokenizers.
+
+Shapes: B running rows, N draft nodes, T = N + 1 verify tokens (root first), S attended keys,
+V vocabulary, E hidden size, L layers, K kv heads, D head dim, M moved cache positions.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from tailrl.engine import Engine, Seq
+from tailrl.model import CacheView, KVCache
+from tailrl.spec.accept import accept_walk
+from tailrl.spec.ngram import NgramConfig, NgramIndex, propose_tree
+from tailrl.spec.tree import DraftTree, positions_offsets, tree_mask
+from tailrl.tuner import Arm, Tuner
+
+
+class Proposer(Protocol):
+    """A drafter as the speculative step sees it."""
+
+    kind: str  # "drafter" | "ngram" (matches tuner Arm.kind)
+    needs_hidden: bool  # the engine must keep Seq.prompt_hidden / Seq.hidden (target hidden states)
+
+    def begin(self, engine: Engine) -> None:
+        """Start of a generate call: forget per-slot state."""
+        ...
+
+    def propose(self, engine: Engine, running: list[Seq], arm: Arm) -> DraftTree:
+        """One tree per running row (row i == running[i]), N nodes padded equal across rows.
+
+        The root (not in the tree) is running[i].pending at absolute position running[i].length.
+        With needs_hidden, row q of cat(seq.prompt_hidden, *seq.hidden) is the target hidden state
+        at position q, the one that produced the token at q + 1.
+        """
+        ...
+
+    def moved(self, src: int, dst: int, seq: Seq) -> None:
+        """The engine moved a sequence from cache slot src to dst."""
+        ...
+
+    # Optional: finished(seq) is called once per sequence, after the step it finished in.
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One decode step, as a tuner rewards it."""
+
+    arm: Arm
+    batch_size: int
+    tokens: int  # tokens emitted by the step (after EOS / length cuts)
+    draft_seconds: float
+    verify_seconds: float  # for a plain step: the whole step
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
+
+
+class SpecDecoder:
+    """Decodes each step with the arm `choose` picks; `arms` lists every arm it may pick."""
+
+    def __init__(
+        self,
+        proposers: dict[str, Proposer],
+        choose: Callable[[list[Seq]], Arm],
+        arms: Sequence[Arm],
+        on_step: Callable[[StepReport], None] | None = None,
+    ):
+        for arm in arms:
+            if arm.kind != "plain" and arm.kind not in proposers:
+                raise ValueError(f"arm {arm.label} needs a {arm.kind!r} proposer; have {sorted(proposers)}")
+        self.proposers, self.choose, self.arms, self.on_step = proposers, choose, tuple(arms), on_step
+        # generate() reserves max_tree + 1 cache positions past the longest sequence for verification.
+        self.max_tree = max((a.num_draft_tokens for a in self.arms), default=0)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return any(p.needs_hidden for p in self.proposers.values())
+
+    def begin(self, engine: Engine) -> None:
+        for p in self.proposers.values():
+            p.begin(engine)
+
+    def moved(self, src: int, dst: int, seq: Seq) -> None:
+        for p in self.proposers.values():
+            p.moved(src, dst, seq)
+
+    def step(self, engine: Engine, running: list[Seq]) -> str:
+        arm = self.choose(running)
+        if arm not in self.arms:
+            raise ValueError(f"choose returned {arm.label}, not one of the decoder's arms")
+        tokens_before, t0 = engine.stats.tokens, time.perf_counter()
+        stats = engine.stats.spec
+        if arm.kind == "plain":
+            engine.plain_step(running)
+            draft, verify = 0.0, time.perf_counter() - t0
+            stats.plain_steps += 1
+            stats.plain_tokens += engine.stats.tokens - tokens_before
+            stats.plain_seconds += verify
+        else:
+            tree = self.proposers[arm.kind].propose(engine, running, arm).to(engine.device)
+            if tree.num_nodes > self.max_tree:  # generate() reserved only max_tree cache positions
+                raise ValueError(f"{arm.kind} proposer returned {tree.num_nodes} nodes for {arm.label}")
+            t1 = time.perf_counter()
+            spec_step(engine, running, tree)
+            draft, verify = t1 - t0, time.perf_counter() - t1
+            stats.draft_seconds += draft
+            stats.verify_seconds += verify
+        self._notify_finished(running)
+        if self.on_step is not None:
+            self.on_step(StepReport(arm, len(running), engine.stats.tokens - tokens_before, draft, verify))
+        return arm.label
+
+    def _notify_finished(self, running: list[Seq]) -> None:
+        # Every sequence is in `running` for the step it finishes in, and is retired right after.
+        done = [s for s in running if s.finish is not None]
+        for p in self.proposers.values():
+            finished = getattr(p, "finished", None)
+            if finished is not None:
+                for seq in done:
+                    finished(seq)
+
+
+def spec_step(engine: Engine, running: list[Seq], tree: DraftTree) -> None:
+    """Verify each row's tree in one target forward; emit the accepted tokens and the target's next."""
+    if tree.batch_size != len(running):
+        raise ValueError(f"need one draft tree row per running sequence ({len(running)}), got {tree.batch_size}")
+    lens_list = [s.length for s in running]
+    logits, hidden = _verify_forward(engine, running, tree)  # (B, T, V), (B, T, E)
+    # The lossless rule: at each visited node the target picks x = inverse_cdf(p, u(seed, position))
+    # exactly as plain decoding would at that position (the root is at `length`, so its pick is the
+    # token at length + 1); the walk descends into the child carrying x, else emits x and stops.
+    result = accept_walk(logits, tree, engine.params, [s.req.seed for s in running], lens_list)
+    _compact(engine.cache, lens_list, result.path)
+    stats, keep = engine.stats.spec, engine._keep_hidden
+    for i, seq in enumerate(running):
+        accepted, emitted_before = len(result.path[i]), len(seq.tokens)
+        seq.length += 1 + accepted  # root and accepted nodes are now in the cache; the last pick is not
+        seq.pending = result.tokens[i][-1]
+        # Hidden rows of [root, accepted nodes]: the states that produced the emitted tokens.
+        rows = hidden[i, [0, *result.path[i]]] if keep else None  # (accepted + 1, E)
+        engine._emit(seq, result.tokens[i], result.logprobs[i], rows)
+        stats.verify_steps += 1
+        stats.proposed += tree.num_nodes
+        stats.accepted += accepted
+        stats.emitted += len(seq.tokens) - emitted_before
+        stats.accept_hist.extend([0] * (accepted + 1 - len(stats.accept_hist)))
+        stats.accept_hist[accepted] += 1
+    stats.spec_steps += 1
+
+
+def _verify_forward(engine: Engine, running: list[Seq], tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits and hidden states over [pending, nodes] per row.  # (B, T, V), (B, T, E)"""
+    device, t = engine.device, tree.num_nodes + 1
+    lens = torch.tensor([s.length for s in running], device=device)  # (B,)
+    ids = tree.verify_ids(torch.tensor([s.pending for s in running], device=device))  # (B, T)
+    positions = lens[:, None] + positions_offsets(tree.parents)  # (B, T): length + depth
+    write_pos = lens[:, None] + torch.arange(t, device=device)  # (B, T): length .. length + N
+    kv_len = int(lens.max()) + t
+    # Each verify token sees the row's prefix (< length) and, among this forward's tokens, itself
+    # and its ancestors; keys past the row's own writes are stale cache and stay masked.
+    mask = (torch.arange(kv_len, device=device) < lens[:, None])[:, None].repeat(1, t, 1)  # (B, T, S)
+    mask.scatter_(2, write_pos[:, None].expand(-1, t, -1), tree_mask(tree.parents))
+    view = CacheView(engine.cache, 0, write_pos, kv_len, mask)
+    return engine.model(ids, positions, view, return_hidden=True)
+
+
+def _compact(cache: KVCache, lens: list[int], paths: list[list[int]]) -> None:
+    """Move accepted nodes' K/V from length + verify index to length + 1 + k, all layers at once.
+
+    Nodes already in place (a chain drafter's accepted prefix) are skipped. The gather on the
+    right-hand side completes before the write, so overlapping sources and destinations are safe.
+    """
+    moves = [
+        (b, lens[b] + j, lens[b] + 1 + k) for b, path in enumerate(paths) for k, j in enumerate(path) if j != k + 1
+    ]
+    if not moves:
+        return
+    rows, src, dst = (torch.tensor(x, device=cache.k.device) for x in zip(*moves))  # (M,) each
+    for kv in (cache.k, cache.v):  # (L, C, K, M_cap, D)
+        kv[:, rows, :, dst] = kv[:, rows, :, src]
+
+
+def fixed(arm: Arm, proposer: Proposer) -> SpecDecoder:
+    """Speculate every step with one arm (`--spec on`)."""
+    return SpecDecoder({arm.kind: proposer}, lambda running: arm, [arm])
+
+
+def tuned(tuner: Tuner, proposers: dict[str, Proposer]) -> SpecDecoder:
+    """Let the tuner pick each step's arm (gate included) and reward it with tokens per second."""
+
+    def report(r: StepReport) -> None:
+        tuner.update(r.batch_size, r.arm, r.tokens / r.seconds if r.seconds > 0 else 0.0)
+
+    return SpecDecoder(proposers, lambda running: tuner.step(len(running)), tuner.arms, on_step=report)
+
+
+# ---- the n-gram proposer -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NgramProposerConfig:
+    """What the n-gram proposer remembers across generate calls."""
+
+    history_prompts: int = field(default=1024, metadata={"help": "prompts whose earlier responses are kept"})
+    history_responses: int = field(default=16, metadata={"help": "earlier responses kept per prompt"})
+
+
+class NgramProposer:
+    """Drafts from the prompt, sibling responses and earlier responses to the same prompt."""
+
+    kind = "ngram"
+    needs_hidden = False
+
+    def __init__(self, ngram: NgramConfig = NgramConfig(), config: NgramProposerConfig = NgramProposerConfig()):
+        self.ngram, self.config = ngram, config
+        # prompt -> its latest responses (4-byte ids: a Python int per token would cost 36 bytes), LRU
+        self._history: OrderedDict[tuple[int, ...], deque[array]] = OrderedDict()
+        self._groups: dict[tuple[int, ...], NgramIndex] = {}  # this call's index per prompt
+        self._rows: dict[int, tuple[int, int]] = {}  # req_index -> (sequence id in its index, tokens fed)
+
+    def begin(self, engine: Engine) -> None:
+        self._groups.clear()
+        self._rows.clear()
+
+    def moved(self, src: int, dst: int, seq: Seq) -> None:
+        pass  # rows are keyed by request, not slot
+
+    def propose(self, engine: Engine, running: list[Seq], arm: Arm) -> DraftTree:
+        indexes = [self._sync(seq) for seq in running]
+        n = self.ngram.max_n
+        # Only the last max_n tokens of prompt + response are matched; the last one is the root.
+        contexts = [(list(s.req.prompt_ids[-n:]) + s.tokens[-n:])[-n:] for s in running]
+        return propose_tree(indexes, contexts, arm.num_steps, arm.topk, arm.num_draft_tokens, engine.device)
+
+    def finished(self, seq: Seq) -> None:
+        """Keep the response for later calls and, if its group is being drafted, for its siblings.
+
+        A group's index is built only when one of its rows is first drafted, from the history,
+        which by then holds this call's finished siblings too; so memory goes to drafted groups.
+        """
+        prompt = seq.req.prompt_ids
+        if prompt in self._groups:
+            self._sync(seq)
+        responses = self._history.pop(prompt, None) or deque(maxlen=self.config.history_responses)
+        responses.append(array("i", seq.tokens))
+        self._history[prompt] = responses
+        while len(self._history) > self.config.history_prompts:
+            self._history.popitem(last=False)
+
+    def _sync(self, seq: Seq) -> NgramIndex:
+        """The sequence's group index, with all of its tokens so far appended."""
+        prompt = seq.req.prompt_ids
+        index = self._groups.get(prompt)
+        if index is None:
+            index = self._groups[prompt] = NgramIndex(self.ngram)
+            index.add(prompt)
+            for response in self._history.get(prompt, ()):
+                index.add(response)
+        row = self._rows.get(seq.req_index)
+        if row is None:
+            self._rows[seq.req_index] = (index.add(seq.tokens), len(seq.tokens))
+        else:
+            seq_id, fed = row
+            index.extend(seq_id, seq.tokens[fed:])
+            self._rows[seq.req_index] = (seq_id, len(seq.tokens))
+        return index

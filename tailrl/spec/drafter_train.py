@@ -1,0 +1,291 @@
+"""Training the drafter: data packing, the loss, an optimizer loop, and a held-out accept simulation.
+
+Data. A TrainSeq is a token sequence with the target's hidden state at every position but the
+last, exactly what the engine keeps (Seq.prompt_hidden + Seq.hidden, or a prompt forward plus
+Completion.hidden): tokens x_0..x_{T-1}, hidden h_0..h_{T-2} (h_q produced x_{q+1}).
+
+The offset (DESIGN.md section 5). Entry i = 0..T-3 reads (h_i, embed(x_{i+1})) at position i and
+is trained to predict h_{i+1}: SmoothL1 against h_{i+1}, plus ce_weight x cross-entropy of the
+drafter's draft-vocabulary distribution against the target's distribution of x_{i+2},
+softmax(lm_head(h_{i+1})) restricted to the draft vocabulary and renormalised. The soft target (not
+the sampled token) is what the drafter must imitate to rank the tokens the target will sample at
+any temperature; it carries the whole distribution per position, so it has less variance than the
+sampled token, and costs one K x E product. The last token x_{T-1} has no hidden state, so entry
+T-2 would have no target and is not made.
+
+Packing. Several sequences share a row of at most max_tokens entries; each keeps its own positions
+(from its first position) and a block-diagonal causal mask, so none attends to another.
+
+Knows: the drafter's forward, the loss, AdamW, how SD acceptance counts on a known continuation.
+Does not know: engines, sampling, tokenizers.
+
+Shapes: R packed rows (1 here), T entries in a row, E hidden size, K draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from tailrl.engine import Request, Seq
+from tailrl.spec.drafter import Drafter, DrafterProposer
+
+
+@dataclass
+class TrainSeq:
+    """tokens (T,) from absolute position `offset`; hidden (T-1, E): hidden[j] = h_{offset+j}."""
+
+    tokens: torch.Tensor
+    hidden: torch.Tensor
+    prompt_len: int  # P: entries predicting a response token (absolute i >= P - 2) carry the loss
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden.shape[0] != self.tokens.shape[0] - 1:
+            raise ValueError(f"need one hidden row per token but the last, got {self.hidden.shape[0]} for {self.tokens.shape[0]} tokens")
+
+
+@dataclass
+class Packed:
+    """One packed row of drafter entries."""
+
+    ids: torch.Tensor  # (1, T) x_{i+1}
+    hidden: torch.Tensor  # (1, T, E) h_i, the input
+    target: torch.Tensor  # (1, T, E) h_{i+1}, the regression target
+    next_ids: torch.Tensor  # (1, T) x_{i+2}, the token the target actually produced next
+    positions: torch.Tensor  # (1, T) i
+    mask: torch.Tensor  # (1, 1, T, T) block-diagonal causal
+    loss_mask: torch.Tensor  # (1, T) entries in the loss
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def entries(seq: TrainSeq, limit: int) -> dict[str, torch.Tensor]:
+    """The entries of one sequence (at most `limit`), before packing: see the module doc."""
+    n = min(seq.tokens.shape[0] - 2, limit)
+    pos = seq.offset + torch.arange(n)
+    return dict(
+        ids=seq.tokens[1 : n + 1],
+        hidden=seq.hidden[:n],
+        target=seq.hidden[1 : n + 1],
+        next_ids=seq.tokens[2 : n + 2],
+        positions=pos,
+        loss=pos >= seq.prompt_len - 2,
+    )
+
+
+def pack(seqs: list[TrainSeq], max_tokens: int) -> list[Packed]:
+    """Greedy packing in the given order; a sequence longer than max_tokens is truncated."""
+    rows: list[list[dict]] = [[]]
+    used = 0
+    for s in seqs:
+        if s.tokens.shape[0] < 3:
+            continue  # no entry has a target
+        e = entries(s, max_tokens)
+        n = e["ids"].shape[0]
+        if used + n > max_tokens and rows[-1]:
+            rows.append([])
+            used = 0
+        rows[-1].append(e)
+        used += n
+    return [_pack_row(r) for r in rows if r]
+
+
+def _pack_row(parts: list[dict]) -> Packed:
+    cat = {k: torch.cat([p[k] for p in parts])[None] for k in parts[0]}
+    seg = torch.cat([torch.full((p["ids"].shape[0],), i) for i, p in enumerate(parts)])
+    t = seg.shape[0]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    mask = (causal & (seg[:, None] == seg[None, :]))[None, None]
+    return Packed(cat["ids"], cat["hidden"].float(), cat["target"].float(), cat["next_ids"], cat["positions"], mask, cat["loss"])
+
+
+@dataclass
+class LossStats:
+    loss: float
+    smooth_l1: float
+    ce: float
+    top1_target: float  # drafter argmax == target argmax (over the draft vocabulary)
+    top1_next: float  # drafter argmax == the token actually produced next
+    entries: int
+
+
+def drafter_loss(
+    drafter: Drafter, batch: Packed, target_head: torch.Tensor, ce_weight: float = 0.1, noise: float = 0.0
+) -> tuple[torch.Tensor, LossStats]:
+    """SmoothL1(pred, h_{i+1}) + ce_weight * CE(drafter, target distribution of x_{i+2}).
+
+    target_head (K, E): the target's LM-head rows of the draft vocabulary (fixed, not the
+    drafter's head). noise: uniform input noise on h_i, +-noise (EAGLE's robustness trick, for
+    the drafter's own imperfect predictions it reads deeper in a tree).
+    """
+    h = batch.hidden
+    if noise > 0:
+        h = h + noise * (2 * torch.rand_like(h) - 1)
+    pred = drafter(h, batch.ids, batch.positions, mask=batch.mask)  # (1, T, E)
+    m = batch.loss_mask
+    pred, target = pred[m], batch.target[m]  # (N, E)
+    reg = F.smooth_l1_loss(pred.float(), target)
+    with torch.no_grad():
+        p = torch.softmax(target @ target_head.T.float(), dim=-1)  # (N, K)
+    logq = torch.log_softmax(drafter.logits(pred).float(), dim=-1)
+    ce = -(p * logq).sum(-1).mean()
+    loss = reg + ce_weight * ce
+    with torch.no_grad():
+        guess = logq.argmax(-1)
+        stats = LossStats(
+            float(loss),
+            float(reg),
+            float(ce),
+            float((guess == p.argmax(-1)).float().mean()),
+            float((drafter.d2t[guess] == batch.next_ids[m]).float().mean()),
+            int(m.sum()),
+        )
+    return loss, stats
+
+
+@torch.no_grad()
+def evaluate_loss(drafter: Drafter, batches: list[Packed], target_head: torch.Tensor, ce_weight: float = 0.1) -> LossStats:
+    """Entry-weighted mean of the loss statistics over batches."""
+    total: dict[str, float] = {}
+    n = 0
+    for b in batches:
+        _, s = drafter_loss(drafter, b, target_head, ce_weight)
+        for k in ("loss", "smooth_l1", "ce", "top1_target", "top1_next"):
+            total[k] = total.get(k, 0.0) + getattr(s, k) * s.entries
+        n += s.entries
+    return LossStats(**{k: v / max(n, 1) for k, v in total.items()}, entries=n)
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    ce_weight: float = 0.1
+    noise: float = 0.0
+    train_head: bool = True
+
+
+def train(
+    drafter: Drafter,
+    batches: list[Packed],
+    target_head: torch.Tensor,
+    cfg: TrainConfig,
+    should_stop: Callable[[int], bool],
+    on_step: Callable[[int, LossStats], None] | None = None,
+    seed: int = 0,
+) -> list[LossStats]:
+    """AdamW over the batches (shuffled each epoch) until should_stop(step) is True."""
+    drafter.train()
+    drafter.head.requires_grad_(cfg.train_head)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(seed)
+    history: list[LossStats] = []
+    step = 0
+    while not should_stop(step):
+        for i in torch.randperm(len(batches), generator=gen).tolist():
+            if should_stop(step):
+                break
+            loss, stats = drafter_loss(drafter, batches[i], target_head, cfg.ce_weight, cfg.noise)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            history.append(stats)
+            step += 1
+            if on_step is not None:
+                on_step(step, stats)
+    drafter.eval()
+    return history
+
+
+# ---- held-out acceptance, simulated ------------------------------------------------------------
+
+
+@dataclass
+class AcceptStats:
+    verify_steps: int
+    emitted: int
+    accept_hist: list[int]  # accept_hist[d]: verifies that accepted exactly d drafts
+
+    @property
+    def accept_len(self) -> float:
+        return self.emitted / max(self.verify_steps, 1)
+
+
+def _walk(tokens: list[int], parents: list[int], actual: list[int]) -> int:
+    """Drafts accepted when the target emits `actual`: the longest tree path matching it."""
+    node, depth = -1, 0
+    while depth < len(actual):
+        kids = [i for i, p in enumerate(parents) if p == node and tokens[i] == actual[depth]]
+        if not kids:
+            break
+        node, depth = kids[0], depth + 1
+    return depth
+
+
+@torch.no_grad()
+def simulate_accept(drafter: Drafter, seqs: list[TrainSeq], arm: Any, max_batch: int = 64) -> AcceptStats:
+    """Speculative decoding replayed on known responses, with DrafterProposer as the engine runs it.
+
+    Each sequence is a prompt (prompt_len tokens, offset 0) and the response the target sampled.
+    With position-keyed sampling the verify walk emits exactly that response, so a draft node is
+    accepted iff it matches the next response token: accept_len here is what the engine would
+    measure (up to float near-ties). Rows retire and are refilled like the engine's slots.
+    """
+    proposer = DrafterProposer(drafter)
+    proposer.begin()
+    stats = AcceptStats(0, 0, [0] * (arm.num_steps + 2))
+    waiting = list(range(len(seqs)))
+    running: list[Seq] = []
+    while waiting or running:
+        while waiting and len(running) < max_batch:
+            j = waiting.pop(0)
+            running.append(_start(seqs[j], j))
+        tree = proposer.propose(None, running, arm)
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        for b, s in enumerate(running):
+            full, p = seqs[s.req_index], s.length + 1  # next position to emit
+            actual = full.tokens[p:].tolist()
+            acc = _walk(tokens[b], parents[b], actual)
+            emit = min(acc + 1, len(actual))
+            stats.verify_steps += 1
+            stats.emitted += emit
+            stats.accept_hist[acc] += 1
+            _advance(s, full, emit)
+        i = 0
+        while i < len(running):  # retire finished rows, the last row moves into the slot
+            s = running[i]
+            if s.length + 1 < seqs[s.req_index].tokens.shape[0]:
+                i += 1
+                continue
+            last = running.pop()
+            if last is not s:
+                proposer.moved(len(running), i, last)
+                running[i] = last
+    return stats
+
+
+def _start(seq: TrainSeq, index: int) -> Seq:
+    """The engine's state right after prefill: first response token emitted, pending."""
+    p = seq.prompt_len
+    s = Seq(index, Request(tuple(seq.tokens[:p].tolist()), seed=0), length=p, pending=int(seq.tokens[p]))
+    s.prompt_hidden = seq.hidden[: p - 1]
+    s.tokens = [s.pending]
+    s.hidden = [seq.hidden[p - 1 : p]]
+    return s
+
+
+def _advance(s: Seq, full: TrainSeq, n: int) -> None:
+    """Emit n more tokens of the known response (the engine's state after a verify)."""
+    for _ in range(n):
+        s.length += 1
+        s.pending = int(full.tokens[s.length])
+        s.tokens.append(s.pending)
+        s.hidden.append(full.hidden[s.length - 1 : s.length])  # h_{L-1}: what produced the new pending

@@ -1,0 +1,242 @@
+"""Drafter warm-up: sample responses from the target, build the draft vocabulary, train, report.
+
+TLT trains its drafter offline before RL starts; this is that step, sized for minutes on a CPU.
+1. Prompts: the default task's (chat template + tailrl.rl.tasks.format_prompt) or a prompts
+   file; group_size responses each, sampled by tailrl.engine.Engine with hidden-state capture.
+   The last `holdout_prompts` prompts' responses are held out.
+2. Draft vocabulary: the draft_vocab_size most frequent response tokens (EOS always in), topped
+   up with the lowest unused ids (BPE ids roughly follow corpus frequency).
+3. Training (tailrl.spec.drafter_train) under a time and/or step budget; held-out loss is
+   measured as it goes.
+4. Report on the held-out responses: loss, top-1 agreement, vocabulary coverage, and accept_len
+   of speculative decoding replayed with the real proposer (drafter_train.simulate_accept).
+Writes the drafter directory plus loss.png and losses.json (curves and the report).
+
+Knows: prompts, the chat template, the engine's generate call, the training loop's budget.
+Does not know: the drafter's internals beyond its constructor, acceptance rules, the tuner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tailrl.engine import Engine, EngineConfig, Request
+from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
+from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task
+from tailrl.sampling import SamplingParams, derive_seed
+from tailrl.spec.drafter import Drafter, load_drafter, save_drafter
+from tailrl.spec.drafter_train import (
+    AcceptStats,
+    LossStats,
+    TrainConfig,
+    TrainSeq,
+    evaluate_loss,
+    pack,
+    simulate_accept,
+    train,
+)
+from tailrl.tuner import Arm
+
+
+@dataclass
+class WarmupConfig:
+    """Offline drafter warm-up: data, budget and optimiser."""
+
+    model: str | None = field(default=None, metadata={"help": "target model directory (default: SmolLM2-135M-Instruct)"})
+    prompts: str | None = field(default=None, metadata={"help": "JSONL prompts file (default: the task's prompts)"})
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "task whose prompts are sampled when no prompts file is given"})
+    num_prompts: int = field(default=64, metadata={"help": "prompts sampled (held-out ones included)"})
+    group_size: int = field(default=4, metadata={"help": "responses per prompt"})
+    max_new_tokens: int = field(default=192, metadata={"help": "most tokens per response"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the responses"})
+    holdout_prompts: int = field(default=8, metadata={"help": "prompts whose responses are held out for evaluation"})
+    seconds: float = field(default=150.0, metadata={"help": "training time budget, seconds (0 = no time limit)"})
+    steps: int = field(default=0, metadata={"help": "most optimiser steps (0 = no step limit)"})
+    lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate"})
+    batch_tokens: int = field(default=1024, metadata={"help": "drafter entries per optimiser step"})
+    draft_vocab_size: int = field(default=4096, metadata={"help": "tokens the drafter can propose"})
+    ce_weight: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term (TLT: 0.1)"})
+    noise: float = field(default=0.0, metadata={"help": "uniform noise on input hidden states while training"})
+    seed: int = field(default=0, metadata={"help": "seed of prompts, sampling and training"})
+    eval_num_steps: int = field(default=4, metadata={"help": "draft depth of the held-out accept_len replay"})
+    eval_topk: int = field(default=4, metadata={"help": "tree width of the held-out accept_len replay"})
+    eval_num_draft_tokens: int = field(default=16, metadata={"help": "tree nodes of the held-out accept_len replay"})
+
+    def __post_init__(self) -> None:
+        if self.num_prompts <= self.holdout_prompts or self.holdout_prompts < 1:
+            raise ValueError(f"need 1 <= holdout_prompts < num_prompts, got {self.holdout_prompts} and {self.num_prompts}")
+        if self.seconds <= 0 and self.steps <= 0:
+            raise ValueError("give a time budget (seconds > 0) or a step budget (steps > 0)")
+        if self.group_size < 1 or self.max_new_tokens < 1 or self.draft_vocab_size < 1:
+            raise ValueError("group_size, max_new_tokens and draft_vocab_size must be >= 1")
+
+
+@dataclass
+class WarmupProgress:
+    phase: str  # "sample" | "train" | "eval"
+    done: int
+    total: int  # 0 when unknown (a time budget)
+    seconds: float
+    loss: float | None = None
+
+
+@dataclass
+class WarmupReport:
+    sample_seconds: float
+    train_seconds: float
+    steps: int
+    train_responses: int
+    train_entries: int
+    heldout_responses: int
+    vocab_coverage: float  # held-out response tokens inside the draft vocabulary
+    heldout: dict  # LossStats of the held-out responses, before and after training
+    accept: dict  # arm label -> accept_len / histogram on the held-out responses
+
+
+def prompt_ids(cfg: WarmupConfig, tokenizer) -> list[tuple[int, ...]]:
+    """Token ids of num_prompts prompts: from the prompts file (cycled) or the task."""
+    from tailrl.generate import encode_prompt, load_prompts
+
+    if cfg.prompts:
+        prompts = load_prompts(cfg.prompts)
+        return [encode_prompt(tokenizer, prompts[i % len(prompts)]) for i in range(cfg.num_prompts)]
+    task = make_task(cfg.task)
+    return [encode_prompt(tokenizer, format_prompt(task.sample(cfg.seed, i).question)) for i in range(cfg.num_prompts)]
+
+
+def sample_data(
+    target, prompts: list[tuple[int, ...]], cfg: WarmupConfig, on_progress: Callable | None = None
+) -> list[list[TrainSeq]]:
+    """group_size responses per prompt with their target hidden states, grouped by prompt."""
+    reqs = [Request(p, derive_seed(cfg.seed, i, j), group=i) for i, p in enumerate(prompts) for j in range(cfg.group_size)]
+    engine = Engine(target, EngineConfig(max_batch=64, capture_hidden=True))
+
+    def progress(p) -> None:
+        if on_progress is not None:
+            on_progress(WarmupProgress("sample", p.done, p.total, p.seconds))
+
+    outs = engine.generate(reqs, SamplingParams(temperature=cfg.temperature), cfg.max_new_tokens, on_progress=progress)
+    groups: list[list[TrainSeq]] = [[] for _ in prompts]
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p])
+            # The prompt's hidden states, which the engine keeps per running row but not in a Completion.
+            hp = target.hidden(ids, torch.arange(len(p))[None])[0, :-1].float()  # (P-1, E)
+            for c in outs[i * cfg.group_size : (i + 1) * cfg.group_size]:
+                tokens = torch.tensor(list(p) + c.token_ids)
+                groups[i].append(TrainSeq(tokens, torch.cat([hp, c.hidden.float()]), len(p)))
+    return groups
+
+
+def build_draft_vocab(responses: list[TrainSeq], size: int, vocab_size: int, eos: tuple[int, ...]) -> list[int]:
+    """The `size` most frequent response tokens, EOS first, topped up with the lowest unused ids."""
+    counts = Counter(t for s in responses for t in s.tokens[s.prompt_len :].tolist())
+    chosen = [t for t in eos if t < vocab_size]
+    chosen += [t for t, _ in counts.most_common() if t not in chosen]
+    chosen = chosen[:size]
+    taken = set(chosen)
+    fill = (t for t in range(vocab_size) if t not in taken)
+    while len(chosen) < min(size, vocab_size):
+        chosen.append(next(fill))
+    return sorted(chosen)
+
+
+def coverage(seqs: list[TrainSeq], vocab: list[int]) -> float:
+    v = set(vocab)
+    toks = [t for s in seqs for t in s.tokens[s.prompt_len :].tolist()]
+    return sum(t in v for t in toks) / max(len(toks), 1)
+
+
+def warmup(cfg: WarmupConfig, out: Path, on_progress: Callable[[WarmupProgress], None] | None = None) -> WarmupReport:
+    """Sample, build the vocabulary, train, evaluate; write the drafter directory to `out`."""
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    target = load_model(cfg.model, dtype="bf16")
+    tokenizer = load_tokenizer(cfg.model)
+    groups = sample_data(target, prompt_ids(cfg, tokenizer), cfg, on_progress)
+    train_seqs = [s for g in groups[: -cfg.holdout_prompts] for s in g]
+    held = [s for g in groups[-cfg.holdout_prompts :] for s in g]
+    sample_seconds = time.perf_counter() - t0
+
+    vocab = build_draft_vocab(train_seqs, cfg.draft_vocab_size, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    name = resolve_model_dir(cfg.model).name
+    drafter = Drafter.from_target(target, vocab, name, seed=cfg.seed)
+    target_head = target.lm_head.weight.detach()[drafter.d2t].float()  # (K, E)
+    order = torch.randperm(len(train_seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    batches = pack([train_seqs[i] for i in order], cfg.batch_tokens)
+    held_batches = pack(held, cfg.batch_tokens)
+    before = evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight)
+
+    curve: list[tuple[int, float]] = [(0, before.loss)]
+    t1 = time.perf_counter()
+
+    def stop(step: int) -> bool:
+        over_time = cfg.seconds > 0 and time.perf_counter() - t1 >= cfg.seconds
+        return over_time or (cfg.steps > 0 and step >= cfg.steps)
+
+    def on_step(step: int, s: LossStats) -> None:
+        if step % 25 == 0:
+            curve.append((step, evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight).loss))
+        if on_progress is not None:
+            on_progress(WarmupProgress("train", step, cfg.steps, time.perf_counter() - t1, s.loss))
+
+    tc = TrainConfig(lr=cfg.lr, ce_weight=cfg.ce_weight, noise=cfg.noise)
+    history = train(drafter, batches, target_head, tc, stop, on_step, seed=cfg.seed)
+    train_seconds = time.perf_counter() - t1
+    after = evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight)
+    curve.append((len(history), after.loss))
+
+    if on_progress is not None:
+        on_progress(WarmupProgress("eval", 0, 1, time.perf_counter() - t0))
+    save_drafter(drafter, out)
+    # Measured on the saved drafter as the engine loads it: bf16, sharing the target's embedding.
+    accept = evaluate_accept(load_drafter(out, target), held, cfg)
+    report = WarmupReport(
+        sample_seconds, train_seconds, len(history), len(train_seqs), sum(b.num_entries for b in batches),
+        len(held), coverage(held, vocab), {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after)}, accept,
+    )
+    write_curves(Path(out), history, curve, report, cfg.ce_weight)
+    return report
+
+
+def evaluate_accept(drafter: Drafter, held: list[TrainSeq], cfg: WarmupConfig) -> dict:
+    """accept_len on the held-out responses for a chain and for the configured tree (bf16 drafter)."""
+    arms = [Arm("drafter", cfg.eval_num_steps, 1, cfg.eval_num_steps)]
+    arms.append(Arm("drafter", cfg.eval_num_steps, cfg.eval_topk, cfg.eval_num_draft_tokens))
+    result = {}
+    for arm in arms:
+        s: AcceptStats = simulate_accept(drafter, held, arm)
+        result[arm.label] = {"accept_len": round(s.accept_len, 3), "verify_steps": s.verify_steps, "accept_hist": s.accept_hist}
+    return result
+
+
+def write_curves(
+    out: Path, history: list[LossStats], curve: list[tuple[int, float]], report: WarmupReport, ce_weight: float
+) -> None:
+    """losses.json (per-step training losses, held-out curve, the report) and loss.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train_loss = [s.loss for s in history]
+    data = {"train_loss": train_loss, "heldout_loss": curve, "report": dataclasses.asdict(report)}
+    (out / "losses.json").write_text(json.dumps(data, indent=1))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(train_loss) + 1), train_loss, lw=0.8, label="train (per step)")
+    ax.plot([s for s, _ in curve], [v for _, v in curve], "o-", label="held-out")
+    ax.set_xlabel("optimiser step")
+    ax.set_ylabel(f"SmoothL1 + {ce_weight:g} x CE")
+    ax.set_title("drafter warm-up")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=100)
+    plt.close(fig)

@@ -1,0 +1,277 @@
+"""The learned drafter: files, the training offset, the proposer's catch-up, training, export.
+
+Tiny random targets from conftest.build_hf, fp32. Equalities are exact where the same arithmetic
+runs twice (save/load, export in fp32); the proposer comparisons (catch-up in one batched forward
+vs entry by entry) differ by float rounding only (~1e-6 on logits), so trees are compared exactly
+on a random model whose draft scores have no near-ties at that scale, and scores to 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import build_hf
+from tailrl.engine import Engine, EngineConfig, Request
+from tailrl.loading import load_model
+from tailrl.sampling import SamplingParams
+from tailrl.spec.drafter import Drafter, DrafterError, DrafterProposer, load_drafter, save_drafter
+from tailrl.spec.drafter_train import (
+    TrainConfig,
+    TrainSeq,
+    _advance,
+    _start,
+    drafter_loss,
+    evaluate_loss,
+    pack,
+    simulate_accept,
+    train,
+)
+from tailrl.spec.export import export, load_exported
+from tailrl.tuner import Arm
+
+VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return load_model(tiny_dir, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def seqs(target):
+    """Six sampled responses (prompts of 3-11 tokens) with the hidden states the engine keeps."""
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(3, 12, (6,), generator=g).tolist()
+    reqs = [Request(tuple(torch.randint(2, 96, (n,), generator=g).tolist()), seed=i, group=i) for i, n in enumerate(lens)]
+    outs = Engine(target, EngineConfig(capture_hidden=True)).generate(reqs, SamplingParams(temperature=1.0), 24)
+    result = []
+    with torch.no_grad():
+        for r, c in zip(reqs, outs):
+            p = torch.tensor([r.prompt_ids])
+            hp = target.hidden(p, torch.arange(p.shape[1])[None])[0, :-1]
+            result.append(TrainSeq(torch.tensor(list(r.prompt_ids) + c.token_ids), torch.cat([hp, c.hidden]), p.shape[1]))
+    return result
+
+
+def _drafter(target, seed: int = 0) -> Drafter:
+    """A drafter with every parameter random, so no part of it is a no-op in the comparisons."""
+    d = Drafter.from_target(target, VOCAB, "tiny", seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return d
+
+
+def _outputs(d: Drafter, seqs) -> torch.Tensor:
+    b = pack(seqs, 400)[0]
+    with torch.no_grad():
+        pred = d(b.hidden, b.ids, b.positions, mask=b.mask)
+        return torch.cat([pred, d.logits(pred)], dim=-1)
+
+
+# ---- files --------------------------------------------------------------------------------
+
+
+def test_save_load_round_trip_gives_identical_outputs(tmp_path, target, seqs):
+    d = _drafter(target)
+    save_drafter(d, tmp_path / "dr")
+    cfg = json.loads((tmp_path / "dr" / "drafter.json").read_text())
+    assert cfg["draft_vocab"] == sorted(VOCAB) and cfg["target_name"] == "tiny" and cfg["version"] == 0
+    back = load_drafter(tmp_path / "dr", target)
+    assert back.dtype == torch.float32 and torch.equal(back.d2t, d.d2t)
+    assert torch.equal(_outputs(back, seqs), _outputs(d, seqs))
+
+
+def test_refuses_missing_corrupt_or_foreign_drafters(tmp_path, target):
+    with pytest.raises(DrafterError, match="not found"):
+        load_drafter(tmp_path / "nope", target)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DrafterError, match="no drafter.json"):
+        load_drafter(tmp_path / "empty", target)
+    good = save_drafter(_drafter(target), tmp_path / "good")
+
+    bad = save_drafter(_drafter(target), tmp_path / "bad")
+    (bad / "drafter.json").write_text("{not json")
+    with pytest.raises(DrafterError, match="malformed"):
+        load_drafter(bad, target)
+    (bad / "drafter.json").write_text((good / "drafter.json").read_text())
+    (bad / "drafter.safetensors").write_bytes(b"garbage")
+    with pytest.raises(DrafterError, match="cannot read drafter weights"):
+        load_drafter(bad, target)
+
+    wider = build_hf("llama", seed=1, hidden_size=32, tie_word_embeddings=False)
+    wider.save_pretrained(tmp_path / "wider")
+    with pytest.raises(DrafterError, match="hidden size 64"):
+        load_drafter(good, load_model(tmp_path / "wider", dtype="fp32"))
+    # Same shapes, different weights: another model, refused by the embedding fingerprint.
+    build_hf("llama", seed=7, tie_word_embeddings=False).save_pretrained(tmp_path / "other")
+    with pytest.raises(DrafterError, match="another target"):
+        load_drafter(good, load_model(tmp_path / "other", dtype="fp32"))
+
+
+
+def test_accepts_its_target_after_a_small_update(tmp_path, tiny_dir):
+    """RL moves the target's weights a little; the drafter must stay loadable for it."""
+    updated = load_model(tiny_dir, dtype="fp32")
+    good = save_drafter(_drafter(updated), tmp_path / "good")
+    w = updated.model.embed_tokens.weight
+    w.add_(0.1 * w.std() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+    assert load_drafter(good, updated).cfg.target_name == "tiny"
+
+
+# ---- the offset -----------------------------------------------------------------------------
+
+
+def test_packing_pairs_h_i_and_x_i_plus_1_with_h_i_plus_1_by_hand():
+    h = torch.arange(4.0)[:, None].expand(4, 3)  # h_q = q in every dim
+    a = TrainSeq(torch.tensor([10, 11, 12, 13, 14]), h, prompt_len=2)
+    b = TrainSeq(torch.tensor([20, 21, 22]), 10 + h[:2], prompt_len=1, offset=5)
+    (row,) = pack([a, b], 16)
+    assert row.ids.tolist() == [[11, 12, 13, 21]]  # x_{i+1}
+    assert row.hidden[0, :, 0].tolist() == [0, 1, 2, 10]  # h_i
+    assert row.target[0, :, 0].tolist() == [1, 2, 3, 11]  # h_{i+1}
+    assert row.next_ids.tolist() == [[12, 13, 14, 22]]  # x_{i+2}
+    assert row.positions.tolist() == [[0, 1, 2, 5]]  # i, per sequence
+    assert row.loss_mask.tolist() == [[True, True, True, True]]  # a: i >= P - 2 = 0
+    assert row.mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+    (c,) = pack([TrainSeq(torch.tensor([10, 11, 12, 13, 14]), h, prompt_len=4)], 16)
+    assert c.loss_mask.tolist() == [[False, False, True]]  # only x_{i+2} = x_4, a response token
+
+
+def test_loss_is_minimal_for_an_oracle_only_at_the_right_offset(target):
+    """Synthetic target whose hidden state at q encodes the token at q: h_q = G[x_q].
+
+    Then h_{i+1} = G[x_{i+1}] is computable from the entry's own token, so an oracle drafter
+    returning G[ids] has SmoothL1 0 and cross-entropy equal to the target distribution's entropy.
+    An entry paired one position off (h_i or h_{i+2}) cannot be predicted from x_{i+1}.
+    """
+    d = _drafter(target)
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(96, 64, generator=g)
+    tokens = torch.randint(0, 96, (40,), generator=g)
+    seq = TrainSeq(tokens, table[tokens[:-1]], prompt_len=1)
+    (batch,) = pack([seq], 64)
+    head = torch.randn(len(VOCAB), 64, generator=g)
+    d.forward = lambda hidden, ids, positions, view=None, mask=None: table[ids]
+    d.head.weight.data.copy_(head)
+    p = torch.softmax(batch.target[0] @ head.T, -1)
+    _, right = drafter_loss(d, batch, head, ce_weight=0.1)
+    entropy = float(-(p * p.log()).sum(-1).mean())
+    assert right.smooth_l1 == 0.0 and right.ce == pytest.approx(entropy, rel=1e-5)
+    assert right.top1_target == 1.0
+    for shift in (-1, 1):
+        d.forward = lambda hidden, ids, positions, view=None, mask=None, s=shift: table[tokens[1 + s : 1 + s + ids.shape[1]]][None]
+        _, wrong = drafter_loss(d, batch, head, ce_weight=0.1)
+        assert wrong.smooth_l1 > 0.1 and wrong.ce > entropy + 0.1
+
+
+# ---- the proposer ---------------------------------------------------------------------------
+
+
+def test_root_children_are_the_training_forwards_top_k(target, seqs):
+    """The proposer's first tree layer (catch-up over the whole prefix, then the root entry) is
+    the top-K of the training-path forward's last entry: inference and training agree on the offset."""
+    d = _drafter(target)
+    arm = Arm("drafter", 1, 5, 5)
+    running = [_start(s, i) for i, s in enumerate(seqs)]
+    for s, full in zip(running, seqs):
+        _advance(s, full, 3)
+    tree = DrafterProposer(d).propose(None, running, arm)
+    for b, (s, full) in enumerate(zip(running, seqs)):
+        # Training view of the same prefix: tokens up to the root (pending), hidden up to L - 1.
+        prefix = TrainSeq(full.tokens[: s.length + 1], full.hidden[: s.length], full.prompt_len)
+        (row,) = pack([prefix], 400)
+        with torch.no_grad():
+            # The last entry (h_{L-1}, x_L) is not a training entry (it has no target): append it.
+            hid = torch.cat([row.hidden, full.hidden[s.length - 1][None, None]], 1)
+            ids = torch.cat([row.ids, torch.tensor([[s.pending]])], 1)
+            pred = d(hid, ids, torch.arange(ids.shape[1])[None])
+            want = d.d2t[d.logits(pred[0, -1]).topk(5).indices]
+        assert tree.tokens[b].tolist() == want.tolist()
+        assert tree.parents[b].tolist() == [-1] * 5
+
+
+def _replay(proposers, seqs, arm, steps, switch_on, retire_at):
+    """Drive proposers over the same running rows, advancing 1-3 tokens per step (as verifies
+    would), retiring row 0 at step `retire_at` (the last row moves into its slot). proposers[k]
+    starts proposing at step switch_on[k]. Returns, per step, the trees of the active proposers."""
+    g = torch.Generator().manual_seed(0)
+    running = [_start(s, i) for i, s in enumerate(seqs)]
+    for p in proposers:
+        p.begin()
+    trees = []
+    for step in range(steps):
+        if step == retire_at:
+            last = running.pop()
+            for p in proposers:
+                p.moved(len(running), 0, last)
+            running[0] = last
+        trees.append([p.propose(None, running, arm) if step >= on else None for p, on in zip(proposers, switch_on)])
+        for s in running:
+            room = seqs[s.req_index].tokens.shape[0] - 1 - s.length
+            _advance(s, seqs[s.req_index], min(int(torch.randint(1, 4, (1,), generator=g)), room))
+    return trees
+
+
+@pytest.mark.parametrize("arm", [Arm("drafter", 3, 2, 5), Arm("drafter", 4, 3, 12)])
+def test_catch_up_equals_drafting_from_the_start(target, seqs, arm):
+    """SD on from the first step, switched on at step 3, or at step 6 (after a slot move):
+    the same trees once on, and every tree is valid."""
+    d = _drafter(target)
+    runs = _replay([DrafterProposer(d) for _ in range(3)], seqs, arm, steps=8, switch_on=[0, 3, 6], retire_at=5)
+    allowed = set(VOCAB)
+    for step, trees in enumerate(runs):
+        ref = trees[0]
+        assert ref.tokens.shape == (len(seqs) - (step >= 5), arm.num_draft_tokens)
+        assert set(ref.tokens.flatten().tolist()) <= allowed
+        assert bool((ref.depths <= arm.num_steps).all())
+        for t in trees[1:]:
+            if t is not None:
+                assert torch.equal(t.tokens, ref.tokens) and torch.equal(t.parents, ref.parents)
+
+
+def test_simulated_accept_counts_match_a_hand_walk(target, seqs):
+    """accept_len of the replay: every verify emits between 1 and num_steps + 1 tokens and the
+    emitted tokens add up to the responses' lengths (the first token comes from prefill)."""
+    arm = Arm("drafter", 3, 2, 6)
+    stats = simulate_accept(_drafter(target), seqs, arm, max_batch=4)
+    total = sum(s.tokens.shape[0] - s.prompt_len - 1 for s in seqs)
+    assert stats.emitted == total and 1.0 <= stats.accept_len <= arm.num_steps + 1
+    assert sum(stats.accept_hist) == stats.verify_steps
+
+
+# ---- training and export --------------------------------------------------------------------
+
+
+def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(target, seqs):
+    d = Drafter.from_target(target, VOCAB, "tiny")
+    batches = pack(seqs, 64)
+    head = target.lm_head.weight.detach()[d.d2t]
+    before = evaluate_loss(d, batches, head)
+    train(d, batches, head, TrainConfig(lr=3e-3), should_stop=lambda step: step >= 30)
+    after = evaluate_loss(d, batches, head)
+    assert after.loss < 0.7 * before.loss and after.smooth_l1 < before.smooth_l1
+
+
+def test_export_round_trip_reproduces_the_drafter(tmp_path, target, seqs):
+    d = _drafter(target)
+    save_drafter(d, tmp_path / "dr")
+    out = export(tmp_path / "dr", tmp_path / "eagle", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["num_hidden_layers"] == 1
+    assert config["draft_vocab_size"] == len(VOCAB) and config["vocab_size"] == 96
+    from safetensors.torch import load_file
+
+    names = set(load_file(out / "model.safetensors"))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} <= names
+    assert not any("input_layernorm" in n or "embed_tokens" in n or "lm_head" in n for n in names)
+    head = load_file(out / "draft_head.safetensors")
+    assert torch.equal(head["d2t"] + torch.arange(len(VOCAB)), torch.tensor(sorted(VOCAB)))
+    assert head["t2d"].sum() == len(VOCAB) and torch.equal(torch.load(out / "hot_token_ids.pt"), d.d2t)
+    back = load_exported(out, target)
+    assert torch.equal(_outputs(back, seqs), _outputs(d, seqs))

@@ -1,0 +1,269 @@
+"""The speculative step: SD on and SD off emit the same tokens, logprobs and hidden states.
+
+A random tiny target accepts few real drafts, so most tests use an oracle proposer that knows
+what plain decoding emits (precomputed by a plain run with EOS disabled, so it also drafts past
+EOS and the length limit) and hides it among wrong siblings: long accepted paths at
+non-consecutive verify indices exercise KV compaction and the EOS / length cut. A scrambled
+oracle (random tree shapes, half the nodes right) and a purely random proposer cover arbitrary
+tree masks.
+
+Tolerances: the same position's logits come from a 1-token forward (plain) and from a T-token
+tree forward (SD); in fp32 the matmuls sum in a different order, giving differences of a few
+ulps of values O(1-10) (~1e-6 absolute). Logprobs and hidden states are compared at 1e-5.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tailrl.engine import Engine, EngineConfig, Request, Seq
+from tailrl.loading import load_model
+from tailrl.sampling import SamplingParams
+from tailrl.spec import decoder as decoder_mod
+from tailrl.spec.decoder import NgramProposer, SpecDecoder, fixed, tuned
+from tailrl.spec.tree import DraftTree
+from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
+
+ATOL = 1e-5
+MAX_NEW = 24
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "t1_top_p_top_k": SamplingParams(temperature=1.0, top_p=0.9, top_k=20),
+    "t07": SamplingParams(temperature=0.7),
+}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_model(tiny_dir, dtype="fp32")
+
+
+def requests(seed: int = 0) -> list[Request]:
+    """7 requests for 3 slots: two groups of 3 sharing a prompt, one single; distinct seeds."""
+    rng = random.Random(seed)
+    prompts = [tuple(rng.randrange(2, 96) for _ in range(n)) for n in (5, 9, 3)]
+    groups = [0, 0, 0, 1, 1, 1, 2]
+    return [Request(prompts[g], seed=1000 * seed + i, group=g) for i, g in enumerate(groups)]
+
+
+def run(model, reqs, params, decoder=None, max_new=MAX_NEW, capture=False, eos=True):
+    engine = Engine(model, EngineConfig(max_batch=3, capture_hidden=capture))
+    if decoder is not None:
+        engine.decoder = decoder
+    if not eos:
+        engine.eos = set()
+    return engine.generate(reqs, params, max_new), engine.stats
+
+
+class Oracle:
+    """Proposes the plain continuation among wrong siblings; `scramble` randomises the tree."""
+
+    kind = "drafter"
+    needs_hidden = False
+
+    def __init__(self, reference: list[list[int]] | None, scramble: float = 0.0, seed: int = 0):
+        self.reference, self.scramble, self.rng = reference, scramble, random.Random(seed)
+
+    def begin(self, engine):
+        pass
+
+    def moved(self, src, dst, seq):
+        pass
+
+    def propose(self, engine, running: list[Seq], arm: Arm) -> DraftTree:
+        rows = [self._row(s, arm) for s in running]
+        return DraftTree(torch.tensor([t for t, _ in rows]), torch.tensor([p for _, p in rows]))
+
+    def _row(self, seq: Seq, arm: Arm) -> tuple[list[int], list[int]]:
+        done = len(seq.tokens)
+        truth = self.reference[seq.req_index][done : done + arm.num_steps] if self.reference else []
+        n = arm.num_draft_tokens
+        if self.scramble:
+            # Random shape; a node is right (the truth at its depth) with probability 1 - scramble.
+            parents = [self.rng.randrange(-1, i) for i in range(n)]
+            depth: list[int] = []
+            for p in parents:
+                depth.append(1 if p < 0 else depth[p] + 1)
+            right = [d <= len(truth) and self.rng.random() > self.scramble for d in depth]
+            tokens = [truth[d - 1] if r else self.rng.randrange(96) for d, r in zip(depth, right)]
+            return tokens, parents
+        # A wrong sibling before each right node, so accepted nodes sit at verify indices 2, 4, ...
+        tokens, parents, last = [], [], -1
+        for t in truth:
+            if len(tokens) + 2 > n:
+                break
+            tokens += [(t + 1) % 96, t]
+            parents += [last, last]
+            last = len(tokens) - 1
+        while len(tokens) < n:
+            tokens.append(self.rng.randrange(96))
+            parents.append(-1)
+        return tokens, parents
+
+
+def random_proposer(seed: int = 0) -> Oracle:
+    """Random tree shapes and tokens: an oracle that knows nothing."""
+    return Oracle(None, scramble=1.0, seed=seed)
+
+
+def reference(model, reqs, params, arm):
+    """What plain decoding emits per request, EOS ignored, far enough for any draft."""
+    outs, _ = run(model, reqs, params, max_new=MAX_NEW + arm.num_steps + 1, eos=False)
+    return [c.token_ids for c in outs]
+
+
+def assert_same(plain, spec, hidden=False):
+    for p, s in zip(plain, spec):
+        assert s.token_ids == p.token_ids
+        assert s.finish_reason == p.finish_reason
+        assert max(abs(a - b) for a, b in zip(s.logprobs, p.logprobs)) <= ATOL
+        if hidden:
+            assert s.hidden.shape == p.hidden.shape == (len(p.token_ids), 64)
+            assert (s.hidden - p.hidden).abs().max().item() <= ATOL
+
+
+def assert_stats_consistent(stats, completions, arm):
+    sp = stats.spec
+    assert sum(sp.accept_hist) == sp.verify_steps
+    assert sum(d * n for d, n in enumerate(sp.accept_hist)) == sp.accepted
+    assert sp.proposed == sp.verify_steps * arm.num_draft_tokens
+    # Cuts at EOS / the length limit drop accepted tokens, never add any.
+    assert sp.emitted <= sp.verify_steps + sp.accepted
+    total = sum(len(c.token_ids) for c in completions)
+    # Each request's first token comes from its prefill; the rest from spec or plain steps.
+    assert stats.tokens == total == len(completions) + sp.emitted + sp.plain_tokens
+    assert sp.spec_steps + sp.plain_steps == stats.steps
+
+
+ARM = Arm("drafter", num_steps=5, topk=2, num_draft_tokens=10)
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_oracle_sd_equals_plain(model, name, seed):
+    params, reqs = PARAMS[name], requests(seed)
+    plain, _ = run(model, reqs, params, capture=True)
+    oracle = Oracle(reference(model, reqs, params, ARM), seed=seed)
+    spec, stats = run(model, reqs, params, fixed(ARM, oracle), capture=True)
+    assert_same(plain, spec, hidden=True)
+    assert_stats_consistent(stats, spec, ARM)
+    sp = stats.spec
+    # The truth is always in the tree (5 deep), so only the finishing verify of each request can
+    # accept fewer than 5: accept_len = 6 except where a request ends.
+    assert sp.accept_hist[5] >= sp.verify_steps - len(reqs)
+    assert sp.accept_len > 4.0
+    assert sp.emitted < sp.verify_steps + sp.accepted  # some path ran past EOS / the limit and was cut
+
+
+def test_compaction_is_what_makes_long_paths_right(model, monkeypatch):
+    """Sensitivity check: without moving accepted K/V to consecutive positions the outputs differ."""
+    params, reqs = PARAMS["greedy"], requests(0)
+    plain, _ = run(model, reqs, params)
+    oracle = Oracle(reference(model, reqs, params, ARM))
+    monkeypatch.setattr(decoder_mod, "_compact", lambda cache, lens, paths: None)
+    spec, _ = run(model, reqs, params, fixed(ARM, oracle))
+    assert any(s.token_ids != p.token_ids for p, s in zip(plain, spec))
+
+
+@pytest.mark.parametrize("name", ["greedy", "t1_top_p_top_k"])
+def test_scrambled_and_random_trees_equal_plain(model, name):
+    params, reqs = PARAMS[name], requests(2)
+    plain, _ = run(model, reqs, params, capture=True)
+    arm = Arm("drafter", num_steps=4, topk=3, num_draft_tokens=12)
+    ref = reference(model, reqs, params, arm)
+    for proposer in (Oracle(ref, scramble=0.5, seed=3), random_proposer(seed=4)):
+        spec, stats = run(model, reqs, params, fixed(arm, proposer), capture=True)
+        assert_same(plain, spec, hidden=True)
+        assert_stats_consistent(stats, spec, arm)
+    assert stats.spec.verify_steps > 0
+
+
+def test_max_new_tokens_one_and_two(model):
+    """A first token that ends a sequence is never followed by a speculative step's tokens."""
+    params, reqs = PARAMS["t07"], requests(3)
+    for max_new in (1, 2):
+        plain, _ = run(model, reqs, params, max_new=max_new)
+        oracle = Oracle(reference(model, reqs, params, ARM))
+        spec, stats = run(model, reqs, params, fixed(ARM, oracle), max_new=max_new)
+        assert_same(plain, spec)
+        assert all(len(c.token_ids) <= max_new for c in spec)
+        assert_stats_consistent(stats, spec, ARM)
+
+
+def test_ngram_proposer_and_tuner_equal_plain(model):
+    params, reqs = PARAMS["t1_top_p_top_k"], requests(4)
+    plain, _ = run(model, reqs, params)
+    arm = Arm("ngram", num_steps=4, topk=2, num_draft_tokens=8)
+    proposer = NgramProposer()
+    spec, stats = run(model, reqs, params, fixed(arm, proposer))
+    assert_same(plain, spec)
+    assert_stats_consistent(stats, spec, arm)
+    # Same requests again: the previous call's responses are in the n-gram history, so the
+    # drafts now often carry the exact continuation.
+    first_accept = stats.spec.accept_len
+    again, stats = run(model, reqs, params, fixed(arm, proposer))
+    assert_same(plain, again)
+    assert stats.spec.accept_len > max(2.0, first_accept)
+    # The tuner mixes plain and n-gram steps; the tokens stay the same.
+    tuner = Tuner([PLAIN, arm], TunerConfig(switch_patience=0, epsilon=0.5), seed=0)
+    mixed, stats = run(model, reqs, params, tuned(tuner, {"ngram": NgramProposer()}))
+    assert_same(plain, mixed)
+    assert_stats_consistent(stats, mixed, arm)
+    assert stats.spec.plain_steps > 0 and stats.spec.spec_steps > 0
+    assert sum(sum(p) for p in tuner.state_dict()["pulls"]) == stats.steps
+
+
+def test_ngram_proposer_drafts_from_siblings_and_history():
+    class Stub:
+        device = torch.device("cpu")
+
+    prompt, arm = (5, 6, 7), Arm("ngram", num_steps=2, topk=1, num_draft_tokens=2)
+
+    def seq(i, tokens, finish=None):
+        return Seq(i, Request(prompt, seed=i), length=len(prompt) + len(tokens) - 1, pending=tokens[-1],
+                   tokens=list(tokens), finish=finish)
+
+    proposer = NgramProposer()
+    proposer.begin(Stub)
+    b = seq(1, [20, 11, 12])
+    assert proposer.propose(Stub, [b], arm).tokens.tolist() == [[12, 12]]  # nothing matches: padding
+    # A sibling finishing while the group is drafted joins its index at once.
+    proposer.finished(seq(0, [10, 11, 12, 13, 14], finish="eos"))
+    tree = proposer.propose(Stub, [b], arm)
+    assert tree.tokens.tolist() == [[13, 14]] and tree.parents.tolist() == [[-1, 0]]
+    # The next call starts with an empty index per group, filled from the previous calls' responses.
+    proposer.begin(Stub)
+    assert proposer.propose(Stub, [seq(2, [30, 11, 12])], arm).tokens.tolist() == [[13, 14]]
+
+
+def test_decoder_rejects_unknown_arms(model):
+    arm = Arm("drafter", num_steps=2, topk=1, num_draft_tokens=2)
+    with pytest.raises(ValueError, match="needs a 'drafter' proposer"):
+        SpecDecoder({}, lambda running: arm, [arm])
+    other = Arm("drafter", num_steps=3, topk=1, num_draft_tokens=3)
+    dec = SpecDecoder({"drafter": random_proposer()}, lambda running: other, [arm])
+    with pytest.raises(ValueError, match="not one of the decoder's arms"):
+        run(model, requests(0), PARAMS["greedy"], dec)
+
+
+CHATS = ["What is the capital of France?", "List three colors.", "Repeat after me: one two three, one two three."]
+
+
+def test_smollm2_ngram_sd_equals_plain(smollm2_dir):
+    from tailrl.generate import encode_prompt
+    from tailrl.loading import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    model = load_model(smollm2_dir, dtype="fp32")
+    reqs = [Request(encode_prompt(tok, c), seed=i, group=i) for i, c in enumerate(CHATS)]
+    arm = Arm("ngram", num_steps=4, topk=2, num_draft_tokens=8)
+    params = SamplingParams(temperature=0.0)
+    plain, _ = run(model, reqs, params, max_new=32)
+    spec, stats = run(model, reqs, params, fixed(arm, NgramProposer()), max_new=32)
+    print(f"smollm2 n-gram accept_len {stats.spec.accept_len:.2f}")
+    for p, s in zip(plain, spec):
+        assert s.token_ids == p.token_ids
+    assert_stats_consistent(stats, spec, arm)

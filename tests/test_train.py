@@ -1,0 +1,348 @@
+"""The GRPO loop on a tiny random model: micro-batch invariance of the update, resume after
+Ctrl-C or SIGKILL reproducing an uninterrupted run, the run directory's files, and clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import build_hf
+from tailrl.config import ConfigError, read_toml, resolve
+from tailrl.engine import EngineConfig
+from tailrl.loading import load_model
+from tailrl.rl.grpo import GRPOConfig
+from tailrl.rl.run_dir import RunDir, RunDirError, TrainState
+from tailrl.rl.train import (
+    CONFIG_SECTIONS,
+    RolloutProgress,
+    Sample,
+    StepDone,
+    TrainConfig,
+    accumulate_gradients,
+    sigint_deferred,
+    train,
+)
+
+# Metrics that are wall-clock measurements, so differ between runs of the same computation.
+TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_tok_s"}
+REQUIRED = {
+    "step", "reward_mean", "reward_std", "response_len_mean", "response_len_max", "rollout_s", "reward_s",
+    "train_s", "step_s", "tokens_generated", "loss", "pg_loss", "kl", "reward_failures", "reward_timeouts",
+    "groups_skipped", "response_lens", "grad_norm",
+}
+
+
+def high_chars_reward(prompt: str, completion: str, answer: str) -> float:
+    """Mean character code of the completion: varies between random responses, so every group
+    has spread and the update is never empty."""
+    return sum(map(ord, completion)) / (126.0 * len(completion)) if completion else 0.0
+
+
+def failing_reward(prompt: str, completion: str, answer: str) -> float:
+    raise RuntimeError("reward bug")
+
+
+@pytest.fixture(scope="module")
+def char_model_dir(tmp_path_factory):
+    """A tiny random Llama (tied head, as SmolLM2) with a character-level tokenizer and chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("char-llama")
+    build_hf("llama", seed=3, vocab_size=128, tie_word_embeddings=True).save_pretrained(path)
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = (
+        "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}"
+    )
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("task") / "sums.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+{a % 4}=", "answer": a + a % 4}) + "\n" for a in range(10)))
+    return path
+
+
+def tiny_configs(model_dir: Path, task: Path, **train_overrides) -> dict:
+    train_kw = dict(
+        model=str(model_dir), task=str(task), reward=f"{__name__}:high_chars_reward",
+        num_prompts=3, group_size=4, max_new_tokens=12, steps=3, seed=5,
+    )
+    train_kw.update(train_overrides)
+    return {
+        "train": TrainConfig(**train_kw),
+        # lr large enough that a tiny model's rollouts change from step to step; kl and
+        # clip-higher on so that the resume test covers the reference model too.
+        "grpo": GRPOConfig(lr=3e-2, micro_batch=5, kl_coef=0.05, clip_high=0.28),
+        # max_batch below num_prompts * group_size: requests queue and slots are refilled.
+        "engine": EngineConfig(max_batch=8),
+    }
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def final_state(run_dir: Path) -> tuple[dict, dict]:
+    ckpt = RunDir(run_dir).latest_checkpoint()
+    optimizer_state, _ = RunDir.load_checkpoint(ckpt)
+    return load_file(ckpt / "model.safetensors"), optimizer_state
+
+
+@pytest.fixture(autouse=True)
+def no_plots(request, monkeypatch):
+    """Plots cost ~1 s per step here; only the tests that inspect them draw them."""
+    if "straight_run" not in request.fixturenames:
+        monkeypatch.setattr("tailrl.rl.train.write_plots", lambda records, out_dir: [])
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, char_model_dir, task_file):
+    """Three uninterrupted steps: the reference the resume tests must reproduce."""
+    out = tmp_path_factory.mktemp("runs") / "straight"
+    events = []
+    result = train(tiny_configs(char_model_dir, task_file), out, on_event=events.append)
+    assert result.step == 3 and not result.interrupted
+    return out, events
+
+
+# ---- the update ------------------------------------------------------------------------------
+
+
+def _ragged_samples(vocab: int, n: int = 8) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        p, t = 3 + i % 5, 1 + (5 * i) % 9
+        ids = torch.randint(3, vocab, (p + t,), generator=g).tolist()
+        out.append(Sample(tuple(ids[:p]), ids[p:], float(torch.randn(1, generator=g))))
+    return out
+
+
+def _reference_grads(policy, ref, samples, temperature, kl_coef):
+    """The loss computed row by row without padding or micro-batches, straight from the logits.
+
+    With old = current log-probs the ratio is 1, so per token pg = -A and k3 = e^d - d - 1.
+    """
+    total = sum(len(s.token_ids) for s in samples)
+    policy.zero_grad()
+    loss = 0.0
+    for s in samples:
+        ids = torch.tensor([list(s.prompt_ids) + list(s.token_ids)])
+        pos = torch.arange(ids.shape[1])[None]
+        p = len(s.prompt_ids)
+        targets = torch.tensor(list(s.token_ids))
+        lp = torch.log_softmax(policy(ids, pos)[0, p - 1 : -1] / temperature, -1)[torch.arange(len(targets)), targets]
+        with torch.no_grad():
+            rlp = torch.log_softmax(ref(ids, pos)[0, p - 1 : -1] / temperature, -1)[torch.arange(len(targets)), targets]
+        d = rlp - lp
+        loss = loss + (-s.advantage * torch.exp(lp - lp.detach()) + kl_coef * (torch.exp(d) - d - 1)).sum() / total
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in policy.parameters()]
+
+
+def test_micro_batches_give_the_full_batch_gradient(char_model_dir):
+    # fp64 so that equality holds to 1e-12: only summation order differs between the paths.
+    policy = load_model(char_model_dir, dtype="fp32").double().requires_grad_(True)
+    ref = load_model(char_model_dir, dtype="fp32").double()
+    with torch.no_grad():  # a reference that differs from the policy, so the KL term is non-zero
+        for p in ref.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    samples = _ragged_samples(policy.cfg.vocab_size)
+    want_loss, want = _reference_grads(policy, ref, samples, 0.7, kl_coef=0.1)
+    for micro in (8, 3, 1):
+        policy.zero_grad()
+        cfg = GRPOConfig(micro_batch=micro, kl_coef=0.1)
+        stats = accumulate_gradients(policy, samples, cfg, 0.7, ref)
+        assert stats.tokens == sum(len(s.token_ids) for s in samples)
+        assert stats.loss == pytest.approx(want_loss, abs=1e-12)
+        assert stats.kl > 0 and stats.ratio_mean == pytest.approx(1.0, abs=1e-12)
+        for p, w in zip(policy.parameters(), want):
+            torch.testing.assert_close(p.grad, w, rtol=0, atol=1e-12)
+
+
+# ---- the loop, the run directory and resume -------------------------------------------------------
+
+
+def test_metrics_config_and_plots(straight_run, char_model_dir, task_file):
+    out, events = straight_run
+    records = RunDir(out).read_metrics()
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert REQUIRED <= set(r)
+        assert len(r["response_lens"]) == 3 * 4
+        assert r["tokens_generated"] == sum(r["response_lens"])
+        assert r["response_len_max"] == max(r["response_lens"]) <= 12
+        assert r["groups_skipped"] == 0 and r["grad_norm"] > 0  # every group had reward spread
+        assert (r["reward_failures"], r["reward_timeouts"]) == (0, 0)
+        assert r["step_s"] >= r["rollout_s"] + r["reward_s"] + r["train_s"] - 1e-9
+    assert [e.metrics["step"] for e in events if isinstance(e, StepDone)] == [1, 2, 3]
+    assert any(isinstance(e, RolloutProgress) for e in events)
+    # The saved config reads back to the run's config.
+    saved = resolve(CONFIG_SECTIONS, toml=read_toml(out / "config.toml"))
+    assert saved == tiny_configs(char_model_dir, task_file)
+    for name in ("rewards", "lengths", "times"):
+        assert (out / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # One checkpoint kept; it is a loadable model directory, and training changed the weights.
+    (ckpt,) = RunDir(out).checkpoints()
+    assert ckpt.name == "step_000003"
+    trained, initial = load_model(ckpt, dtype="fp32"), load_model(char_model_dir, dtype="fp32")
+    assert not torch.equal(trained.model.embed_tokens.weight, initial.model.embed_tokens.weight)
+    assert trained.lm_head.weight is trained.model.embed_tokens.weight  # the tie survives
+
+
+def test_ctrl_c_then_resume_reproduces_the_uninterrupted_run(straight_run, tmp_path, char_model_dir, task_file):
+    straight, _ = straight_run
+    out = tmp_path / "interrupted"
+
+    def ctrl_c_in_step_3(event):
+        if isinstance(event, RolloutProgress) and event.step == 3 and event.progress.done >= 2:
+            raise KeyboardInterrupt
+
+    result = train(tiny_configs(char_model_dir, task_file), out, on_event=ctrl_c_in_step_3)
+    assert result.interrupted and result.step == 2
+    assert [p.name for p in RunDir(out).checkpoints()] == ["step_000002"]
+    assert [r["step"] for r in RunDir(out).read_metrics()] == [1, 2]
+
+    result = train(tiny_configs(char_model_dir, task_file), out, resume=True)
+    assert result.step == 3 and not result.interrupted
+    assert comparable(RunDir(out).read_metrics()) == comparable(RunDir(straight).read_metrics())
+    weights, optimizer_state = final_state(out)
+    want_weights, want_optimizer = final_state(straight)
+    assert weights.keys() == want_weights.keys()
+    assert all(torch.equal(weights[k], want_weights[k]) for k in weights)
+    for a, b in zip(optimizer_state["state"].values(), want_optimizer["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+_KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from test_train import tiny_configs
+    import tailrl.rl.train
+    from tailrl.rl.train import RolloutProgress, train
+
+    tailrl.rl.train.write_plots = lambda records, out_dir: []
+
+    def kill_in_step_3(event):
+        if isinstance(event, RolloutProgress) and event.step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    train(tiny_configs(sys.argv[1], sys.argv[2]), sys.argv[3], on_event=kill_in_step_3)
+    """
+)
+
+
+def test_sigkill_mid_step_loses_only_that_step(straight_run, tmp_path, char_model_dir, task_file):
+    straight, _ = straight_run
+    out = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLER, str(char_model_dir), str(task_file), str(out)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert [r["step"] for r in RunDir(out).read_metrics()] == [1, 2]
+    train(tiny_configs(char_model_dir, task_file), out, resume=True)
+    assert comparable(RunDir(out).read_metrics()) == comparable(RunDir(straight).read_metrics())
+
+
+def test_truncate_metrics_drops_later_and_torn_records(tmp_path, char_model_dir, task_file):
+    run = RunDir.create(tmp_path / "run", tiny_configs(char_model_dir, task_file))
+    for step in (1, 2, 3):
+        run.append_metrics({"step": step, "reward_mean": step / 10})
+    with open(run.metrics_path, "a") as fh:
+        fh.write('{"step": 4, "rew')  # a kill mid-write
+    assert [r["step"] for r in run.read_metrics()] == [1, 2, 3]
+    run.truncate_metrics(2)
+    assert run.read_metrics() == [{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2}]
+
+
+def test_checkpoints_are_atomic(tmp_path, char_model_dir, task_file):
+    out = tmp_path / "run"
+    train(tiny_configs(char_model_dir, task_file, steps=1), out)
+    run = RunDir(out)
+    (first,) = run.checkpoints()
+    weights, optimizer_state = final_state(out)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    # A save that fails half-way (model written, optimizer not) leaves no checkpoint behind.
+    with pytest.raises(RuntimeError, match="disk full"):
+        run.save_checkpoint(weights, {"boom": Unpicklable()}, TrainState(step=2), char_model_dir)
+    assert run.checkpoints() == [first]
+    assert not any(p.name.startswith("step_000002") for p in run.checkpoints_dir.iterdir())
+    # A SIGKILL mid-save leaves its temporary directory; it is ignored, and removed on resume.
+    stale = run.checkpoints_dir / ".tmp-step_000002.999"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    assert run.latest_checkpoint() == first
+    train(tiny_configs(char_model_dir, task_file, steps=1), out, resume=True)
+    assert not stale.exists()
+
+
+def test_failing_reward_is_counted_and_skips_the_update(tmp_path, char_model_dir, task_file):
+    out = tmp_path / "run"
+    configs = tiny_configs(char_model_dir, task_file, steps=1, reward=f"{__name__}:failing_reward")
+    train(configs, out)
+    (r,) = RunDir(out).read_metrics()
+    assert r["reward_failures"] == 12 and r["reward_mean"] == 0.0
+    assert r["groups_skipped"] == 3 and r["loss"] == 0.0 and r["train_tokens"] == 0
+    trained = load_model(RunDir(out).latest_checkpoint(), dtype="fp32")
+    initial = load_model(char_model_dir, dtype="fp32")
+    assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters()))
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+def test_bad_configs_and_directories_fail_clearly(tmp_path, char_model_dir, task_file):
+    with pytest.raises(ConfigError, match="group_size must be >= 2"):
+        resolve(CONFIG_SECTIONS, toml={"train": {"group_size": 1}})
+    too_long = tiny_configs(char_model_dir, task_file, max_new_tokens=400)
+    with pytest.raises(ValueError, match="exceeds the model's context of 512 tokens"):
+        train(too_long, tmp_path / "long")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(RunDirError, match="cannot write the output directory"):
+        train(tiny_configs(char_model_dir, task_file), blocker / "run")
+    with pytest.raises(RunDirError, match="no checkpoint"):
+        train(too_long, tmp_path / "long", resume=True)
+
+    out = tmp_path / "run"
+    train(tiny_configs(char_model_dir, task_file, steps=1), out)
+    with pytest.raises(RunDirError, match="already holds a run"):
+        train(tiny_configs(char_model_dir, task_file, steps=1), out)
+    changed = tiny_configs(char_model_dir, task_file, steps=1)
+    changed["grpo"] = dataclasses.replace(changed["grpo"], lr=1e-3)
+    with pytest.raises(ConfigError, match=r"grpo\.lr"):
+        train(changed, out, resume=True)
+
+
+def test_sigint_is_held_until_the_block_ends():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("rest of the block")
+    assert done == ["rest of the block"]
