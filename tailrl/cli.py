@@ -102,12 +102,35 @@ def _run_generate(args: argparse.Namespace) -> None:
         print(f"{summary['tokens']} tokens in {summary['seconds']:.2f} s ({summary['tokens_per_s']:.1f} tok/s)", file=sys.stderr)
 
 
+# ---- bench ------------------------------------------------------------------------------------
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
+    bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    g = bench.add_parser("generate", help="engine tokens/s vs transformers generate")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    cfglib.add_arguments(g, _sections({"bench": "tailrl.bench.generate:BenchGenerateConfig"}))
+    g.set_defaults(run=_run_bench_generate)
+
+
+def _run_bench_generate(args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from tailrl.bench import generate as bench
+
+    cfg = cfglib.resolve(_sections({"bench": "tailrl.bench.generate:BenchGenerateConfig"}), args)["bench"]
+    rows = bench.run(cfg, log=(lambda *_: None) if args.json else print)
+    if args.json:
+        print(json.dumps({"results": [dict(asdict(r), speedup=round(r.speedup, 3)) for r in rows]}))
+
+
 # ---- entry ------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tailrl", description="GRPO training with fast, lossless speculative rollouts.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints ratios measured in one run (the machine is shared and noisy)."""

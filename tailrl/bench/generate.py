@@ -1,0 +1,90 @@
+"""`tailrl bench generate`: engine tokens/s vs transformers' own `generate`, same work.
+
+Both sides get the same model directory, dtype, thread count, prompts (the default task's, one
+distinct problem per row) and greedy decoding with the same max_new_tokens, so they produce
+(nearly) the same tokens; tokens/s counts generated tokens up to and including EOS.
+
+Knows: how to time both generators. Does not know: anything about training.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tailrl.engine import Engine, EngineConfig
+from tailrl.generate import encode_prompt, make_requests
+from tailrl.loading import DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
+from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task
+from tailrl.sampling import SamplingParams
+
+
+@dataclass
+class BenchGenerateConfig:
+    model: str | None = field(default=None, metadata={"help": "model directory (default: SmolLM2-135M-Instruct)"})
+    dtype: str = field(default="auto", metadata={"help": "weights and activations (auto: bf16 where the hardware has it)", "choices": ["auto", "bf16", "fp32"]})
+    batch_sizes: tuple[int, ...] = field(default=(1, 8, 64), metadata={"help": "comma-separated batch sizes"})
+    max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per row"})
+
+
+@dataclass
+class GenerateRow:
+    batch_size: int
+    tailrl_tok_s: float
+    hf_tok_s: float
+    tailrl_tokens: int
+    hf_tokens: int
+
+    @property
+    def speedup(self) -> float:
+        return self.tailrl_tok_s / self.hf_tok_s
+
+
+def _prompts(tok, n: int) -> list[tuple[int, ...]]:
+    task = make_task(DEFAULT_TASK)
+    return [encode_prompt(tok, format_prompt(task.sample(0, i).question)) for i in range(n)]
+
+
+def _hf_generate(hf, tok, prompts: list[tuple[int, ...]], max_new_tokens: int) -> tuple[int, float]:
+    """Left-padded batch through transformers; returns (generated tokens up to EOS, seconds)."""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    eos = set(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list) else [hf.generation_config.eos_token_id])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    seconds = time.perf_counter() - t0
+    tokens = 0
+    for row in out[:, width:].tolist():
+        for t in row:
+            tokens += 1
+            if t in eos:
+                break
+    return tokens, seconds
+
+
+def run(cfg: BenchGenerateConfig, log=print) -> list[GenerateRow]:
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_dir(cfg.model)
+    tok = load_tokenizer(path)
+    model = load_model(path, dtype=cfg.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[resolve_dtype(cfg.dtype)]).eval()
+    greedy = SamplingParams(temperature=0.0)
+    rows = []
+    for b in cfg.batch_sizes:
+        prompts = _prompts(tok, b)
+        engine = Engine(model, EngineConfig(max_batch=max(cfg.batch_sizes)))
+        engine.generate(make_requests(prompts[:1], 1, 0), greedy, 4)  # warm-up: allocate the cache
+        _hf_generate(hf, tok, prompts[:1], 4)
+        engine.generate(make_requests(prompts, 1, 0), greedy, cfg.max_new_tokens)
+        hf_tokens, hf_s = _hf_generate(hf, tok, prompts, cfg.max_new_tokens)
+        row = GenerateRow(b, engine.stats.tokens_per_s, hf_tokens / hf_s, engine.stats.tokens, hf_tokens)
+        log(f"batch {b:3d}: tailrl {row.tailrl_tok_s:7.1f} tok/s | transformers {row.hf_tok_s:7.1f} tok/s | "
+            f"ratio {row.speedup:5.2f}x  (tokens {row.tailrl_tokens} vs {row.hf_tokens})")
+        rows.append(row)
+    return rows
