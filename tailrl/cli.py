@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 from tailrl import config as cfglib
@@ -102,6 +103,42 @@ def _run_generate(args: argparse.Namespace) -> None:
         print(f"{summary['tokens']} tokens in {summary['seconds']:.2f} s ({summary['tokens_per_s']:.1f} tok/s)", file=sys.stderr)
 
 
+# ---- train ------------------------------------------------------------------------------------
+
+def _train_sections() -> dict[str, type]:
+    from tailrl.rl.train import CONFIG_SECTIONS
+
+    return CONFIG_SECTIONS
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train", help="GRPO training (default: SmolLM2 on the default task)",
+        description="GRPO training. With no flags: the default model learns the default reasoning task.",
+    )
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<timestamp>)")
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with one table per section below")
+    cfglib.add_arguments(p, _train_sections())
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> None:
+    from tailrl.rl.run_dir import CONFIG_FILE
+    from tailrl.rl.train import ConsolePrinter, train
+
+    if args.resume and args.out:
+        raise ValueError("give either --out (a new run) or --resume DIR, not both")
+    toml = cfglib.read_toml(args.config) if args.config else None
+    if args.resume and toml is None:
+        # The run's own resolved config; flags may still change what resume allows (e.g. --steps).
+        toml = cfglib.read_toml(Path(args.resume) / CONFIG_FILE)
+    configs = cfglib.resolve(_train_sections(), args, toml)
+    result = train(configs, args.resume or args.out, resume=bool(args.resume), on_event=ConsolePrinter())
+    state = "interrupted; resume with --resume" if result.interrupted else "done"
+    print(f"tailrl: {state}: {result.out_dir} (step {result.step})", file=sys.stderr)
+
+
 # ---- bench ------------------------------------------------------------------------------------
 
 def _add_bench(sub) -> None:
@@ -130,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tailrl", description="GRPO training with fast, lossless speculative rollouts.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
+    _add_train(sub)
     _add_bench(sub)
     return parser
 
