@@ -41,7 +41,13 @@ def progress_printer(label: str = "") -> Callable[[Progress], None]:
 
 # ---- generate ---------------------------------------------------------------------------------
 
-GENERATE_SECTIONS = {"generate": "tailrl.generate:GenerateConfig", "sampling": SamplingParams, "engine": EngineConfig}
+GENERATE_SECTIONS = {
+    "generate": "tailrl.generate:GenerateConfig",
+    "sampling": SamplingParams,
+    "engine": EngineConfig,
+    "spec": "tailrl.spec.modes:SpecConfig",
+    "tuner": "tailrl.tuner:TunerConfig",
+}
 
 
 def _sections(spec: dict) -> dict[str, type]:
@@ -69,6 +75,7 @@ def _run_generate(args: argparse.Namespace) -> None:
     from tailrl.engine import Engine
     from tailrl.generate import completion_text, encode_prompt, load_prompts, make_requests, stop_checker
     from tailrl.loading import load_model, load_tokenizer
+    from tailrl.spec.modes import install
 
     toml = cfglib.read_toml(args.config) if args.config else None
     c = cfglib.resolve(_sections(GENERATE_SECTIONS), args, toml)
@@ -81,6 +88,7 @@ def _run_generate(args: argparse.Namespace) -> None:
     ids = [encode_prompt(tok, p, gen.chat) for p in prompts]
     requests = make_requests(ids, gen.n, gen.seed)
     engine = Engine(model, c["engine"])
+    install(engine, c["spec"], c["tuner"], seed=gen.seed)
     out = engine.generate(
         requests, sampling, gen.max_new_tokens, stop=stop_checker(tok, args.stop),
         on_progress=None if args.json else progress_printer(),
@@ -97,10 +105,15 @@ def _run_generate(args: argparse.Namespace) -> None:
             print(f"--- prompt {req.group} sample {k % gen.n} ({len(comp.token_ids)} tokens, {comp.finish_reason})")
             print(text)
     summary = {"tokens": stats.tokens, "seconds": round(stats.seconds, 4), "tokens_per_s": round(stats.tokens_per_s, 2)}
+    if c["spec"].spec != "off":
+        sp = stats.spec
+        summary.update(accept_len=round(sp.accept_len, 3), proposed=sp.proposed, accepted=sp.accepted,
+                       verify_steps=sp.verify_steps, accept_hist=sp.accept_hist)
     if args.json:
         print(json.dumps({"stats": summary}))
     else:
-        print(f"{summary['tokens']} tokens in {summary['seconds']:.2f} s ({summary['tokens_per_s']:.1f} tok/s)", file=sys.stderr)
+        extra = f", accept_len {summary['accept_len']:.2f}" if "accept_len" in summary else ""
+        print(f"{summary['tokens']} tokens in {summary['seconds']:.2f} s ({summary['tokens_per_s']:.1f} tok/s{extra})", file=sys.stderr)
 
 
 # ---- train ------------------------------------------------------------------------------------

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-# Two cores: more threads than cores only adds contention.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One thread: tests are many tiny ops, where a second thread mostly adds synchronisation, and on
+# a shared 2-core machine it made some test files ~10x slower.
+torch.set_num_threads(1)
 
 TINY = dict(
     vocab_size=96,

@@ -1,0 +1,84 @@
+"""How a rollout decodes: `--spec off | on | auto` turned into the engine's step decoder.
+
+off  -> plain decoding every step (the baseline and the reference path).
+on   -> speculate every step with one arm: the learned drafter when `--drafter` is given, else
+        the n-gram drafter.
+auto -> the tuner picks per step among plain decoding and the available drafter arms, behind
+        TLT's switch gate (SD considered once the running batch stays small).
+
+Knows: the three modes, which arms exist, how to build proposers. Does not know: how any
+arm drafts or verifies, rewards, training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tailrl.engine import Engine, PlainDecoder, StepDecoder
+from tailrl.spec.tree import max_tree_nodes
+from tailrl.spec.decoder import NgramProposer, Proposer, SpecDecoder, fixed, tuned
+from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
+
+SPEC_MODES = ("off", "on", "auto")
+# Shapes the tuner chooses among in auto mode. Chains suit the n-gram drafter (its branches are
+# rarely right); the learned drafter gets a chain and a small tree. Verify cost grows with the
+# node count, so on a CPU trees stay small (DESIGN.md section 9).
+NGRAM_ARMS = (Arm("ngram", 4, 1, 4), Arm("ngram", 8, 1, 8))
+DRAFTER_ARMS = (Arm("drafter", 4, 1, 4), Arm("drafter", 6, 1, 6), Arm("drafter", 4, 2, 8))
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding of rollouts."""
+
+    spec: str = field(default="off", metadata={"help": "speculative decoding: off, on (every step) or auto (tuned)", "choices": SPEC_MODES})
+    drafter: str | None = field(default=None, metadata={"help": "learned drafter directory (default: n-gram drafter only)"})
+    num_steps: int = field(default=6, metadata={"help": "--spec on: draft depth"})
+    topk: int = field(default=1, metadata={"help": "--spec on: children expanded per draft node"})
+    num_draft_tokens: int = field(default=6, metadata={"help": "--spec on: draft nodes verified per step"})
+
+    def __post_init__(self) -> None:
+        if self.spec not in SPEC_MODES:
+            raise ValueError(f"spec must be one of {', '.join(SPEC_MODES)}, got {self.spec!r}")
+        if min(self.num_steps, self.topk, self.num_draft_tokens) < 1:
+            raise ValueError("num_steps, topk and num_draft_tokens must be >= 1")
+        if self.num_draft_tokens > max_tree_nodes(self.num_steps, self.topk):
+            raise ValueError(
+                f"num_draft_tokens {self.num_draft_tokens} is more than a tree of depth {self.num_steps} "
+                f"and top-{self.topk} expansions can hold"
+            )
+
+    @property
+    def arm(self) -> Arm:
+        return Arm("drafter" if self.drafter else "ngram", self.num_steps, self.topk, self.num_draft_tokens)
+
+
+def proposers(cfg: SpecConfig, engine: Engine) -> dict[str, Proposer]:
+    """The n-gram proposer always; the learned one when a drafter directory is given."""
+    out: dict[str, Proposer] = {"ngram": NgramProposer()}
+    if cfg.drafter:
+        from tailrl.spec.drafter import DrafterProposer, load_drafter
+
+        out["drafter"] = DrafterProposer(load_drafter(cfg.drafter, engine.model))
+    return out
+
+
+def install(engine: Engine, cfg: SpecConfig, tuner_cfg: TunerConfig | None = None, seed: int = 0,
+            tuner_state: dict[str, Any] | None = None) -> Tuner | None:
+    """Set the engine's step decoder for the mode; returns the tuner in auto mode (its state is
+    the caller's to checkpoint), else None."""
+    if cfg.spec == "off":
+        engine.decoder = PlainDecoder()
+        return None
+    props = proposers(cfg, engine)
+    if cfg.spec == "on":
+        engine.decoder = fixed(cfg.arm, props[cfg.arm.kind])
+        return None
+    arms = [PLAIN, *NGRAM_ARMS, *(DRAFTER_ARMS if "drafter" in props else ())]
+    tuner = Tuner(arms, tuner_cfg or TunerConfig(), seed=seed)
+    if tuner_state is not None:
+        tuner.load_state_dict(tuner_state)
+    decoder: StepDecoder = tuned(tuner, props)
+    engine.decoder = decoder
+    return tuner
