@@ -1,0 +1,46 @@
+"""--spec off | on | auto: same tokens in every mode; the tuner sees every step."""
+
+from __future__ import annotations
+
+import pytest
+
+from tailrl.engine import Engine, EngineConfig, Request
+from tailrl.loading import load_model
+from tailrl.sampling import SamplingParams
+from tailrl.spec.modes import SpecConfig, install
+from tailrl.tuner import TunerConfig
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(tiny_dir, dtype="fp32")
+
+
+def _requests() -> list[Request]:
+    # Repetitive prompts give the n-gram drafter something to match.
+    prompts = [(5, 6, 7, 5, 6, 7, 5, 6), (9, 10, 9, 10, 9), (3, 4, 3, 4)]
+    return [Request(p, seed=50 + 8 * g + s, group=g) for g, p in enumerate(prompts) for s in range(4)]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.95)])
+def test_modes_emit_identical_tokens(tiny, params):
+    reqs = _requests()
+    outputs = {}
+    for mode in ("off", "on", "auto"):
+        engine = Engine(tiny, EngineConfig(max_batch=5))
+        tuner = install(engine, SpecConfig(spec=mode, num_steps=4, topk=1, num_draft_tokens=4),
+                        TunerConfig(switch_patience=0), seed=1)
+        outputs[mode] = [c.token_ids for c in engine.generate(reqs, params, 40)]
+        if mode == "on":
+            assert engine.stats.spec.verify_steps > 0
+        if mode == "auto":
+            pulls = sum(sum(b["pulls"].values()) for b in tuner.summary().values())
+            assert pulls == engine.stats.steps  # every decode step rewarded the tuner once
+    assert outputs["off"] == outputs["on"] == outputs["auto"]
+
+
+def test_bad_spec_config():
+    with pytest.raises(ValueError, match="spec must be one of"):
+        SpecConfig(spec="maybe")
+    with pytest.raises(ValueError, match="can hold"):
+        SpecConfig(spec="on", num_steps=2, topk=1, num_draft_tokens=3)
