@@ -152,6 +152,46 @@ def _run_train(args: argparse.Namespace) -> None:
     print(f"tailrl: {state}: {result.out_dir} (step {result.step})", file=sys.stderr)
 
 
+# ---- drafter ----------------------------------------------------------------------------------
+
+def _add_drafter(sub) -> None:
+    p = sub.add_parser("drafter", help="train (warm up) and export the speculative drafter")
+    d = p.add_subparsers(dest="drafter_command", metavar="ACTION", required=True)
+    w = d.add_parser("warmup", help="sample from the target, train a drafter, write it to --out")
+    w.add_argument("--out", metavar="DIR", required=True, help="drafter directory to write")
+    w.add_argument("--config", metavar="FILE.toml", help="TOML file with a [warmup] table")
+    cfglib.add_arguments(w, _sections({"warmup": "tailrl.spec.warmup:WarmupConfig"}))
+    w.set_defaults(run=_run_warmup)
+    e = d.add_parser("export", help="write a drafter as an EAGLE checkpoint for serving engines")
+    e.add_argument("drafter_dir", metavar="DRAFTER_DIR")
+    e.add_argument("--out", metavar="DIR", required=True, help="checkpoint directory to write")
+    e.set_defaults(run=_run_export)
+
+
+def _run_warmup(args: argparse.Namespace) -> None:
+    from tailrl.spec.warmup import warmup
+
+    toml = cfglib.read_toml(args.config) if args.config else None
+    cfg = cfglib.resolve(_sections({"warmup": "tailrl.spec.warmup:WarmupConfig"}), args, toml)["warmup"]
+
+    def show(p) -> None:
+        total = f"/{p.total}" if p.total else ""
+        loss = f" loss {p.loss:.4f}" if p.loss is not None else ""
+        print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s){loss}   ", end="", file=sys.stderr, flush=True)
+
+    report = warmup(cfg, Path(args.out), on_progress=show)
+    print(file=sys.stderr)
+    print(json.dumps({"drafter": args.out, "accept": report.accept, "vocab_coverage": round(report.vocab_coverage, 4),
+                      "train_seconds": round(report.train_seconds, 1), "steps": report.steps}))
+
+
+def _run_export(args: argparse.Namespace) -> None:
+    from tailrl.spec.export import export
+
+    out = export(args.drafter_dir, args.out)
+    print(f"tailrl: EAGLE checkpoint written to {out}", file=sys.stderr)
+
+
 # ---- bench ------------------------------------------------------------------------------------
 
 def _add_bench(sub) -> None:
@@ -161,6 +201,10 @@ def _add_bench(sub) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     cfglib.add_arguments(g, _sections({"bench": "tailrl.bench.generate:BenchGenerateConfig"}))
     g.set_defaults(run=_run_bench_generate)
+    sp = bench.add_parser("spec", help="plain vs speculative tokens/s per batch size and arm")
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+    cfglib.add_arguments(sp, _sections({"bench": "tailrl.bench.spec:BenchSpecConfig"}))
+    sp.set_defaults(run=_run_bench_spec)
 
 
 def _run_bench_generate(args: argparse.Namespace) -> None:
@@ -174,6 +218,19 @@ def _run_bench_generate(args: argparse.Namespace) -> None:
         print(json.dumps({"results": [dict(asdict(r), speedup=round(r.speedup, 3)) for r in rows]}))
 
 
+def _run_bench_spec(args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from tailrl.bench import spec as bench
+
+    cfg = cfglib.resolve(_sections({"bench": "tailrl.bench.spec:BenchSpecConfig"}), args)["bench"]
+    rows = bench.run(cfg, log=(lambda *_: None) if args.json else print)
+    if args.json:
+        print(json.dumps({"results": [asdict(r) for r in rows]}))
+    if not all(r.identical for r in rows):
+        raise RuntimeError("speculative decoding changed the tokens: a losslessness bug")
+
+
 # ---- entry ------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_train(sub)
+    _add_drafter(sub)
     _add_bench(sub)
     return parser
 
