@@ -147,7 +147,8 @@ def test_loss_is_minimal_for_an_oracle_only_at_the_right_offset(target):
 
     Then h_{i+1} = G[x_{i+1}] is computable from the entry's own token, so an oracle drafter
     returning G[ids] has SmoothL1 0 and cross-entropy equal to the target distribution's entropy.
-    An entry paired one position off (h_i or h_{i+2}) cannot be predicted from x_{i+1}.
+    An entry paired one position off (h_i or h_{i+2}) cannot be predicted from x_{i+1}. The same
+    holds one step deeper (the unrolled loss), where the oracle reads the drafted token x_{i+2}.
     """
     d = _drafter(target)
     g = torch.Generator().manual_seed(3)
@@ -163,6 +164,10 @@ def test_loss_is_minimal_for_an_oracle_only_at_the_right_offset(target):
     entropy = float(-(p * p.log()).sum(-1).mean())
     assert right.smooth_l1 == 0.0 and right.ce == pytest.approx(entropy, rel=1e-5)
     assert right.top1_target == 1.0
+    # One draft step deeper (unroll): (h_{i+1} as predicted, x_{i+2}) -> h_{i+2} = G[x_{i+2}], also exact.
+    both, _ = drafter_loss(d, batch, head, ce_weight=0.1, unroll=True)
+    ent = -(p * p.log()).sum(-1)  # (T,) per entry
+    assert float(both) == pytest.approx(0.1 * float(ent.mean()) + 0.1 * float(ent[1:].mean()), rel=1e-5)
     for shift in (-1, 1):
         d.forward = lambda hidden, ids, positions, view=None, mask=None, s=shift: table[tokens[1 + s : 1 + s + ids.shape[1]]][None]
         _, wrong = drafter_loss(d, batch, head, ce_weight=0.1)
@@ -275,3 +280,19 @@ def test_export_round_trip_reproduces_the_drafter(tmp_path, target, seqs):
     assert head["t2d"].sum() == len(VOCAB) and torch.equal(torch.load(out / "hot_token_ids.pt"), d.d2t)
     back = load_exported(out, target)
     assert torch.equal(_outputs(back, seqs), _outputs(d, seqs))
+
+
+@pytest.mark.slow
+def test_warmup_on_smollm2_writes_a_drafter_and_its_curves(tmp_path, smollm2_dir):
+    from tailrl.spec.warmup import WarmupConfig, warmup
+
+    cfg = WarmupConfig(model=str(smollm2_dir), num_prompts=6, holdout_prompts=2, group_size=2, max_new_tokens=32,
+                       seconds=0, steps=15, batch_tokens=512, draft_vocab_size=512)
+    events = []
+    report = warmup(cfg, tmp_path / "dr", on_progress=events.append)
+    assert {e.phase for e in events} == {"sample", "train", "eval"}
+    for name in ("drafter.json", "drafter.safetensors", "loss.png", "losses.json"):
+        assert (tmp_path / "dr" / name).is_file()
+    assert report.steps == 15 and len(json.loads((tmp_path / "dr" / "losses.json").read_text())["train_loss"]) == 15
+    assert report.heldout["after"]["loss"] < report.heldout["before"]["loss"]
+    assert all(v["accept_len"] >= 1.0 for v in report.accept.values())

@@ -4,6 +4,7 @@ Ctrl-C or SIGKILL reproducing an uninterrupted run, the run directory's files, a
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -21,17 +22,19 @@ from tailrl.config import ConfigError, read_toml, resolve
 from tailrl.engine import EngineConfig
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig
+from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir, RunDirError, TrainState
 from tailrl.rl.train import (
     CONFIG_SECTIONS,
-    RolloutProgress,
     Sample,
-    StepDone,
     TrainConfig,
     accumulate_gradients,
+    packed_logprobs,
+    policy_weights,
     sigint_deferred,
     train,
 )
+from tailrl.spec.modes import SpecConfig
 
 # Metrics that are wall-clock measurements, so differ between runs of the same computation.
 TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_tok_s"}
@@ -83,7 +86,8 @@ def task_file(tmp_path_factory):
 
 def tiny_configs(model_dir: Path, task: Path, **train_overrides) -> dict:
     train_kw = dict(
-        model=str(model_dir), task=str(task), reward=f"{__name__}:high_chars_reward",
+        # bf16 rollouts on an fp32 policy: the engine runs on a copy that each update refreshes.
+        model=str(model_dir), dtype="bf16", task=str(task), reward=f"{__name__}:high_chars_reward",
         num_prompts=3, group_size=4, max_new_tokens=12, steps=3, seed=5,
     )
     train_kw.update(train_overrides)
@@ -127,13 +131,14 @@ def straight_run(tmp_path_factory, char_model_dir, task_file):
 # ---- the update ------------------------------------------------------------------------------
 
 
-def _ragged_samples(vocab: int, n: int = 8) -> list[Sample]:
+def _ragged_samples(vocab: int) -> list[Sample]:
+    """Eight responses of lengths 1-9 to three prompts (3 + 3 + 2 responses, siblings adjacent)."""
     g = torch.Generator().manual_seed(0)
+    prompts = [tuple(torch.randint(3, vocab, (p,), generator=g).tolist()) for p in (5, 3, 7)]
     out = []
-    for i in range(n):
-        p, t = 3 + i % 5, 1 + (5 * i) % 9
-        ids = torch.randint(3, vocab, (p + t,), generator=g).tolist()
-        out.append(Sample(tuple(ids[:p]), ids[p:], float(torch.randn(1, generator=g))))
+    for i in range(8):
+        n = 1 + (5 * i) % 9
+        out.append(Sample(prompts[i // 3], torch.randint(3, vocab, (n,), generator=g).tolist(), float(torch.randn(1, generator=g))))
     return out
 
 
@@ -168,7 +173,8 @@ def test_micro_batches_give_the_full_batch_gradient(char_model_dir):
             p.add_(0.01 * torch.randn_like(p))
     samples = _ragged_samples(policy.cfg.vocab_size)
     want_loss, want = _reference_grads(policy, ref, samples, 0.7, kl_coef=0.1)
-    for micro in (8, 3, 1):
+    # 8: one pack with three prompts; 3 and 5: packs that split groups; 1: a row per response.
+    for micro in (8, 5, 3, 1):
         policy.zero_grad()
         cfg = GRPOConfig(micro_batch=micro, kl_coef=0.1)
         stats = accumulate_gradients(policy, samples, cfg, 0.7, ref)
@@ -177,6 +183,30 @@ def test_micro_batches_give_the_full_batch_gradient(char_model_dir):
         assert stats.kl > 0 and stats.ratio_mean == pytest.approx(1.0, abs=1e-12)
         for p, w in zip(policy.parameters(), want):
             torch.testing.assert_close(p.grad, w, rtol=0, atol=1e-12)
+
+
+def test_one_update_moves_the_policy_towards_better_responses(char_model_dir):
+    # The update ascends J = sum_i A_i * sum_t log p(token_it) / N; a small enough SGD step
+    # must raise J (first order), and the best response's log-prob must rise relative to the worst.
+    policy = load_model(char_model_dir, dtype="fp32").double().requires_grad_(True)
+    samples = _ragged_samples(policy.cfg.vocab_size)
+
+    def objective_and_logprobs():
+        with torch.no_grad():
+            lp = packed_logprobs(policy, samples, 1.0)[0]  # (N,)
+        per_sample = torch.split(lp, [len(s.token_ids) for s in samples])
+        j = sum(s.advantage * x.sum() for s, x in zip(samples, per_sample)) / lp.numel()
+        return float(j), [float(x.sum()) for x in per_sample]
+
+    j0, lp0 = objective_and_logprobs()
+    policy.zero_grad()
+    accumulate_gradients(policy, samples, GRPOConfig(micro_batch=3), 1.0)
+    torch.optim.SGD(policy.parameters(), lr=1e-2).step()
+    j1, lp1 = objective_and_logprobs()
+    assert j1 > j0
+    best = max(range(len(samples)), key=lambda i: samples[i].advantage)
+    worst = min(range(len(samples)), key=lambda i: samples[i].advantage)
+    assert lp1[best] - lp0[best] > lp1[worst] - lp0[worst]
 
 
 # ---- the loop, the run directory and resume -------------------------------------------------------
@@ -196,9 +226,19 @@ def test_metrics_config_and_plots(straight_run, char_model_dir, task_file):
         assert r["step_s"] >= r["rollout_s"] + r["reward_s"] + r["train_s"] - 1e-9
     assert [e.metrics["step"] for e in events if isinstance(e, StepDone)] == [1, 2, 3]
     assert any(isinstance(e, RolloutProgress) for e in events)
+    # Off a terminal the printer writes the notices, one rollout line (it is rate-limited) and a
+    # summary line per step.
+    stream = io.StringIO()
+    printer = ConsolePrinter(stream, every_s=3600)
+    for e in events:
+        printer(e)
+    lines = stream.getvalue().splitlines()
+    assert sum(line.startswith("step 1/3 rollout:") for line in lines) == 1
+    assert [line.split(" |")[0] for line in lines if " | reward " in line] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert all(e.text in lines for e in events if isinstance(e, Notice))
     # The saved config reads back to the run's config.
     saved = resolve(CONFIG_SECTIONS, toml=read_toml(out / "config.toml"))
-    assert saved == tiny_configs(char_model_dir, task_file)
+    assert saved == {**resolve(CONFIG_SECTIONS), **tiny_configs(char_model_dir, task_file)}  # spec, tuner: defaults
     for name in ("rewards", "lengths", "times"):
         assert (out / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # One checkpoint kept; it is a loadable model directory, and training changed the weights.
@@ -238,7 +278,8 @@ _KILLER = textwrap.dedent(
     import os, signal, sys
     from test_train import tiny_configs
     import tailrl.rl.train
-    from tailrl.rl.train import RolloutProgress, train
+    from tailrl.rl.progress import RolloutProgress
+    from tailrl.rl.train import train
 
     tailrl.rl.train.write_plots = lambda records, out_dir: []
 
@@ -265,6 +306,22 @@ def test_sigkill_mid_step_loses_only_that_step(straight_run, tmp_path, char_mode
     assert comparable(RunDir(out).read_metrics()) == comparable(RunDir(straight).read_metrics())
 
 
+def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_file):
+    # fp32 rollouts, so a verify forward and a one-token step agree except at exact near-ties,
+    # which this seeded tiny run does not hit (deterministic: no false-failure probability).
+    runs = {}
+    for mode in ("off", "on"):
+        configs = tiny_configs(char_model_dir, task_file, dtype="fp32", steps=2)
+        configs["spec"] = SpecConfig(spec=mode, num_steps=3, num_draft_tokens=3)
+        train(configs, tmp_path / mode)
+        runs[mode] = RunDir(tmp_path / mode).read_metrics()
+    assert all(r["spec_verify_steps"] == 0 for r in runs["off"])
+    assert all(r["spec_verify_steps"] > 0 for r in runs["on"])  # it did speculate
+    speed = TIMING | {"decode_steps", "spec_verify_steps", "spec_accept_len"}
+    same = {mode: [{k: v for k, v in r.items() if k not in speed} for r in records] for mode, records in runs.items()}
+    assert same["on"] == same["off"]
+
+
 def test_truncate_metrics_drops_later_and_torn_records(tmp_path, char_model_dir, task_file):
     run = RunDir.create(tmp_path / "run", tiny_configs(char_model_dir, task_file))
     for step in (1, 2, 3):
@@ -277,11 +334,11 @@ def test_truncate_metrics_drops_later_and_torn_records(tmp_path, char_model_dir,
 
 
 def test_checkpoints_are_atomic(tmp_path, char_model_dir, task_file):
-    out = tmp_path / "run"
-    train(tiny_configs(char_model_dir, task_file, steps=1), out)
-    run = RunDir(out)
-    (first,) = run.checkpoints()
-    weights, optimizer_state = final_state(out)
+    configs = tiny_configs(char_model_dir, task_file)
+    run = RunDir.create(tmp_path / "run", configs)
+    weights = policy_weights(load_model(char_model_dir, dtype="fp32"))
+    first = run.save_checkpoint(weights, {"state": {}}, TrainState(step=1, data_cursor=3), char_model_dir)
+    assert run.checkpoints() == [first] and RunDir.load_checkpoint(first)[1].data_cursor == 3
 
     class Unpicklable:
         def __reduce__(self):
@@ -291,14 +348,17 @@ def test_checkpoints_are_atomic(tmp_path, char_model_dir, task_file):
     with pytest.raises(RuntimeError, match="disk full"):
         run.save_checkpoint(weights, {"boom": Unpicklable()}, TrainState(step=2), char_model_dir)
     assert run.checkpoints() == [first]
-    assert not any(p.name.startswith("step_000002") for p in run.checkpoints_dir.iterdir())
+    assert [p.name for p in run.checkpoints_dir.iterdir()] == [first.name]
     # A SIGKILL mid-save leaves its temporary directory; it is ignored, and removed on resume.
     stale = run.checkpoints_dir / ".tmp-step_000002.999"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
     assert run.latest_checkpoint() == first
-    train(tiny_configs(char_model_dir, task_file, steps=1), out, resume=True)
+    RunDir.open(run.path, configs)
     assert not stale.exists()
+    # keep=1: a newer checkpoint replaces the older one only once it is complete.
+    second = run.save_checkpoint(weights, {"state": {}}, TrainState(step=2), char_model_dir, keep=1)
+    assert run.checkpoints() == [second]
 
 
 def test_failing_reward_is_counted_and_skips_the_update(tmp_path, char_model_dir, task_file):
@@ -316,7 +376,7 @@ def test_failing_reward_is_counted_and_skips_the_update(tmp_path, char_model_dir
 # ---- errors ----------------------------------------------------------------------------------
 
 
-def test_bad_configs_and_directories_fail_clearly(tmp_path, char_model_dir, task_file):
+def test_bad_configs_and_directories_fail_clearly(straight_run, tmp_path, char_model_dir, task_file):
     with pytest.raises(ConfigError, match="group_size must be >= 2"):
         resolve(CONFIG_SECTIONS, toml={"train": {"group_size": 1}})
     too_long = tiny_configs(char_model_dir, task_file, max_new_tokens=400)
@@ -329,13 +389,12 @@ def test_bad_configs_and_directories_fail_clearly(tmp_path, char_model_dir, task
     with pytest.raises(RunDirError, match="no checkpoint"):
         train(too_long, tmp_path / "long", resume=True)
 
-    out = tmp_path / "run"
-    train(tiny_configs(char_model_dir, task_file, steps=1), out)
+    out, _ = straight_run
     with pytest.raises(RunDirError, match="already holds a run"):
-        train(tiny_configs(char_model_dir, task_file, steps=1), out)
-    changed = tiny_configs(char_model_dir, task_file, steps=1)
+        train(tiny_configs(char_model_dir, task_file), out)
+    changed = tiny_configs(char_model_dir, task_file, steps=5)  # steps may change on resume, lr may not
     changed["grpo"] = dataclasses.replace(changed["grpo"], lr=1e-3)
-    with pytest.raises(ConfigError, match=r"grpo\.lr"):
+    with pytest.raises(ConfigError, match=r"grpo\.lr: 0\.03 -> 0\.001$"):
         train(changed, out, resume=True)
 
 
@@ -346,3 +405,4 @@ def test_sigint_is_held_until_the_block_ends():
             os.kill(os.getpid(), signal.SIGINT)
             done.append("rest of the block")
     assert done == ["rest of the block"]
+

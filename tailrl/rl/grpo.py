@@ -24,7 +24,8 @@ class GRPOConfig:
     lr: float = field(default=1e-5, metadata={"help": "AdamW learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     micro_batch: int = field(
-        default=4, metadata={"help": "responses per forward/backward; gradients accumulate over the batch"}
+        default=4,
+        metadata={"help": "responses per forward/backward (packed with their shared prompt); gradients accumulate"},
     )
     grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0 = no clipping)"})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip range below 1 (ratio >= 1 - clip_low)"})
@@ -106,8 +107,9 @@ def policy_loss(
 ) -> LossTerms:
     """PPO-clip surrogate with token-mean aggregation and an optional k3 KL penalty.
 
-    logprobs (B, T) carry the graph; old_logprobs, ref_logprobs (B, T), advantages (B,) and
-    mask (B, T) are constants. Per token:
+    logprobs (B, T) carry the graph; old_logprobs, ref_logprobs (B, T), advantages (B,) per
+    row or (B, T) per token (for rows that pack several responses) and mask (B, T) are
+    constants. Per token:
         ratio = exp(logprobs - old_logprobs)
         pg    = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
         k3    = exp(ref - lp) - (ref - lp) - 1        (>= 0, unbiased for KL(pi || ref))
@@ -124,7 +126,9 @@ def policy_loss(
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
-    adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # (B, 1)
+    adv = advantages.to(logprobs.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)  # (B, 1)
     # Padding may hold any log-prob (even -inf): zero its log-ratio before exp so that neither
     # the forward (inf * 0) nor the backward (0 * inf) produces NaN.
     log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), 0.0)  # (B, T)

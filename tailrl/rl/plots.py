@@ -1,6 +1,6 @@
 """PNG plots of a run, redrawn from its metrics records after every step.
 
-- rewards.png: mean reward per step with a +-1 std band, and the share of answers in the format.
+- rewards.png: mean reward per step, its moving average, and the share of answers in the format.
 - lengths.png: every response's length per step (the long tail made visible) with the median,
   90th percentile and max, and a histogram of the latest step.
 - times.png: the step time split into rollout, reward, train and the rest.
@@ -8,7 +8,7 @@
 Uses matplotlib's object API with the Agg canvas (no pyplot, no global backend, no display).
 Files are replaced atomically, so an image viewer never reads a half-written PNG.
 
-Knows: the metrics record fields (step, reward_mean, reward_std, format_rate, response_lens,
+Knows: the metrics record fields (step, reward_mean, format_rate, response_lens,
 max_new_tokens, rollout_s, reward_s, train_s, step_s). Does not know: how they were measured.
 """
 
@@ -39,17 +39,27 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
+def _integer_steps(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def plot_rewards(records: Sequence[dict[str, Any]], path: Path) -> None:
     steps = np.array([r["step"] for r in records])
     mean = np.array([r["reward_mean"] for r in records])
-    std = np.array([r["reward_std"] for r in records])
     fig = _figure(7, 4)
     ax = fig.add_subplot()
-    ax.plot(steps, mean, marker="o", ms=3, label="mean reward")
-    ax.fill_between(steps, mean - std, mean + std, alpha=0.2, label="+-1 std")
+    ax.plot(steps, mean, marker="o", ms=3, alpha=0.6, label="mean reward")
+    # One step's mean over a few prompts is noisy; a trailing average shows the trend.
+    window = 5
+    trend = [mean[max(0, i - window + 1) : i + 1].mean() for i in range(len(mean))]
+    ax.plot(steps, trend, lw=2, label=f"average of the last {window} steps")
     if all("format_rate" in r for r in records):
         ax.plot(steps, [r["format_rate"] for r in records], ls="--", label="answer in format")
     ax.set(xlabel="step", ylabel="reward", title="Reward per step")
+    ax.set_ylim(min(0.0, float(mean.min())) - 0.02, max(1.0, float(mean.max())) + 0.02)
+    _integer_steps(ax)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     _save(fig, path)
@@ -61,14 +71,17 @@ def plot_lengths(records: Sequence[dict[str, Any]], path: Path) -> None:
     rng = np.random.default_rng(0)  # horizontal jitter only, so points do not hide each other
     for r in records:
         lens = np.asarray(r["response_lens"])
-        ax.scatter(r["step"] + rng.uniform(-0.25, 0.25, len(lens)), lens, s=6, alpha=0.35, color="tab:blue", lw=0)
+        ax.scatter(r["step"] + rng.uniform(-0.25, 0.25, len(lens)), lens, s=6, alpha=0.5, color="tab:blue", lw=0, zorder=3)
     steps = [r["step"] for r in records]
     for q, style, label in ((50, "-", "median"), (90, "--", "p90"), (100, ":", "max")):
         ax.plot(steps, [np.percentile(r["response_lens"], q) for r in records], ls=style, color="k", label=label)
     limit = records[-1].get("max_new_tokens")
     if limit:
         ax.axhline(limit, color="tab:red", lw=0.8, label="max_new_tokens")
+    # Log scale: the typical response and the tail differ by an order of magnitude or more.
+    ax.set_yscale("log")
     ax.set(xlabel="step", ylabel="response length (tokens)", title="Response lengths per step")
+    _integer_steps(ax)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     last = records[-1]
@@ -88,6 +101,7 @@ def plot_times(records: Sequence[dict[str, Any]], path: Path) -> None:
         ax.bar(steps, values, bottom=bottom, label=name, width=0.8)
         bottom = bottom + values
     ax.set(xlabel="step", ylabel="seconds", title="Time per step")
+    _integer_steps(ax)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(loc="best", fontsize=8)
     _save(fig, path)

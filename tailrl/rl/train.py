@@ -5,54 +5,64 @@ it are the update's tensor plumbing (log-probs of responses, gradient accumulati
 seam where speculative decoding plugs in (`build_engine`).
 
 Weights. The policy trains in `train_dtype` (fp32 master weights: an AdamW update of lr ~1e-5
-relative to a weight vanishes in bf16's 8-bit mantissa). Rollouts run on a copy in `dtype`
-(bf16 decodes 1.1-2.8x faster than fp32 on this CPU) that is refreshed from the policy after
-every update; when the two dtypes match, the engine uses the policy itself.
+relative to a weight vanishes in bf16's 8-bit mantissa). Rollouts run in `dtype`; when it
+differs, on a copy refreshed from the policy after every update, else on the policy itself.
+dtype "auto" (tailrl.loading.resolve_dtype) picks bf16 only where bf16 matmuls are fast: on
+GPUs and on CPUs with AVX512-BF16 or AMX. Without them (e.g. an AVX2-only CPU) a bf16 GEMM
+runs on a slow fallback: measured on such a 2-core EPYC VM, 1 thread, SmolLM2-135M: a batch-64
+decode step 2.06 s bf16 vs 0.39 s fp32, a 93-token prefill 2.9 s vs 0.5 s, batch 1 equal.
 
 Old-policy log-probs. Each rollout batch gets exactly one optimizer step, so the policy that
 sampled it is the policy before the update, and its log-probs are the trainer's own: recomputed
 in the same forward and detached. The ratio is then exactly 1, the clip is inactive and the
 gradient is A * grad log p (DeepSeek's GRPO with one iteration per batch, TRL's default). The
-engine's log-probs are not used: they come from the bf16 copy, and would put its rounding
-difference from the fp32 policy into the ratio.
+engine's log-probs are not used: they come from other kernels (cached decode steps) and possibly
+a bf16 copy, and would put that rounding difference into the ratio.
 
 Skipped groups. A group whose rewards are all equal has zero advantages; it is left out of the
 update (neither computed nor counted in the token mean, as DAPO's dynamic sampling drops it) but
 counts in the reward metrics.
 
+Speculative rollouts ([spec] section, tailrl.spec.modes) are lossless, so they change speed,
+not tokens, up to float rounding at near-ties (a multi-token verify rounds differently from a
+one-token step). In auto mode the tuner picks arms by measured speed and its state is
+checkpointed, but a resumed run reproduces the uninterrupted one bit for bit only with spec off
+(or where no near-tie flips a token).
+
 Knows: tasks, rewards, the tokenizer, the engine's interface, AdamW, the run directory.
 Does not know: how the engine produces tokens (plain or speculative).
 
-Shapes: P prompts, G group_size, B responses in a micro-batch, L prompt + response tokens,
-T response tokens, E hidden size, V vocabulary.
+Shapes: P prompts, G group_size, L tokens in a packed row (prompts + responses), N response
+tokens in it, E hidden size, V vocabulary.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TextIO
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from tailrl.config import ConfigError
-from tailrl.engine import Engine, EngineConfig, Progress, Request
-from tailrl.loading import DTYPES, load_model, load_tokenizer, resolve_model_dir
+from tailrl.engine import Engine, EngineConfig, Request
+from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig, group_advantages, policy_loss, sequence_logprobs
 from tailrl.rl.plots import write_plots
+from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
 from tailrl.rl.rewards import from_reward_fn, load_reward, safe_rewards, task_reward
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
 from tailrl.rl.tasks import DEFAULT_TASK, extract_answer, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
+from tailrl.spec.modes import SpecConfig, install
+from tailrl.tuner import Tuner, TunerConfig
 
-SPEC_MODES = ("off",)
+DEVICES = ("auto", "cpu", "cuda")
 # Fields that cannot change a run's results, so a resume may change them.
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints")
 
@@ -62,7 +72,10 @@ class TrainConfig:
     """One GRPO run: model, task, rollout shape, length and checkpoints."""
 
     model: str | None = field(default=None, metadata={"help": "model directory (None = SmolLM2-135M-Instruct)"})
-    dtype: str = field(default="bf16", metadata={"help": "rollout dtype", "choices": tuple(DTYPES)})
+    device: str = field(default="auto", metadata={"help": "auto = cuda when present, else cpu", "choices": DEVICES})
+    dtype: str = field(
+        default="auto", metadata={"help": "rollout dtype; auto = bf16 where it is fast, else fp32", "choices": DTYPE_CHOICES}
+    )
     train_dtype: str = field(
         default="fp32", metadata={"help": "policy (master weights) dtype for the update", "choices": tuple(DTYPES)}
     )
@@ -84,13 +97,12 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "run seed: data order and every sampling seed"})
     checkpoint_every: int = field(default=1, metadata={"help": "save a checkpoint every N steps (and at the end)"})
     keep_checkpoints: int = field(default=1, metadata={"help": "checkpoints kept on disk (the newest)"})
-    spec: str = field(default="off", metadata={"help": "speculative rollout decoding", "choices": SPEC_MODES})
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2: GRPO normalises rewards within a group, got {self.group_size}")
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0: greedy rollouts make a group's responses identical")
+            raise ValueError(f"temperature must be > 0 (greedy makes a group's responses identical), got {self.temperature}")
         for name in ("num_prompts", "max_new_tokens", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -100,35 +112,14 @@ class TrainConfig:
             raise ValueError(f"format_weight must be in [0, 1], got {self.format_weight}")
         if not self.reward_timeout_s > 0:
             raise ValueError(f"reward_timeout_s must be positive, got {self.reward_timeout_s}")
-        for name in ("dtype", "train_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
-        if self.spec not in SPEC_MODES:
-            raise ValueError(f"spec must be one of {', '.join(SPEC_MODES)}, got {self.spec!r}")
+        for name, valid in (("device", DEVICES), ("dtype", DTYPE_CHOICES), ("train_dtype", tuple(DTYPES))):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
 
 
-CONFIG_SECTIONS: dict[str, type] = {"train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig}
-
-
-# ---- events: what a progress display sees ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RolloutProgress:
-    step: int
-    steps: int
-    progress: Progress
-
-
-@dataclass(frozen=True)
-class StepDone:
-    steps: int
-    metrics: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Notice:
-    text: str
+CONFIG_SECTIONS: dict[str, type] = {
+    "train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig, "spec": SpecConfig, "tuner": TunerConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -150,32 +141,47 @@ class Sample:
     advantage: float
 
 
-def response_logprobs(model: Transformer, samples: Sequence[Sample], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each response token's log-prob under `model`, and the mask of real tokens.  -> (B, T), (B, T)
+def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: float) -> torch.Tensor:
+    """Each response token's log-prob under `model`, all samples packed in one row.  -> (1, N)
 
-    Rows are prompt + response, right-padded; attention is causal, so padding never reaches a
-    real token. Only response positions go through the LM head (V is large).
+    Consecutive samples with the same prompt share one copy of it: the row reads prompt,
+    response, response, ..., next prompt, .... A response token attends to its prompt and to
+    its own earlier tokens, and positions restart after the prompt, so every token sees what
+    it would see in a row of its own, while the prompt is computed once per pack instead of
+    once per response (it is most of the tokens when responses are short).
     """
     device = model.lm_head.weight.device
-    b = len(samples)
-    rows = [list(s.prompt_ids) + list(s.token_ids) for s in samples]
-    length = max(map(len, rows))
-    t = max(len(s.token_ids) for s in samples)
-    ids = torch.zeros(b, length, dtype=torch.long)  # (B, L)
-    tokens = torch.zeros(b, t, dtype=torch.long)  # (B, T)
-    mask = torch.zeros(b, t, dtype=torch.bool)  # (B, T)
-    for i, (row, s) in enumerate(zip(rows, samples)):
-        ids[i, : len(row)] = torch.tensor(row)
-        tokens[i, : len(s.token_ids)] = torch.tensor(list(s.token_ids))
-        mask[i, : len(s.token_ids)] = True
-    ids, tokens, mask = ids.to(device), tokens.to(device), mask.to(device)
-    positions = torch.arange(length, device=device).expand(b, length)  # (B, L)
-    h = model.hidden(ids, positions)  # (B, L, E)
-    # The hidden state at position len(prompt) - 1 + t predicts response token t.
-    start = torch.tensor([len(s.prompt_ids) - 1 for s in samples], device=device)
-    idx = (start[:, None] + torch.arange(t, device=device)[None]).clamp(max=length - 1)  # (B, T)
-    h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))  # (B, T, E)
-    return sequence_logprobs(model.lm_head(h), tokens, temperature), mask
+    ids: list[int] = []
+    positions: list[int] = []
+    doc: list[int] = []  # which prompt a token belongs to
+    seg: list[int] = []  # which response a token belongs to; -1 for prompt tokens
+    pred: list[int] = []  # for each response token, the row index of the hidden state predicting it
+    targets: list[int] = []
+    prompt: tuple[int, ...] | None = None
+    for k, s in enumerate(samples):
+        if s.prompt_ids != prompt:
+            prompt = s.prompt_ids
+            ids += prompt
+            positions += range(len(prompt))
+            doc += [k] * len(prompt)
+            seg += [-1] * len(prompt)
+            prompt_last = len(ids) - 1
+        start, n = len(ids), len(s.token_ids)
+        pred += [prompt_last] + list(range(start, start + n - 1))
+        ids += s.token_ids
+        targets += s.token_ids
+        positions += range(len(prompt), len(prompt) + n)
+        doc += [doc[prompt_last]] * n
+        seg += [k] * n
+    row = torch.arange(len(ids), device=device)
+    d, g = torch.tensor(doc, device=device), torch.tensor(seg, device=device)
+    # (L, L): causal, within one prompt's block, and never into a sibling response.
+    mask = (row[None] <= row[:, None]) & (d[None] == d[:, None]) & ((g[None] == -1) | (g[None] == g[:, None]))
+    h = model.hidden(
+        torch.tensor([ids], device=device), torch.tensor([positions], device=device), mask=mask[None, None]
+    )  # (1, L, E)
+    logits = model.lm_head(h[:, torch.tensor(pred, device=device)])  # (1, N, V)
+    return sequence_logprobs(logits, torch.tensor([targets], device=device), temperature)
 
 
 @dataclass(frozen=True)
@@ -197,32 +203,31 @@ def accumulate_gradients(
     temperature: float,
     ref: Transformer | None = None,
 ) -> UpdateStats:
-    """Backpropagate the token-mean GRPO loss of `samples` into .grad, cfg.micro_batch rows at a time.
+    """Backpropagate the token-mean GRPO loss of `samples` into .grad, cfg.micro_batch
+    responses per forward/backward (packed with their prompts, see packed_logprobs).
 
     Every micro-batch divides by the token count of the whole batch, so the accumulated gradient
     is that of one big batch (a per-micro-batch mean would overweight short micro-batches).
+    Samples with the same prompt should be adjacent, so that packs share prompts.
     """
     total = sum(len(s.token_ids) for s in samples)
     if total == 0:
         return UpdateStats()
-    # Longest first, so a micro-batch holds similar lengths and little padding; the loss is a
-    # sum over rows, so the order changes only float rounding.
-    order = sorted(range(len(samples)), key=lambda i: -(len(samples[i].prompt_ids) + len(samples[i].token_ids)))
     sums = dict(loss=0.0, pg_loss=0.0, kl=0.0, clip_fraction=0.0, ratio_mean=0.0)
-    for first in range(0, len(order), cfg.micro_batch):
-        rows = [samples[i] for i in order[first : first + cfg.micro_batch]]
-        logprobs, mask = response_logprobs(policy, rows, temperature)  # (B, T)
+    for first in range(0, len(samples), cfg.micro_batch):
+        pack = samples[first : first + cfg.micro_batch]
+        logprobs = packed_logprobs(policy, pack, temperature)  # (1, N)
         ref_logprobs = None
         if ref is not None:
             with torch.no_grad():
-                ref_logprobs, _ = response_logprobs(ref, rows, temperature)
-        adv = torch.tensor([s.advantage for s in rows], dtype=torch.float64, device=logprobs.device)  # (B,)
+                ref_logprobs = packed_logprobs(ref, pack, temperature)  # (1, N)
+        adv = torch.tensor([[s.advantage for s in pack for _ in s.token_ids]], dtype=torch.float64)  # (1, N)
         out = policy_loss(
-            logprobs, logprobs.detach(), adv, mask, cfg.clip_low, cfg.clip_upper,
-            ref_logprobs, cfg.kl_coef, num_tokens=total,
+            logprobs, logprobs.detach(), adv.to(logprobs.device), torch.ones_like(logprobs, dtype=torch.bool),
+            cfg.clip_low, cfg.clip_upper, ref_logprobs, cfg.kl_coef, num_tokens=total,
         )
         out.loss.backward()
-        share = int(mask.sum()) / total  # the diagnostics are micro-batch token means
+        share = logprobs.shape[1] / total  # the diagnostics are token means over this pack
         sums["loss"] += out.loss.item()
         for name in ("pg_loss", "kl", "clip_fraction", "ratio_mean"):
             sums[name] += getattr(out, name) * share
@@ -246,18 +251,20 @@ def policy_weights(model: Transformer) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_engine(model: Transformer, config: EngineConfig, spec: str) -> Engine:
-    """The rollout engine for a `spec` mode: the one place speculative decoding plugs in."""
-    if spec != "off":
-        raise ConfigError(f"spec {spec!r} is not available; valid: {', '.join(SPEC_MODES)}")
-    return Engine(model, config)
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no GPU")
+    return torch.device(name)
 
 
-def _stateful(engine: Engine) -> dict[str, Any]:
-    """Components whose state a checkpoint keeps besides the policy (e.g. a tuner or drafter
-    behind the engine's decoder): anything with state_dict() / load_state_dict()."""
-    parts = {"decoder": engine.decoder}
-    return {name: obj for name, obj in parts.items() if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")}
+def build_engine(model: Transformer, configs: dict[str, Any], seed: int,
+                 tuner_state: dict[str, Any] | None = None) -> tuple[Engine, Tuner | None]:
+    """The rollout engine, decoding as the [spec] section says (off, on, auto): the one place
+    speculative decoding plugs in. Returns the tuner too in auto mode (its state is checkpointed)."""
+    engine = Engine(model, configs["engine"])
+    return engine, install(engine, configs["spec"], configs["tuner"], seed=seed, tuner_state=tuner_state)
 
 
 def encode_prompt(tokenizer: Any, question: str) -> tuple[int, ...]:
@@ -316,6 +323,9 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
         "tokens_generated": int(lens.sum()),
         "rollout_tok_s": engine.stats.tokens_per_s,
         "prefill_s": engine.stats.prefill_seconds,
+        "decode_steps": engine.stats.steps,
+        "spec_verify_steps": engine.stats.spec.verify_steps,
+        "spec_accept_len": engine.stats.spec.accept_len,
         **times,
         "loss": stats.loss,
         "pg_loss": stats.pg_loss,
@@ -338,13 +348,15 @@ def train(
     resume: bool = False,
     on_event: Callable[[Any], None] | None = None,
 ) -> TrainResult:
-    """Run GRPO as configured ({"train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig}).
+    """Run GRPO as configured: configs maps CONFIG_SECTIONS' names to their dataclasses.
 
     A new run writes to `out_dir` (default runs/<timestamp>); `resume=True` continues the run
     in `out_dir` from its last checkpoint and reproduces what an uninterrupted run computes.
     Ctrl-C saves the last completed step and returns with `interrupted=True`.
     """
-    tc, gc, ec = configs["train"], configs["grpo"], configs["engine"]
+    # Sections left out run with their defaults (and are saved as such).
+    configs = {name: configs.get(name) or cls() for name, cls in CONFIG_SECTIONS.items()}
+    tc, gc = configs["train"], configs["grpo"]
     emit = on_event or (lambda event: None)
     if resume:
         if out_dir is None:
@@ -357,24 +369,25 @@ def train(
     model_dir = resolve_model_dir(tc.model)
     tokenizer = load_tokenizer(model_dir)
     checkpoint = run.latest_checkpoint() if resume else None
-    policy = load_model(checkpoint or model_dir, dtype=tc.train_dtype).requires_grad_(True)
-    rollout_model = policy if tc.dtype == tc.train_dtype else load_model(checkpoint or model_dir, dtype=tc.dtype)
-    ref = load_model(model_dir, dtype=tc.train_dtype) if gc.kl_coef > 0 else None  # frozen initial policy
+    device = resolve_device(tc.device)
+    dtype = resolve_dtype(tc.dtype, device)
+    policy = load_model(checkpoint or model_dir, tc.train_dtype, device).requires_grad_(True)
+    rollout_model = policy if dtype == tc.train_dtype else load_model(checkpoint or model_dir, dtype, device)
+    ref = load_model(model_dir, tc.train_dtype, device) if gc.kl_coef > 0 else None  # frozen initial policy
     optimizer = torch.optim.AdamW(policy.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
-    engine = build_engine(rollout_model, ec, tc.spec)
     state = TrainState()
     if checkpoint is not None:
         optimizer_state, state = run.load_checkpoint(checkpoint)
         optimizer.load_state_dict(optimizer_state)
         restore_rng(state.rng)
-        for name, part in _stateful(engine).items():
-            if name in state.extra:
-                part.load_state_dict(state.extra[name])
         run.truncate_metrics(state.step)
         emit(Notice(f"resumed {run.path} at step {state.step}"))
     else:
         torch.manual_seed(tc.seed)
         emit(Notice(f"run directory {run.path}"))
+    engine, tuner = build_engine(rollout_model, configs, tc.seed, state.extra.get("tuner"))
+    where = "on the policy" if rollout_model is policy else f"on a {dtype} copy"
+    emit(Notice(f"policy in {tc.train_dtype} on {device}; rollouts {where}"))
     params = SamplingParams(tc.temperature, tc.top_p, tc.top_k)
     P, G = tc.num_prompts, tc.group_size
     saved_step = state.step if checkpoint is not None else -1
@@ -382,7 +395,8 @@ def train(
     def save() -> None:
         nonlocal saved_step
         state.rng = capture_rng()
-        state.extra = {name: part.state_dict() for name, part in _stateful(engine).items()}
+        if tuner is not None:
+            state.extra["tuner"] = tuner.state_dict()
         path = run.save_checkpoint(policy_weights(policy), optimizer.state_dict(), state, model_dir, tc.keep_checkpoints)
         saved_step = state.step
         emit(Notice(f"saved {path}"))
@@ -456,49 +470,6 @@ def train(
             save()
         emit(Notice(f"interrupted; resume with --resume {run.path}"))
         return TrainResult(run.path, state.step, interrupted=True)
-    if saved_step != state.step:  # steps == completed steps at start (e.g. a resume with nothing left)
+    if saved_step != state.step:  # a run of 0 steps still leaves its starting checkpoint
         save()
     return TrainResult(run.path, state.step, interrupted=False)
-
-
-# ---- console progress ------------------------------------------------------------------------
-
-
-def summary_line(m: dict[str, Any], steps: int) -> str:
-    return (
-        f"step {m['step']}/{steps} | reward {m['reward_mean']:.3f} +-{m['reward_std']:.2f} "
-        f"fmt {m['format_rate']:.2f} | len mean {m['response_len_mean']:.0f} p90 {m['response_len_p90']:.0f} "
-        f"max {m['response_len_max']} | rollout {m['rollout_s']:.1f}s reward {m['reward_s']:.1f}s "
-        f"train {m['train_s']:.1f}s step {m['step_s']:.1f}s | {m['rollout_tok_s']:.0f} tok/s "
-        f"| loss {m['loss']:+.4f} kl {m['kl']:.4f} gnorm {m['grad_norm']:.2f}"
-        + (f" | reward failures {m['reward_failures']} timeouts {m['reward_timeouts']}"
-           if m["reward_failures"] or m["reward_timeouts"] else "")
-    )
-
-
-class ConsolePrinter:
-    """A live rollout line (redrawn in place on a terminal, every `every_s` seconds otherwise)
-    and one summary line per step."""
-
-    def __init__(self, stream: TextIO = sys.stderr, every_s: float = 30.0):
-        self.stream = stream
-        self.live = stream.isatty()
-        self.every_s = every_s
-        self._last = 0.0
-
-    def __call__(self, event: Any) -> None:
-        if isinstance(event, RolloutProgress):
-            p = event.progress
-            now = time.monotonic()
-            if not self.live and now - self._last < self.every_s:
-                return
-            self._last = now
-            rate = p.tokens / p.seconds if p.seconds else 0.0
-            line = (f"step {event.step}/{event.steps} rollout: {p.done}/{p.total} done, running {p.running}, "
-                    f"{p.tokens} tokens, {rate:.0f} tok/s")
-            self.stream.write(f"\r\033[K{line}" if self.live else line + "\n")
-        elif isinstance(event, StepDone):
-            self.stream.write(("\r\033[K" if self.live else "") + summary_line(event.metrics, event.steps) + "\n")
-        elif isinstance(event, Notice):
-            self.stream.write(("\r\033[K" if self.live else "") + event.text + "\n")
-        self.stream.flush()

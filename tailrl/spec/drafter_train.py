@@ -116,20 +116,35 @@ class LossStats:
 
 
 def drafter_loss(
-    drafter: Drafter, batch: Packed, target_head: torch.Tensor, ce_weight: float = 0.1, noise: float = 0.0
+    drafter: Drafter,
+    batch: Packed,
+    target_head: torch.Tensor,
+    ce_weight: float = 0.1,
+    noise: float = 0.0,
+    unroll: bool = False,
 ) -> tuple[torch.Tensor, LossStats]:
     """SmoothL1(pred, h_{i+1}) + ce_weight * CE(drafter, target distribution of x_{i+2}).
 
     target_head (K, E): the target's LM-head rows of the draft vocabulary (fixed, not the
-    drafter's head). noise: uniform input noise on h_i, +-noise (EAGLE's robustness trick, for
-    the drafter's own imperfect predictions it reads deeper in a tree).
+    drafter's head). noise: uniform input noise on h_i, +-noise (EAGLE's robustness trick).
+    unroll: add the same loss one draft step deeper, where the drafter reads its own prediction
+    as a tree does (see _second_step); stats stay those of the first step.
     """
     h = batch.hidden
     if noise > 0:
         h = h + noise * (2 * torch.rand_like(h) - 1)
     pred = drafter(h, batch.ids, batch.positions, mask=batch.mask)  # (1, T, E)
     m = batch.loss_mask
-    pred, target = pred[m], batch.target[m]  # (N, E)
+    loss, stats = _term(drafter, pred[m], batch.target[m], batch.next_ids[m], target_head, ce_weight)
+    if unroll:
+        pred2, keep = _second_step(drafter, batch, pred)
+        t = batch.target[:, 1:][keep]
+        loss = loss + _term(drafter, pred2[keep], t, batch.next_ids[:, 1:][keep], target_head, ce_weight)[0]
+    return loss, stats
+
+
+def _term(drafter, pred, target, next_ids, target_head, ce_weight) -> tuple[torch.Tensor, LossStats]:
+    """The loss of predictions pred (N, E) against target hidden states (N, E)."""
     reg = F.smooth_l1_loss(pred.float(), target)
     with torch.no_grad():
         p = torch.softmax(target @ target_head.T.float(), dim=-1)  # (N, K)
@@ -138,15 +153,30 @@ def drafter_loss(
     loss = reg + ce_weight * ce
     with torch.no_grad():
         guess = logq.argmax(-1)
-        stats = LossStats(
-            float(loss),
-            float(reg),
-            float(ce),
-            float((guess == p.argmax(-1)).float().mean()),
-            float((drafter.d2t[guess] == batch.next_ids[m]).float().mean()),
-            int(m.sum()),
-        )
-    return loss, stats
+        top1_target = float((guess == p.argmax(-1)).float().mean())
+        top1_next = float((drafter.d2t[guess] == next_ids).float().mean())
+    return loss, LossStats(loss.item(), reg.item(), ce.item(), top1_target, top1_next, pred.shape[0])
+
+
+def _second_step(drafter: Drafter, batch: Packed, pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entry i one step deeper: (predicted h_{i+1}, x_{i+2}) at position i + 1 -> h_{i+2}.
+
+    As in a draft tree, it attends to the real entries up to i (teacher-forced keys) and to
+    itself. One forward over [real entries ; second-step entries] with that mask; returns the
+    second-step predictions (1, T-1, E) and which of them have a target (entry i+1 exists in the
+    same sequence and is in the loss).
+    """
+    t = batch.ids.shape[1]
+    real = batch.mask[0, 0]  # (T, T)
+    mask = torch.cat(
+        [torch.cat([real, torch.zeros_like(real)], 1), torch.cat([real, torch.eye(t, dtype=torch.bool)], 1)]
+    )[None, None]  # (1, 1, 2T, 2T)
+    h2 = torch.cat([batch.hidden, pred], 1)
+    ids2 = torch.cat([batch.ids, batch.next_ids], 1)
+    pos2 = torch.cat([batch.positions, batch.positions + 1], 1)
+    out = drafter(h2, ids2, pos2, mask=mask)[:, t:-1]  # (1, T-1, E)
+    same = real.diagonal(-1)[None]  # (1, T-1) entry i+1 sees entry i: the same sequence
+    return out, same & batch.loss_mask[:, 1:]
 
 
 @torch.no_grad()
@@ -169,6 +199,7 @@ class TrainConfig:
     ce_weight: float = 0.1
     noise: float = 0.0
     train_head: bool = True
+    unroll: bool = False
 
 
 def train(
@@ -181,6 +212,8 @@ def train(
     seed: int = 0,
 ) -> list[LossStats]:
     """AdamW over the batches (shuffled each epoch) until should_stop(step) is True."""
+    if not batches:
+        raise ValueError("no training entries: every sequence is shorter than 3 tokens")
     drafter.train()
     drafter.head.requires_grad_(cfg.train_head)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -192,7 +225,7 @@ def train(
         for i in torch.randperm(len(batches), generator=gen).tolist():
             if should_stop(step):
                 break
-            loss, stats = drafter_loss(drafter, batches[i], target_head, cfg.ce_weight, cfg.noise)
+            loss, stats = drafter_loss(drafter, batches[i], target_head, cfg.ce_weight, cfg.noise, cfg.unroll)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -1,0 +1,80 @@
+"""What a person watching a run sees: progress events from the training loop, and a printer.
+
+The loop emits RolloutProgress many times per step, StepDone once per step and Notice for
+one-off messages (resumed, saved, interrupted); any callable taking an event can display them.
+ConsolePrinter redraws one live line on a terminal and prints one summary line per step.
+
+Knows: the events and the metrics record's fields. Does not know: how they were computed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from tailrl.engine import Progress
+
+
+@dataclass(frozen=True)
+class RolloutProgress:
+    """After every decode step of a rollout."""
+
+    step: int
+    steps: int
+    progress: Progress
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """After a step's metrics are written (and its checkpoint, when one is due)."""
+
+    steps: int
+    metrics: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Notice:
+    text: str
+
+
+def summary_line(m: dict[str, Any], steps: int) -> str:
+    """One line per step: reward, lengths, where the time went, throughput, loss."""
+    return (
+        f"step {m['step']}/{steps} | reward {m['reward_mean']:.3f} +-{m['reward_std']:.2f} "
+        f"fmt {m['format_rate']:.2f} | len mean {m['response_len_mean']:.0f} p90 {m['response_len_p90']:.0f} "
+        f"max {m['response_len_max']} | rollout {m['rollout_s']:.1f}s reward {m['reward_s']:.1f}s "
+        f"train {m['train_s']:.1f}s step {m['step_s']:.1f}s | {m['rollout_tok_s']:.0f} tok/s "
+        f"| loss {m['loss']:+.4f} kl {m['kl']:.4f} gnorm {m['grad_norm']:.2f}"
+        + (f" | reward failures {m['reward_failures']} timeouts {m['reward_timeouts']}"
+           if m["reward_failures"] or m["reward_timeouts"] else "")
+    )
+
+
+class ConsolePrinter:
+    """A live rollout line (redrawn in place on a terminal, every `every_s` seconds otherwise)
+    and one summary line per step."""
+
+    def __init__(self, stream: TextIO = sys.stderr, every_s: float = 30.0):
+        self.stream = stream
+        self.live = stream.isatty()
+        self.every_s = every_s
+        self._last = 0.0
+
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, RolloutProgress):
+            p = event.progress
+            now = time.monotonic()
+            if not self.live and now - self._last < self.every_s:
+                return
+            self._last = now
+            rate = p.tokens / p.seconds if p.seconds else 0.0
+            line = (f"step {event.step}/{event.steps} rollout: {p.done}/{p.total} done, running {p.running}, "
+                    f"{p.tokens} tokens, {rate:.0f} tok/s")
+            self.stream.write(f"\r\033[K{line}" if self.live else line + "\n")
+        elif isinstance(event, StepDone):
+            self.stream.write(("\r\033[K" if self.live else "") + summary_line(event.metrics, event.steps) + "\n")
+        elif isinstance(event, Notice):
+            self.stream.write(("\r\033[K" if self.live else "") + event.text + "\n")
+        self.stream.flush()
