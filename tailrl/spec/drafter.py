@@ -339,8 +339,9 @@ class DrafterProposer:
 
     def _catch_up_inputs(self, running: list, device) -> tuple:
         """Step-0 inputs: each row's missing entries covered_b..L_b-1, the root entry last, right-padded."""
-        starts = [self.covered[i] for i in range(len(running))]
-        counts = [s.length - c for s, c in zip(running, starts)]  # >= 1: at least the root entry
+        # The root entry is always (re)computed: its output starts the tree.
+        starts = [min(self.covered[i], s.length - 1) for i, s in enumerate(running)]
+        counts = [s.length - c for s, c in zip(running, starts)]  # >= 1
         t = max(counts)
         e = self.drafter.cfg.hidden_size
         ids = torch.zeros(len(running), t, dtype=torch.long)
