@@ -232,7 +232,10 @@ class Engine:
             p = prompt.shape[1]
             pos = torch.arange(p, device=self.device)[None]
             mask = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None]
-            logits, h = self.model(prompt, pos, CacheView(self.cache, slot, pos, p, mask), return_hidden=True)
+            h = self.model.hidden(prompt, pos, CacheView(self.cache, slot, pos, p, mask))  # (1, P, E)
+            # Only the last position's logits are needed: the LM head over every prompt token
+            # would cost P x the head (49k rows for SmolLM2), about a third of a prefill.
+            logits = self.model.lm_head(h[:, -1:])  # (1, 1, V)
             seqs = [self._start(idx, req, logits[:, -1], h[0])]
             # Siblings with the same prompt reuse this prefill: copy the KV, sample their own first token.
             while waiting and len(running) + len(seqs) < self.cache.slots and waiting[0][1].prompt_ids == req.prompt_ids:

@@ -167,7 +167,7 @@ def test_loss_is_minimal_for_an_oracle_only_at_the_right_offset(target):
     # One draft step deeper (unroll): (h_{i+1} as predicted, x_{i+2}) -> h_{i+2} = G[x_{i+2}], also exact.
     both, _ = drafter_loss(d, batch, head, ce_weight=0.1, unroll=True)
     ent = -(p * p.log()).sum(-1)  # (T,) per entry
-    assert float(both) == pytest.approx(0.1 * float(ent.mean()) + 0.1 * float(ent[1:].mean()), rel=1e-5)
+    assert both.item() == pytest.approx(0.1 * float(ent.mean()) + 0.1 * float(ent[1:].mean()), rel=1e-5)
     for shift in (-1, 1):
         d.forward = lambda hidden, ids, positions, view=None, mask=None, s=shift: table[tokens[1 + s : 1 + s + ids.shape[1]]][None]
         _, wrong = drafter_loss(d, batch, head, ce_weight=0.1)

@@ -35,7 +35,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +271,16 @@ def _hidden(seq, lo: int, hi: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
+class _RootInputs(NamedTuple):
+    """Step 0 of a tree: each row's missing entries covered_b..L_b-1 (the root entry last), right-padded."""
+
+    ids: torch.Tensor  # (B, T) x_{i+1}
+    hidden: torch.Tensor  # (B, T, E) h_i
+    write: torch.Tensor  # (B, T) cache index of each entry (i; padding: the first scratch index L_b)
+    last: torch.Tensor  # (B, T) newest cache index each query sees (its own i; padding: L_b - 1)
+    root: torch.Tensor  # (B,) column of the root entry
+
+
 class DrafterProposer:
     """Draft trees from a learned drafter, batched over the running rows (see the module doc)."""
 
@@ -324,21 +334,20 @@ class DrafterProposer:
         self._ensure_cache(b, max(lengths) + scratch)
         device = d.fc.weight.device
         lens = torch.tensor(lengths, device=device)  # (B,) root position L_b
-        first = self._catch_up_inputs(running, device)
+        first = self._root_inputs(running, device)
 
         def expand(fr: Frontier) -> Expansion:
-            out = self._root_forward(*first) if fr.step == 0 else self._tree_forward(fr, lens, arm.topk)
+            out = self._root_forward(first) if fr.step == 0 else self._tree_forward(fr, lens, arm.topk)
             log_probs, idx = torch.log_softmax(d.logits(out).float(), dim=-1).topk(arm.topk, dim=-1)
             return Expansion(log_probs, d.d2t[idx], out)
 
-        root_state = first[1][torch.arange(b, device=device), first[4]]  # (B, E) h_{L-1}
+        root_state = first.hidden[torch.arange(b, device=device), first.root]  # (B, E) h_{L-1}
         pending = torch.tensor([s.pending for s in running], device=device)
         tree = build_tree(expand, root_state, arm.num_steps, arm.topk, arm.num_draft_tokens, root_tokens=pending)
         self.covered[:b] = lengths
         return tree
 
-    def _catch_up_inputs(self, running: list, device) -> tuple:
-        """Step-0 inputs: each row's missing entries covered_b..L_b-1, the root entry last, right-padded."""
+    def _root_inputs(self, running: list, device) -> _RootInputs:
         # The root entry is always (re)computed: its output starts the tree.
         starts = [min(self.covered[i], s.length - 1) for i, s in enumerate(running)]
         counts = [s.length - c for s, c in zip(running, starts)]  # >= 1
@@ -351,18 +360,18 @@ class DrafterProposer:
             hidden[b, :m] = _hidden(s, c, s.length).to(device=device, dtype=hidden.dtype)
         j = torch.arange(t)[None]  # (1, T)
         start, count = torch.tensor(starts)[:, None], torch.tensor(counts)[:, None]
-        valid = j < count
-        # Padding writes to the first scratch index (L_b; overwritten by the tree) and sees the prefix.
-        write = torch.where(valid, start + j, start + count)  # (B, T)
-        last = torch.minimum(start + j, start + count - 1)  # (B, T) newest key each query may see
-        return ids.to(device), hidden, write.to(device), last.to(device), (count[:, 0] - 1).to(device)
+        # Padding writes to the first scratch index (L_b; the tree overwrites it) and sees the prefix.
+        write = torch.where(j < count, start + j, start + count)  # (B, T)
+        last = torch.minimum(start + j, start + count - 1)  # (B, T)
+        return _RootInputs(ids.to(device), hidden, write.to(device), last.to(device), (count[:, 0] - 1).to(device))
 
-    def _root_forward(self, ids, hidden, write, last, root_index) -> torch.Tensor:
-        kv_len = int(last.max()) + 1
-        mask = torch.arange(kv_len, device=ids.device)[None, None] <= last[:, :, None]  # (B, T, S)
-        positions = last  # entry i sits at rope position i (padding reuses the root's)
-        out = self.drafter(hidden, ids, positions, CacheView(self.cache, 0, write, kv_len, mask))
-        return out[torch.arange(ids.shape[0], device=ids.device), root_index][:, None]  # (B, 1, E)
+    def _root_forward(self, x: _RootInputs) -> torch.Tensor:
+        """Catch-up and root entries in one forward; the root entries' outputs.  # (B, 1, E)"""
+        kv_len = int(x.last.max()) + 1
+        mask = torch.arange(kv_len, device=x.ids.device)[None, None] <= x.last[:, :, None]  # (B, T, S)
+        # Entry i sits at rope position i (= x.last for real entries; padding reuses the root's).
+        out = self.drafter(x.hidden, x.ids, x.last, CacheView(self.cache, 0, x.write, kv_len, mask))
+        return out[torch.arange(x.ids.shape[0], device=x.ids.device), x.root][:, None]
 
     def _tree_forward(self, fr: Frontier, lens: torch.Tensor, topk: int) -> torch.Tensor:
         """Frontier nodes at depth `step`: entries at position L_b - 1 + step, scratch indices after L_b."""

@@ -192,14 +192,16 @@ def evaluate_loss(drafter: Drafter, batches: list[Packed], target_head: torch.Te
     return LossStats(**{k: v / max(n, 1) for k, v in total.items()}, entries=n)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
+    """Optimiser and loss settings of `train` (warm-up and spot training set them)."""
+
     lr: float = 1e-3
     weight_decay: float = 0.0
-    ce_weight: float = 0.1
-    noise: float = 0.0
-    train_head: bool = True
-    unroll: bool = False
+    ce_weight: float = 0.1  # TLT's w
+    noise: float = 0.0  # drafter_loss's input noise
+    train_head: bool = True  # else the head stays the target's LM-head rows (exact SGLang export)
+    unroll: bool = False  # drafter_loss's second draft step
 
 
 def train(

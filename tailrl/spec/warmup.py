@@ -53,9 +53,9 @@ class WarmupConfig:
     model: str | None = field(default=None, metadata={"help": "target model directory (default: SmolLM2-135M-Instruct)"})
     prompts: str | None = field(default=None, metadata={"help": "JSONL prompts file (default: the task's prompts)"})
     task: str = field(default=DEFAULT_TASK, metadata={"help": "task whose prompts are sampled when no prompts file is given"})
-    num_prompts: int = field(default=64, metadata={"help": "prompts sampled (held-out ones included)"})
+    num_prompts: int = field(default=48, metadata={"help": "prompts sampled (held-out ones included)"})
     group_size: int = field(default=4, metadata={"help": "responses per prompt"})
-    max_new_tokens: int = field(default=192, metadata={"help": "most tokens per response"})
+    max_new_tokens: int = field(default=128, metadata={"help": "most tokens per response"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the responses"})
     holdout_prompts: int = field(default=8, metadata={"help": "prompts whose responses are held out for evaluation"})
     seconds: float = field(default=150.0, metadata={"help": "training time budget, seconds (0 = no time limit)"})
@@ -65,6 +65,8 @@ class WarmupConfig:
     draft_vocab_size: int = field(default=4096, metadata={"help": "tokens the drafter can propose"})
     ce_weight: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term (TLT: 0.1)"})
     noise: float = field(default=0.0, metadata={"help": "uniform noise on input hidden states while training"})
+    train_head: bool = field(default=True, metadata={"help": "train the head (else keep the target's LM-head rows)"})
+    unroll: bool = field(default=False, metadata={"help": "also train one draft step deeper (~3.5x cost per step)"})
     seed: int = field(default=0, metadata={"help": "seed of prompts, sampling and training"})
     eval_num_steps: int = field(default=4, metadata={"help": "draft depth of the held-out accept_len replay"})
     eval_topk: int = field(default=4, metadata={"help": "tree width of the held-out accept_len replay"})
@@ -188,7 +190,7 @@ def warmup(cfg: WarmupConfig, out: Path, on_progress: Callable[[WarmupProgress],
         if on_progress is not None:
             on_progress(WarmupProgress("train", step, cfg.steps, time.perf_counter() - t1, s.loss))
 
-    tc = TrainConfig(lr=cfg.lr, ce_weight=cfg.ce_weight, noise=cfg.noise)
+    tc = TrainConfig(cfg.lr, ce_weight=cfg.ce_weight, noise=cfg.noise, train_head=cfg.train_head, unroll=cfg.unroll)
     history = train(drafter, batches, target_head, tc, stop, on_step, seed=cfg.seed)
     train_seconds = time.perf_counter() - t1
     after = evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight)
