@@ -118,8 +118,11 @@ def sample(
     The log-probability is that of the temperature-scaled distribution before top-k/top-p
     (the quantity an RL trainer recomputes); for greedy it is the raw log-softmax.
     """
-    probs = process_logits(logits, params)
-    tokens = inverse_cdf(probs, uniforms(seeds, positions))
+    if params.greedy:
+        # The inverse CDF of the one-hot argmax is the argmax: skip the (B, V) fp64 cumsum.
+        tokens = logits.argmax(-1)
+    else:
+        tokens = inverse_cdf(process_logits(logits, params), uniforms(seeds, positions))
     return tokens, token_logprobs(logits, tokens, params)
 
 
