@@ -257,9 +257,9 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(target, seqs):
     batches = pack(seqs, 64)
     head = target.lm_head.weight.detach()[d.d2t]
     before = evaluate_loss(d, batches, head)
-    train(d, batches, head, TrainConfig(lr=3e-3), should_stop=lambda step: step >= 30)
+    train(d, batches, head, TrainConfig(lr=3e-3, warmup_steps=5), should_stop=lambda step: step >= 60)
     after = evaluate_loss(d, batches, head)
-    assert after.loss < 0.7 * before.loss and after.smooth_l1 < before.smooth_l1
+    assert after.loss < 0.7 * before.loss and after.smooth_l1 < before.smooth_l1  # measured: 0.52x
 
 
 def test_export_round_trip_reproduces_the_drafter(tmp_path, target, seqs):
@@ -295,4 +295,5 @@ def test_warmup_on_smollm2_writes_a_drafter_and_its_curves(tmp_path, smollm2_dir
         assert (tmp_path / "dr" / name).is_file()
     assert report.steps == 15 and len(json.loads((tmp_path / "dr" / "losses.json").read_text())["train_loss"]) == 15
     assert report.heldout["after"]["loss"] < report.heldout["before"]["loss"]
-    assert all(v["accept_len"] >= 1.0 for v in report.accept.values())
+    assert set(report.accept) == {"temperature 1", "greedy"}
+    assert all(v["accept_len"] >= 1.0 for arms in report.accept.values() for v in arms.values())

@@ -18,8 +18,12 @@ Proposer. `DrafterProposer` keeps a drafter KV cache per engine slot: cache inde
 Per slot it remembers which sequence it holds and how many entries are valid, so a slot that has
 a new sequence restarts and a slot whose sequence decoded plain for a while (or since admission)
 catches up from the target hidden states the engine kept (Seq.prompt_hidden, Seq.hidden); the
-target never re-runs. The catch-up and the root entry run in one forward (step 0 of the tree);
-tree entries go to scratch indices after the prefix and are overwritten next time.
+target never re-runs. The catch-up and the root entry (h_{L-1}, x_L) run in one forward (step 0
+of the tree); a node at depth d is expanded by an entry at position L - 1 + d that reads its
+parent's predicted hidden state and its own token. Tree entries go to scratch indices after the
+prefix and are overwritten next time; only entries built from real hidden states are kept.
+Cost measured on SmolLM2 at batch 1 (one thread, draft vocab 4096): a chain of 4 ~11 ms, a 4x4
+tree of 16 nodes ~22-25 ms, against ~55 ms for one target decode step.
 
 Knows: its layer, the draft vocabulary, the cache layout of its own entries, how a tree is grown
 from its scores (via tailrl.spec.tree.build_tree). Does not know: acceptance, sampling, the tuner.

@@ -11,13 +11,15 @@ softmax(lm_head(h_{i+1})) restricted to the draft vocabulary and renormalised. T
 the sampled token) is what the drafter must imitate to rank the tokens the target will sample at
 any temperature; it carries the whole distribution per position, so it has less variance than the
 sampled token, and costs one K x E product. The last token x_{T-1} has no hidden state, so entry
-T-2 would have no target and is not made.
+T-2 would have no target and is not made. Optionally (unroll) the same loss one draft step deeper:
+(predicted h_{i+1}, x_{i+2}) -> h_{i+2}, attending to the real entries up to i and itself, as a
+tree's second layer does (the idea of EAGLE-3's training-time test, one step of it).
 
 Packing. Several sequences share a row of at most max_tokens entries; each keeps its own positions
 (from its first position) and a block-diagonal causal mask, so none attends to another.
 
-Knows: the drafter's forward, the loss, AdamW, how SD acceptance counts on a known continuation.
-Does not know: engines, sampling, tokenizers.
+Knows: the drafter's forward, the loss, AdamW, how SD acceptance counts on a known continuation
+(and the engine's Seq layout, to replay it). Does not know: sampling, verification, tokenizers.
 
 Shapes: R packed rows (1 here), T entries in a row, E hidden size, K draft vocabulary.
 """
@@ -59,10 +61,6 @@ class Packed:
     positions: torch.Tensor  # (1, T) i
     mask: torch.Tensor  # (1, 1, T, T) block-diagonal causal
     loss_mask: torch.Tensor  # (1, T) entries in the loss
-
-    @property
-    def num_entries(self) -> int:
-        return int(self.loss_mask.sum())
 
 
 def entries(seq: TrainSeq, limit: int) -> dict[str, torch.Tensor]:
@@ -202,6 +200,7 @@ class TrainConfig:
     noise: float = 0.0  # drafter_loss's input noise
     train_head: bool = True  # else the head stays the target's LM-head rows (exact SGLang export)
     unroll: bool = False  # drafter_loss's second draft step
+    warmup_steps: int = 20  # linear learning-rate ramp: the first steps' large gradients overshoot
 
 
 def train(
@@ -220,6 +219,7 @@ def train(
     drafter.head.requires_grad_(cfg.train_head)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
     gen = torch.Generator().manual_seed(seed)
     history: list[LossStats] = []
     step = 0
@@ -232,6 +232,7 @@ def train(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
+            ramp.step()
             history.append(stats)
             step += 1
             if on_step is not None:

@@ -8,8 +8,9 @@ TLT trains its drafter offline before RL starts; this is that step, sized for mi
    up with the lowest unused ids (BPE ids roughly follow corpus frequency).
 3. Training (tailrl.spec.drafter_train) under a time and/or step budget; held-out loss is
    measured as it goes.
-4. Report on the held-out responses: loss, top-1 agreement, vocabulary coverage, and accept_len
-   of speculative decoding replayed with the real proposer (drafter_train.simulate_accept).
+4. Report on the held-out prompts: loss, top-1 agreement, vocabulary coverage, and accept_len
+   of speculative decoding replayed with the real proposer (drafter_train.simulate_accept) on
+   their sampled responses and on greedy ones (the walk accepts exactly the sampled tokens).
 Writes the drafter directory plus loss.png and losses.json (curves and the report).
 
 Knows: prompts, the chat template, the engine's generate call, the training loop's budget.
@@ -51,6 +52,7 @@ class WarmupConfig:
     """Offline drafter warm-up: data, budget and optimiser."""
 
     model: str | None = field(default=None, metadata={"help": "target model directory (default: SmolLM2-135M-Instruct)"})
+    dtype: str = field(default="fp32", metadata={"help": "target weights while sampling", "choices": ["fp32", "bf16"]})
     prompts: str | None = field(default=None, metadata={"help": "JSONL prompts file (default: the task's prompts)"})
     task: str = field(default=DEFAULT_TASK, metadata={"help": "task whose prompts are sampled when no prompts file is given"})
     num_prompts: int = field(default=48, metadata={"help": "prompts sampled (held-out ones included)"})
@@ -71,6 +73,7 @@ class WarmupConfig:
     eval_num_steps: int = field(default=4, metadata={"help": "draft depth of the held-out accept_len replay"})
     eval_topk: int = field(default=4, metadata={"help": "tree width of the held-out accept_len replay"})
     eval_num_draft_tokens: int = field(default=16, metadata={"help": "tree nodes of the held-out accept_len replay"})
+    eval_greedy: bool = field(default=True, metadata={"help": "also replay greedy responses to the held-out prompts"})
 
     def __post_init__(self) -> None:
         if self.num_prompts <= self.holdout_prompts or self.holdout_prompts < 1:
@@ -96,11 +99,11 @@ class WarmupReport:
     train_seconds: float
     steps: int
     train_responses: int
-    train_entries: int
+    train_tokens: int  # response tokens trained on
     heldout_responses: int
     vocab_coverage: float  # held-out response tokens inside the draft vocabulary
     heldout: dict  # LossStats of the held-out responses, before and after training
-    accept: dict  # arm label -> accept_len / histogram on the held-out responses
+    accept: dict  # "temperature T" / "greedy" -> arm label -> accept_len and histogram, held-out prompts
 
 
 def prompt_ids(cfg: WarmupConfig, tokenizer) -> list[tuple[int, ...]]:
@@ -161,22 +164,45 @@ def warmup(cfg: WarmupConfig, out: Path, on_progress: Callable[[WarmupProgress],
     """Sample, build the vocabulary, train, evaluate; write the drafter directory to `out`."""
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    target = load_model(cfg.model, dtype="bf16")
-    tokenizer = load_tokenizer(cfg.model)
-    groups = sample_data(target, prompt_ids(cfg, tokenizer), cfg, on_progress)
+    # fp32 by default: on this CPU and torch build, bf16 GEMMs are ~4x slower than fp32 (measured:
+    # SmolLM2 batch-64 decode 14 vs 55 tok/s on one thread), and fp32 hidden states are exact.
+    target = load_model(cfg.model, dtype=cfg.dtype)
+    prompts = prompt_ids(cfg, load_tokenizer(cfg.model))
+    groups = sample_data(target, prompts, cfg, on_progress)
     train_seqs = [s for g in groups[: -cfg.holdout_prompts] for s in g]
     held = [s for g in groups[-cfg.holdout_prompts :] for s in g]
     sample_seconds = time.perf_counter() - t0
 
     vocab = build_draft_vocab(train_seqs, cfg.draft_vocab_size, target.cfg.vocab_size, target.cfg.eos_token_ids)
-    name = resolve_model_dir(cfg.model).name
-    drafter = Drafter.from_target(target, vocab, name, seed=cfg.seed)
+    drafter = Drafter.from_target(target, vocab, resolve_model_dir(cfg.model).name, seed=cfg.seed)
+    t1 = time.perf_counter()
+    history, curve, losses = _train(drafter, target, train_seqs, held, cfg, on_progress)
+    train_seconds = time.perf_counter() - t1
+
+    if on_progress is not None:
+        on_progress(WarmupProgress("eval", 0, 1, time.perf_counter() - t0))
+    save_drafter(drafter, out)
+    # Measured on the saved drafter as the engine loads it: in the target's dtype, sharing its embedding.
+    loaded = load_drafter(out, target)
+    accept = {f"temperature {cfg.temperature:g}": evaluate_accept(loaded, held, cfg)}
+    if cfg.eval_greedy and cfg.temperature > 0:
+        greedy = sample_data(target, prompts[-cfg.holdout_prompts :], dataclasses.replace(cfg, temperature=0.0, group_size=1))
+        accept["greedy"] = evaluate_accept(loaded, [g[0] for g in greedy], cfg)
+    entries = sum(s.tokens.shape[0] - s.prompt_len for s in train_seqs)
+    report = WarmupReport(
+        sample_seconds, train_seconds, len(history), len(train_seqs), entries, len(held), coverage(held, vocab), losses, accept
+    )
+    write_curves(Path(out), history, curve, report, cfg.ce_weight)
+    return report
+
+
+def _train(drafter: Drafter, target, train_seqs: list[TrainSeq], held: list[TrainSeq], cfg: WarmupConfig, on_progress):
+    """Train under the budget; per-step stats, the held-out loss curve, held-out stats before/after."""
     target_head = target.lm_head.weight.detach()[drafter.d2t].float()  # (K, E)
     order = torch.randperm(len(train_seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     batches = pack([train_seqs[i] for i in order], cfg.batch_tokens)
     held_batches = pack(held, cfg.batch_tokens)
     before = evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight)
-
     curve: list[tuple[int, float]] = [(0, before.loss)]
     t1 = time.perf_counter()
 
@@ -192,25 +218,13 @@ def warmup(cfg: WarmupConfig, out: Path, on_progress: Callable[[WarmupProgress],
 
     tc = TrainConfig(cfg.lr, ce_weight=cfg.ce_weight, noise=cfg.noise, train_head=cfg.train_head, unroll=cfg.unroll)
     history = train(drafter, batches, target_head, tc, stop, on_step, seed=cfg.seed)
-    train_seconds = time.perf_counter() - t1
     after = evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight)
     curve.append((len(history), after.loss))
-
-    if on_progress is not None:
-        on_progress(WarmupProgress("eval", 0, 1, time.perf_counter() - t0))
-    save_drafter(drafter, out)
-    # Measured on the saved drafter as the engine loads it: bf16, sharing the target's embedding.
-    accept = evaluate_accept(load_drafter(out, target), held, cfg)
-    report = WarmupReport(
-        sample_seconds, train_seconds, len(history), len(train_seqs), sum(b.num_entries for b in batches),
-        len(held), coverage(held, vocab), {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after)}, accept,
-    )
-    write_curves(Path(out), history, curve, report, cfg.ce_weight)
-    return report
+    return history, curve, {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after)}
 
 
 def evaluate_accept(drafter: Drafter, held: list[TrainSeq], cfg: WarmupConfig) -> dict:
-    """accept_len on the held-out responses for a chain and for the configured tree (bf16 drafter)."""
+    """accept_len on the held-out responses for a chain and for the configured tree."""
     arms = [Arm("drafter", cfg.eval_num_steps, 1, cfg.eval_num_steps)]
     arms.append(Arm("drafter", cfg.eval_num_steps, cfg.eval_topk, cfg.eval_num_draft_tokens))
     result = {}
