@@ -45,14 +45,16 @@ def seqs(target):
     """Six sampled responses (prompts of 3-11 tokens) with the hidden states the engine keeps."""
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(3, 12, (6,), generator=g).tolist()
-    reqs = [Request(tuple(torch.randint(2, 96, (n,), generator=g).tolist()), seed=i, group=i) for i, n in enumerate(lens)]
+    prompts = [tuple(torch.randint(2, 96, (n,), generator=g).tolist()) for n in lens]
+    reqs = [Request(p, seed=i, group=i) for i, p in enumerate(prompts)]
     outs = Engine(target, EngineConfig(capture_hidden=True)).generate(reqs, SamplingParams(temperature=1.0), 24)
     result = []
     with torch.no_grad():
         for r, c in zip(reqs, outs):
             p = torch.tensor([r.prompt_ids])
             hp = target.hidden(p, torch.arange(p.shape[1])[None])[0, :-1]
-            result.append(TrainSeq(torch.tensor(list(r.prompt_ids) + c.token_ids), torch.cat([hp, c.hidden]), p.shape[1]))
+            tokens = torch.tensor(list(r.prompt_ids) + c.token_ids)
+            result.append(TrainSeq(tokens, torch.cat([hp, c.hidden]), p.shape[1]))
     return result
 
 
@@ -113,7 +115,6 @@ def test_refuses_missing_corrupt_or_foreign_drafters(tmp_path, target):
         load_drafter(good, load_model(tmp_path / "other", dtype="fp32"))
 
 
-
 def test_accepts_its_target_after_a_small_update(tmp_path, tiny_dir):
     """RL moves the target's weights a little; the drafter must stay loadable for it."""
     updated = load_model(tiny_dir, dtype="fp32")
@@ -169,7 +170,10 @@ def test_loss_is_minimal_for_an_oracle_only_at_the_right_offset(target):
     ent = -(p * p.log()).sum(-1)  # (T,) per entry
     assert both.item() == pytest.approx(0.1 * float(ent.mean()) + 0.1 * float(ent[1:].mean()), rel=1e-5)
     for shift in (-1, 1):
-        d.forward = lambda hidden, ids, positions, view=None, mask=None, s=shift: table[tokens[1 + s : 1 + s + ids.shape[1]]][None]
+        def off(hidden, ids, positions, view=None, mask=None, s=shift):
+            return table[tokens[1 + s : 1 + s + ids.shape[1]]][None]
+
+        d.forward = off
         _, wrong = drafter_loss(d, batch, head, ce_weight=0.1)
         assert wrong.smooth_l1 > 0.1 and wrong.ce > entropy + 0.1
 

@@ -47,7 +47,8 @@ class TrainSeq:
 
     def __post_init__(self) -> None:
         if self.hidden.shape[0] != self.tokens.shape[0] - 1:
-            raise ValueError(f"need one hidden row per token but the last, got {self.hidden.shape[0]} for {self.tokens.shape[0]} tokens")
+            n, t = self.hidden.shape[0], self.tokens.shape[0]
+            raise ValueError(f"need one hidden row per token but the last, got {n} rows for {t} tokens")
 
 
 @dataclass
@@ -100,7 +101,8 @@ def _pack_row(parts: list[dict]) -> Packed:
     t = seg.shape[0]
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     mask = (causal & (seg[:, None] == seg[None, :]))[None, None]
-    return Packed(cat["ids"], cat["hidden"].float(), cat["target"].float(), cat["next_ids"], cat["positions"], mask, cat["loss"])
+    hidden, target = cat["hidden"].float(), cat["target"].float()
+    return Packed(cat["ids"], hidden, target, cat["next_ids"], cat["positions"], mask, cat["loss"])
 
 
 @dataclass
@@ -178,7 +180,9 @@ def _second_step(drafter: Drafter, batch: Packed, pred: torch.Tensor) -> tuple[t
 
 
 @torch.no_grad()
-def evaluate_loss(drafter: Drafter, batches: list[Packed], target_head: torch.Tensor, ce_weight: float = 0.1) -> LossStats:
+def evaluate_loss(
+    drafter: Drafter, batches: list[Packed], target_head: torch.Tensor, ce_weight: float = 0.1
+) -> LossStats:
     """Entry-weighted mean of the loss statistics over batches."""
     total: dict[str, float] = {}
     n = 0

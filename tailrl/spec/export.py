@@ -105,9 +105,11 @@ def export(drafter_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = to
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[d2t] = True
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(dtype).contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    head = {"lm_head.weight": state["head.weight"].to(dtype).contiguous(), "d2t": d2t - torch.arange(len(d2t)), "t2d": t2d}
-    save_file(head, out / "draft_head.safetensors", metadata={"format": "pt"})
+    meta = {"format": "pt"}
+    save_file({k: v.to(dtype).contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata=meta)
+    head = {"lm_head.weight": state["head.weight"].to(dtype).contiguous(), "d2t": d2t - torch.arange(len(d2t))}
+    head["t2d"] = t2d
+    save_file(head, out / "draft_head.safetensors", metadata=meta)
     torch.save(d2t, out / "hot_token_ids.pt")
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
@@ -122,7 +124,8 @@ def load_exported(path: str | Path, target: Transformer) -> Drafter:
     d2t = head["d2t"] + torch.arange(head["d2t"].shape[0])
     layer_cfg = dataclasses.replace(target.cfg, num_layers=1)
     meta = config["tailrl"]
-    cfg = DrafterConfig(meta["target_name"], layer_cfg, tuple(d2t.tolist()), tuple(meta["fingerprint"]), meta["version"])
+    vocab, fingerprint = tuple(d2t.tolist()), tuple(meta["fingerprint"])
+    cfg = DrafterConfig(meta["target_name"], layer_cfg, vocab, fingerprint, meta["version"])
     check_target(cfg, target)
     if bool(weights["fc.bias"].any()):
         raise DrafterError(f"{path}: fc.bias is not zero; tailrl drafters have no fc bias")

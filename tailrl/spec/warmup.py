@@ -121,7 +121,8 @@ def sample_data(
     target, prompts: list[tuple[int, ...]], cfg: WarmupConfig, on_progress: Callable | None = None
 ) -> list[list[TrainSeq]]:
     """group_size responses per prompt with their target hidden states, grouped by prompt."""
-    reqs = [Request(p, derive_seed(cfg.seed, i, j), group=i) for i, p in enumerate(prompts) for j in range(cfg.group_size)]
+    g = cfg.group_size
+    reqs = [Request(p, derive_seed(cfg.seed, i, j), group=i) for i, p in enumerate(prompts) for j in range(g)]
     engine = Engine(target, EngineConfig(max_batch=64, capture_hidden=True))
 
     def progress(p) -> None:
@@ -186,11 +187,13 @@ def warmup(cfg: WarmupConfig, out: Path, on_progress: Callable[[WarmupProgress],
     loaded = load_drafter(out, target)
     accept = {f"temperature {cfg.temperature:g}": evaluate_accept(loaded, held, cfg)}
     if cfg.eval_greedy and cfg.temperature > 0:
-        greedy = sample_data(target, prompts[-cfg.holdout_prompts :], dataclasses.replace(cfg, temperature=0.0, group_size=1))
+        one_greedy = dataclasses.replace(cfg, temperature=0.0, group_size=1)
+        greedy = sample_data(target, prompts[-cfg.holdout_prompts :], one_greedy)
         accept["greedy"] = evaluate_accept(loaded, [g[0] for g in greedy], cfg)
     entries = sum(s.tokens.shape[0] - s.prompt_len for s in train_seqs)
     report = WarmupReport(
-        sample_seconds, train_seconds, len(history), len(train_seqs), entries, len(held), coverage(held, vocab), losses, accept
+        sample_seconds, train_seconds, len(history), len(train_seqs), entries, len(held), coverage(held, vocab),
+        losses, accept,
     )
     write_curves(Path(out), history, curve, report, cfg.ce_weight)
     return report
@@ -230,7 +233,7 @@ def evaluate_accept(drafter: Drafter, held: list[TrainSeq], cfg: WarmupConfig) -
     result = {}
     for arm in arms:
         s: AcceptStats = simulate_accept(drafter, held, arm)
-        result[arm.label] = {"accept_len": round(s.accept_len, 3), "verify_steps": s.verify_steps, "accept_hist": s.accept_hist}
+        result[arm.label] = dict(accept_len=round(s.accept_len, 3), verify_steps=s.verify_steps, accept_hist=s.accept_hist)
     return result
 
 
