@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tailrl.engine import Engine, PlainDecoder, StepDecoder
+from tailrl.engine import Engine, PlainDecoder
 from tailrl.spec.tree import max_tree_nodes
 from tailrl.spec.decoder import NgramProposer, Proposer, SpecDecoder, fixed, tuned
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
@@ -79,6 +79,5 @@ def install(engine: Engine, cfg: SpecConfig, tuner_cfg: TunerConfig | None = Non
     tuner = Tuner(arms, tuner_cfg or TunerConfig(), seed=seed)
     if tuner_state is not None:
         tuner.load_state_dict(tuner_state)
-    decoder: StepDecoder = tuned(tuner, props)
-    engine.decoder = decoder
+    engine.decoder = tuned(tuner, props)
     return tuner
