@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -81,14 +81,23 @@ class SpecStats:
         return self.emitted / self.verify_steps if self.verify_steps else 0.0
 
 
+class StepRecord(NamedTuple):
+    """One decode step of a generate call."""
+
+    end: float  # seconds since the call started, at the step's end
+    batch: int  # running sequences the step advanced
+    arm: str  # label of the arm that decoded it ("plain" for plain decoding)
+    tokens: int  # tokens it emitted (after EOS / stop / length cuts)
+    seconds: float  # its wall time
+
+
 @dataclass
 class EngineStats:
     tokens: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     steps: int = 0
-    # One entry per decode step: (seconds since start, running batch size, arm label or "plain").
-    timeline: list[tuple[float, int, str]] = field(default_factory=list)
+    timeline: list[StepRecord] = field(default_factory=list)  # one per decode step
     spec: SpecStats = field(default_factory=SpecStats)
 
     @property
@@ -211,9 +220,11 @@ class Engine:
                 self._retire(running, results)  # a first token can already end a sequence
                 if not running:
                     continue
+                t0, tokens0 = time.perf_counter(), self.stats.tokens
                 label = self.decoder.step(self, running)
+                t1 = time.perf_counter()
                 self.stats.steps += 1
-                self.stats.timeline.append((time.perf_counter() - start, len(running), label))
+                self.stats.timeline.append(StepRecord(t1 - start, len(running), label, self.stats.tokens - tokens0, t1 - t0))
                 self._retire(running, results)
                 if on_progress is not None:
                     done = sum(r is not None for r in results)

@@ -80,6 +80,21 @@ class Arm:
 PLAIN = Arm("plain")
 
 
+def bucket_index(edges: Sequence[int], batch_size: int) -> int:
+    """Index of the bucket whose range (edges[i-1], edges[i]] holds batch_size."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return bisect.bisect_left(edges, batch_size)
+
+
+def bucket_label(edges: Sequence[int], b: int) -> str:
+    """Bucket b as text: "1", "3-4" or "33+" (sizes above the last edge)."""
+    lo = edges[b - 1] + 1 if b > 0 else 1
+    if b == len(edges):
+        return f"{lo}+"
+    return str(lo) if lo == edges[b] else f"{lo}-{edges[b]}"
+
+
 @dataclass
 class TunerConfig:
     """Bandit and switch-gate settings; the defaults are TLT's."""
@@ -140,9 +155,7 @@ class Tuner:
 
     def bucket(self, batch_size: int) -> int:
         """Index of the bucket whose range (edges[i-1], edges[i]] holds batch_size."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        return bisect.bisect_left(self.config.bucket_edges, batch_size)
+        return bucket_index(self.config.bucket_edges, batch_size)
 
     def gate(self, batch_size: int) -> bool:
         """Record one decode step's running batch size; True if SD may be used. Call once per step."""
@@ -227,16 +240,9 @@ class Tuner:
         for b, (windows, pulls) in enumerate(zip(self._rewards, self._pulls)):
             if not any(pulls):
                 continue
-            out[self._bucket_label(b)] = {
+            out[bucket_label(self.config.bucket_edges, b)] = {
                 "best": self._best(b).label,
                 "pulls": {arm.label: n for arm, n in zip(self.arms, pulls)},
                 "median": {arm.label: median(w) for arm, w in zip(self.arms, windows) if w},
             }
         return out
-
-    def _bucket_label(self, b: int) -> str:
-        edges = self.config.bucket_edges
-        lo = edges[b - 1] + 1 if b > 0 else 1
-        if b == len(edges):
-            return f"{lo}+"
-        return str(lo) if lo == edges[b] else f"{lo}-{edges[b]}"

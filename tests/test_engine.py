@@ -120,7 +120,7 @@ def test_kv_budget(tiny):
     reqs = _requests(7)
     small = Engine(tiny, EngineConfig(kv_budget_gb=3.5 * per_seq / 2**30))
     out = small.generate(reqs, SamplingParams(), 16)
-    assert small.cache.slots == 3 and max(b for _, b, _ in small.stats.timeline) == 3
+    assert small.cache.slots == 3 and max(r.batch for r in small.stats.timeline) == 3
     assert [c.token_ids for c in out] == [c.token_ids for c in Engine(tiny).generate(reqs, SamplingParams(), 16)]
 
 

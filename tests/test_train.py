@@ -37,11 +37,13 @@ from tailrl.rl.train import (
 from tailrl.spec.modes import SpecConfig
 
 # Metrics that are wall-clock measurements, so differ between runs of the same computation.
-TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_tok_s"}
+TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_tok_s",
+          "plain_s", "draft_s", "verify_s", "by_bucket", "batch_timeline"}
 REQUIRED = {
     "step", "reward_mean", "reward_std", "response_len_mean", "response_len_max", "rollout_s", "reward_s",
     "train_s", "step_s", "tokens_generated", "loss", "pg_loss", "kl", "reward_failures", "reward_timeouts",
-    "groups_skipped", "response_lens", "grad_norm",
+    "groups_skipped", "response_lens", "grad_norm", "sd_fraction", "plain_s", "draft_s", "verify_s",
+    "accept_hist", "by_bucket", "arm_by_bucket", "batch_timeline",
 }
 
 
@@ -239,7 +241,7 @@ def test_metrics_config_and_plots(straight_run, char_model_dir, task_file):
     # The saved config reads back to the run's config.
     saved = resolve(CONFIG_SECTIONS, toml=read_toml(out / "config.toml"))
     assert saved == {**resolve(CONFIG_SECTIONS), **tiny_configs(char_model_dir, task_file)}  # spec, tuner: defaults
-    for name in ("rewards", "lengths", "times"):
+    for name in ("rewards", "lengths", "times", "decoding"):
         assert (out / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # One checkpoint kept; it is a loadable model directory, and training changed the weights.
     (ckpt,) = RunDir(out).checkpoints()
@@ -317,7 +319,9 @@ def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_f
         runs[mode] = RunDir(tmp_path / mode).read_metrics()
     assert all(r["spec_verify_steps"] == 0 for r in runs["off"])
     assert all(r["spec_verify_steps"] > 0 for r in runs["on"])  # it did speculate
-    speed = TIMING | {"decode_steps", "spec_verify_steps", "spec_accept_len"}
+    assert [r["sd_fraction"] for r in runs["off"]] == [0.0, 0.0] and [r["sd_fraction"] for r in runs["on"]] == [1.0, 1.0]
+    assert all(set(r["arm_by_bucket"].values()) == {"ngram(3,1,3)"} for r in runs["on"])
+    speed = TIMING | {"decode_steps", "spec_verify_steps", "spec_accept_len", "sd_fraction", "accept_hist", "arm_by_bucket"}
     same = {mode: [{k: v for k, v in r.items() if k not in speed} for r in records] for mode, records in runs.items()}
     assert same["on"] == same["off"]
 

@@ -4,12 +4,17 @@
 - lengths.png: every response's length per step (the long tail made visible) with the median,
   90th percentile and max, and a histogram of the latest step.
 - times.png: the step time split into rollout, reward, train and the rest.
+- decoding.png: how the rollout decoded. The latest step's running batch size over time coloured
+  by the arm that decoded each step (where speculation switched on, and with which shape); its
+  accept_len per batch-size bucket and arm; and per step the share of tokens produced under
+  speculative decoding and the decode time split into plain steps, drafting and verification.
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, no global backend, no display).
 Files are replaced atomically, so an image viewer never reads a half-written PNG.
 
 Knows: the metrics record fields (step, reward_mean, format_rate, response_lens,
-max_new_tokens, rollout_s, reward_s, train_s, step_s). Does not know: how they were measured.
+max_new_tokens, rollout_s, reward_s, train_s, step_s; tailrl.spec.report's fields). Does not
+know: how they were measured.
 """
 
 from __future__ import annotations
@@ -107,13 +112,54 @@ def plot_times(records: Sequence[dict[str, Any]], path: Path) -> None:
     _save(fig, path)
 
 
+def plot_decoding(records: Sequence[dict[str, Any]], path: Path) -> None:
+    fig = _figure(15, 4)
+    timeline, accept, share = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
+    last = records[-1]
+    arms = sorted({seg[3] for seg in last["batch_timeline"]}, key=lambda a: (a != "plain", a))
+    colour = {arm: f"C{i}" for i, arm in enumerate(arms)}
+    for arm in arms:
+        segs = [s for s in last["batch_timeline"] if s[3] == arm]
+        timeline.hlines([s[2] for s in segs], [s[0] for s in segs], [s[1] for s in segs], colors=colour[arm], lw=3, label=arm)
+    # Log scale: the tail (1-8 running sequences) is where the arms differ.
+    timeline.set_yscale("log")
+    timeline.set(xlabel="seconds into the rollout", ylabel="running sequences", title=f"Step {last['step']}: arm per decode step")
+    timeline.grid(alpha=0.3)
+    timeline.legend(loc="best", fontsize=7)
+    buckets = list(last["by_bucket"])
+    for arm in arms:
+        xs = [i for i, b in enumerate(buckets) if arm in last["by_bucket"][b]]
+        accept.plot(xs, [last["by_bucket"][buckets[i]][arm]["accept_len"] for i in xs], "o-", color=colour[arm], label=arm)
+    accept.set_xticks(range(len(buckets)), buckets)
+    accept.set(xlabel="running batch size", ylabel="tokens per sequence-step", title="accept_len by batch size and arm")
+    accept.grid(alpha=0.3)
+    steps = np.array([r["step"] for r in records])
+    bottom = np.zeros(len(records))
+    for name in ("plain", "draft", "verify"):
+        values = np.array([r[f"{name}_s"] for r in records])
+        share.bar(steps, values, bottom=bottom, width=0.8, label=f"{name} seconds")
+        bottom = bottom + values
+    share.set(xlabel="step", ylabel="decode seconds", title="Decode time and share of tokens under SD")
+    _integer_steps(share)
+    fraction = share.twinx()
+    fraction.plot(steps, [r["sd_fraction"] for r in records], "k.-", label="tokens under SD")
+    fraction.set_ylim(0, 1.05)
+    fraction.set_ylabel("share of tokens under SD")
+    share.legend(loc="upper left", fontsize=7)
+    fraction.legend(loc="upper right", fontsize=7)
+    _save(fig, path)
+
+
 def write_plots(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     """Redraw every plot from all records so far; returns the files written."""
     if not records:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, draw in (("rewards", plot_rewards), ("lengths", plot_lengths), ("times", plot_times)):
+    plots = [("rewards", plot_rewards), ("lengths", plot_lengths), ("times", plot_times)]
+    if all("batch_timeline" in r for r in records):  # runs from before tailrl.spec.report lack it
+        plots.append(("decoding", plot_decoding))
+    for name, draw in plots:
         path = out_dir / f"{name}.png"
         draw(records, path)
         written.append(path)

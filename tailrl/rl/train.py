@@ -60,6 +60,7 @@ from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, 
 from tailrl.rl.tasks import DEFAULT_TASK, extract_answer, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
 from tailrl.spec.modes import SpecConfig, install
+from tailrl.spec.report import rollout_report
 from tailrl.tuner import Tuner, TunerConfig
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -302,7 +303,7 @@ def _check_context(prompts: Sequence[tuple[int, ...]], first_index: int, max_new
 
 def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str], rewards: Any,
                  skipped: int, stats: UpdateStats, grad_norm: float, times: dict[str, float],
-                 engine: Engine, lr: float) -> dict[str, Any]:
+                 engine: Engine, lr: float, bucket_edges: Sequence[int]) -> dict[str, Any]:
     """The metrics record of one step (one line of metrics.jsonl)."""
     lens = np.array([len(c.token_ids) for c in completions])
     r = np.array(rewards.rewards)
@@ -326,6 +327,7 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
         "decode_steps": engine.stats.steps,
         "spec_verify_steps": engine.stats.spec.verify_steps,
         "spec_accept_len": engine.stats.spec.accept_len,
+        **rollout_report(engine.stats, bucket_edges),
         **times,
         "loss": stats.loss,
         "pg_loss": stats.pg_loss,
@@ -456,7 +458,7 @@ def train(
                     "step_s": t_train - t_start,
                 }
                 metrics = step_metrics(step, tc, completions, texts, rewards, informative.count(False),
-                                       stats, grad_norm, times, engine, gc.lr)
+                                       stats, grad_norm, times, engine, gc.lr, configs["tuner"].bucket_edges)
                 run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     save()

@@ -1,0 +1,70 @@
+"""What a rollout's decoding did: the adaptive engine's observability, one generate call at a time.
+
+Summarises an EngineStats (its StepRecord timeline and SpecStats) into JSON-ready fields:
+- sd_fraction: share of decode-step tokens emitted by speculative steps;
+- plain_s / draft_s / verify_s: decode time in plain steps, proposing trees, verifying them;
+- accept_hist: verifies that accepted exactly d drafts, d = 0, 1, ... (acceptance by depth);
+- by_bucket: per running-batch-size bucket (the tuner's) and arm: steps, tokens, seconds,
+  accept_len (tokens emitted per sequence-step, the bonus token included; 1 for plain);
+- arm_by_bucket: the arm that decoded most steps in each bucket;
+- batch_timeline: [start, end, batch, arm] run-length segments of the steps, for plots.
+
+Knows: StepRecord, SpecStats, bucket edges. Does not know: how arms are chosen or executed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tailrl.engine import EngineStats
+from tailrl.tuner import bucket_index, bucket_label
+
+
+def rollout_report(stats: EngineStats, bucket_edges: Sequence[int]) -> dict[str, Any]:
+    """The fields above for one generate call."""
+    timeline = stats.timeline
+    decode_tokens = sum(r.tokens for r in timeline)
+    spec_tokens = sum(r.tokens for r in timeline if r.arm != "plain")
+    cells: dict[int, dict[str, dict[str, float]]] = {}
+    for r in timeline:
+        cell = cells.setdefault(bucket_index(bucket_edges, r.batch), {}).setdefault(
+            r.arm, {"steps": 0, "rows": 0, "tokens": 0, "seconds": 0.0}
+        )
+        cell["steps"] += 1
+        cell["rows"] += r.batch
+        cell["tokens"] += r.tokens
+        cell["seconds"] += r.seconds
+    by_bucket = {
+        bucket_label(bucket_edges, b): {
+            arm: {
+                "steps": c["steps"],
+                "tokens": c["tokens"],
+                "seconds": c["seconds"],
+                "accept_len": c["tokens"] / c["rows"],
+            }
+            for arm, c in sorted(arms.items())
+        }
+        for b, arms in sorted(cells.items())
+    }
+    return {
+        "sd_fraction": spec_tokens / decode_tokens if decode_tokens else 0.0,
+        "plain_s": sum(r.seconds for r in timeline if r.arm == "plain"),
+        "draft_s": stats.spec.draft_seconds,
+        "verify_s": stats.spec.verify_seconds,
+        "accept_hist": list(stats.spec.accept_hist),
+        "by_bucket": by_bucket,
+        "arm_by_bucket": {b: max(arms, key=lambda a: arms[a]["steps"]) for b, arms in by_bucket.items()},
+        "batch_timeline": segments(stats),
+    }
+
+
+def segments(stats: EngineStats) -> list[list[Any]]:
+    """Consecutive steps with the same batch size and arm merged: [start_s, end_s, batch, arm],
+    times rounded to the millisecond (a metrics line carries hundreds of them)."""
+    out: list[list[Any]] = []
+    for r in stats.timeline:
+        if out and out[-1][2] == r.batch and out[-1][3] == r.arm:
+            out[-1][1] = round(r.end, 3)
+        else:
+            out.append([round(r.end - r.seconds, 3), round(r.end, 3), r.batch, r.arm])
+    return out
