@@ -205,6 +205,10 @@ def _add_bench(sub) -> None:
     sp.add_argument("--json", action="store_true", help="print one JSON object")
     cfglib.add_arguments(sp, _sections({"bench": "tailrl.bench.spec:BenchSpecConfig"}))
     sp.set_defaults(run=_run_bench_spec)
+    ro = bench.add_parser("rollout", help="one long-tailed GRPO rollout batch: SD off, n-gram, drafter, auto")
+    ro.add_argument("--json", action="store_true", help="print one JSON object")
+    cfglib.add_arguments(ro, _sections({"bench": "tailrl.bench.rollout:BenchRolloutConfig"}))
+    ro.set_defaults(run=_run_bench_rollout)
 
 
 def _run_bench_generate(args: argparse.Namespace) -> None:
@@ -233,6 +237,15 @@ def _run_bench_spec(args: argparse.Namespace) -> None:
         # 1-token step); measured once: 1 token in ~1,000 at a 3e-8 margin, fp32, temperature 1.
         print("tailrl: note: some sequences differ from plain decoding; in fp32 this is a near-tie "
               "of the sampling CDF (see `tailrl bench spec` docs), not a different distribution", file=sys.stderr)
+
+
+def _run_bench_rollout(args: argparse.Namespace) -> None:
+    from tailrl.bench import rollout as bench
+
+    cfg = cfglib.resolve(_sections({"bench": "tailrl.bench.rollout:BenchRolloutConfig"}), args)["bench"]
+    report = bench.run(cfg, log=(lambda *_: None) if args.json else print)
+    if args.json:
+        print(json.dumps(report))
 
 
 # ---- entry ------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
 from tailrl.rl.rewards import from_reward_fn, load_reward, safe_rewards, task_reward
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
-from tailrl.rl.tasks import DEFAULT_TASK, extract_answer, format_prompt, make_task
+from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, extract_answer, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
 from tailrl.spec.modes import SpecConfig, install
 from tailrl.spec.report import rollout_report
@@ -292,6 +292,18 @@ def sigint_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+def rollout_requests(task: Task, tokenizer: Any, tc: TrainConfig, step: int, data_cursor: int,
+                     context: int) -> tuple[list[Problem], list[Request]]:
+    """The problems of a step (the task's seeded stream at the data cursor) and group_size
+    requests per problem, each seeded by (run seed, step, prompt, sample)."""
+    problems = [task.sample(tc.seed, data_cursor + i) for i in range(tc.num_prompts)]
+    prompts = [encode_prompt(tokenizer, p.question) for p in problems]
+    _check_context(prompts, data_cursor, tc.max_new_tokens, context)
+    G = tc.group_size
+    requests = [Request(prompts[i], derive_seed(tc.seed, step, i, j), group=i) for i in range(len(prompts)) for j in range(G)]
+    return problems, requests
+
+
 def _check_context(prompts: Sequence[tuple[int, ...]], first_index: int, max_new_tokens: int, limit: int) -> None:
     for i, p in enumerate(prompts):
         if len(p) + max_new_tokens > limit:
@@ -411,10 +423,8 @@ def train(
             # 1. Rollout: G responses per problem. Problems come from the task's seeded stream at
             #    the data cursor; each response's sampling seed is keyed by (run seed, step,
             #    prompt, sample), so the tokens do not depend on batching or on a resume.
-            problems = [task.sample(tc.seed, state.data_cursor + i) for i in range(P)]
-            prompts = [encode_prompt(tokenizer, p.question) for p in problems]
-            _check_context(prompts, state.data_cursor, tc.max_new_tokens, rollout_model.cfg.max_position_embeddings)
-            requests = [Request(prompts[i], derive_seed(tc.seed, step, i, j), group=i) for i in range(P) for j in range(G)]
+            problems, requests = rollout_requests(task, tokenizer, tc, step, state.data_cursor,
+                                                  rollout_model.cfg.max_position_embeddings)
             completions = engine.generate(
                 requests, params, tc.max_new_tokens,
                 on_progress=lambda progress: emit(RolloutProgress(step, tc.steps, progress)),
