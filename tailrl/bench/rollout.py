@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
+from tailrl.rl.plots import log_counts
 from tailrl.rl.run_dir import atomic_file
 from tailrl.rl.tasks import DEFAULT_TASK, make_task
 from tailrl.rl.train import TrainConfig, rollout_requests
@@ -167,7 +168,7 @@ def plot(results: dict[str, ModeResult], report: dict[str, Any], path: Path) -> 
         xs = [x for seg in r.timeline for x in seg[:2]]
         ys = [seg[2] for seg in r.timeline for _ in range(2)]
         batch.plot(xs, ys, color=f"C{i}", label=mode)
-    batch.set_yscale("log")
+    log_counts(batch)
     batch.set(xlabel="seconds into the rollout", ylabel="running sequences", title="Running batch over time (first repetition)")
     batch.grid(alpha=0.3)
     batch.legend(fontsize=8)

@@ -50,6 +50,16 @@ def _integer_steps(ax: Any) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def log_counts(ax: Any) -> None:
+    """A log y axis labelled with plain integers (1, 2, 5, 10, ...) rather than 10^x."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def plot_rewards(records: Sequence[dict[str, Any]], path: Path) -> None:
     steps = np.array([r["step"] for r in records])
     mean = np.array([r["reward_mean"] for r in records])
@@ -84,7 +94,7 @@ def plot_lengths(records: Sequence[dict[str, Any]], path: Path) -> None:
     if limit:
         ax.axhline(limit, color="tab:red", lw=0.8, label="max_new_tokens")
     # Log scale: the typical response and the tail differ by an order of magnitude or more.
-    ax.set_yscale("log")
+    log_counts(ax)
     ax.set(xlabel="step", ylabel="response length (tokens)", title="Response lengths per step")
     _integer_steps(ax)
     ax.grid(alpha=0.3)
@@ -114,6 +124,7 @@ def plot_times(records: Sequence[dict[str, Any]], path: Path) -> None:
 
 def plot_decoding(records: Sequence[dict[str, Any]], path: Path) -> None:
     fig = _figure(15, 4)
+    fig.subplots_adjust(right=0.95, wspace=0.3)  # room for the right panel's second axis
     timeline, accept, share = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
     last = records[-1]
     arms = sorted({seg[3] for seg in last["batch_timeline"]}, key=lambda a: (a != "plain", a))
@@ -122,7 +133,7 @@ def plot_decoding(records: Sequence[dict[str, Any]], path: Path) -> None:
         segs = [s for s in last["batch_timeline"] if s[3] == arm]
         timeline.hlines([s[2] for s in segs], [s[0] for s in segs], [s[1] for s in segs], colors=colour[arm], lw=3, label=arm)
     # Log scale: the tail (1-8 running sequences) is where the arms differ.
-    timeline.set_yscale("log")
+    log_counts(timeline)
     timeline.set(xlabel="seconds into the rollout", ylabel="running sequences", title=f"Step {last['step']}: arm per decode step")
     timeline.grid(alpha=0.3)
     timeline.legend(loc="best", fontsize=7)
