@@ -7,6 +7,16 @@ Knows: weights, RMSNorm, RoPE (default / linear / llama3 scaling), grouped-query
 SwiGLU, tied embeddings, Qwen2 q/k/v bias, Qwen3 q/k norm, the KV cache layout.
 Does not know: sampling, drafting, RL, tokenizers.
 
+Row invariance. Lossless speculative decoding needs a token's logits to come out the same
+whether it is fed alone (a plain step), with its draft (a verify forward) or beside other
+sequences. On CPU fp32, matmuls with fewer than 4 rows take another kernel path (measured on
+this project's AVX2 EPYC, MKL/oneDNN, 1 and 2 threads: rows 1-3 differ from rows >= 4 by ~1e-5,
+rows >= 4 agree bit for bit; keys beyond a row's length, masked, change nothing). A 1e-5 logit
+difference flips ~1 sampled token per 1,000 at temperature 1 (the uniform lands between the two
+CDFs). So every cached-path matmul runs on at least MIN_ROWS rows, zero-padded: the linears
+(`Linear`) and the attention's query rows. The padding costs ~3 extra rows of a 1-row step,
+which is memory-bound anyway.
+
 Shapes: B batch rows, T new tokens, S key positions, H query heads, K kv heads, G = H / K,
 D head dim, E hidden size, V vocabulary, L layers, C cache slots, M cache capacity (tokens).
 """
@@ -22,6 +32,26 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
+MIN_ROWS = 4  # see "Row invariance" above
+
+
+def pad_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x with zeros appended along dim up to MIN_ROWS (x itself if it has enough)."""
+    n = x.shape[dim]
+    if n >= MIN_ROWS:
+        return x
+    shape = list(x.shape)
+    shape[dim] = MIN_ROWS - n
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict keys) computed on >= MIN_ROWS rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = F.linear(pad_rows(flat, 0), self.weight, self.bias)[: flat.shape[0]]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -166,10 +196,10 @@ class Attention(nn.Module):
         super().__init__()
         h, k, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         self.h, self.k, self.d = h, k, d
-        self.q_proj = nn.Linear(e, h * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(e, k * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(e, k * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(h * d, e, bias=False)
+        self.q_proj = Linear(e, h * d, bias=cfg.attention_bias)
+        self.k_proj = Linear(e, k * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(e, k * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(h * d, e, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -205,20 +235,21 @@ class Attention(nn.Module):
         g = self.h // self.k
         # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
         # copies for GQA, and on CPU it beats SDPA for bf16 decode (DESIGN.md section 9).
-        qg = q.reshape(b, self.k, g * t, d)
-        scores = (qg @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
+        n = g * t
+        qg = pad_rows(q.reshape(b, self.k, n, d), 2)  # (B, K, max(G*T, MIN_ROWS), D)
+        scores = (qg @ keys.transpose(-1, -2))[:, :, :n] * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
         scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = probs.view(b, self.k, g * t, -1) @ vals  # (B, K, G*T, D)
-        return out.view(b, self.h, t, d)
+        out = pad_rows(probs.view(b, self.k, n, -1), 2) @ vals  # (B, K, max(G*T, MIN_ROWS), D)
+        return out[:, :, :n].reshape(b, self.h, t, d)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -252,7 +283,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # A plain attribute, not a buffer: module.to(bf16) must not round the frequencies.

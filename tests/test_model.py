@@ -85,3 +85,31 @@ def test_bad_model_dirs(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 8}')
     with pytest.raises(ModelError, match="malformed model config"):
         load_model(tmp_path)
+
+
+def test_token_logits_do_not_depend_on_the_forward_shape(smollm2_dir):
+    """The row invariance lossless SD relies on (tailrl.model docstring): a token's logits are bit
+    for bit the same fed alone, with 4 draft tokens after it, or beside rows of other lengths.
+    Without the MIN_ROWS padding they differ by ~1e-5 on this project's CPUs (fp32, 1-2 threads)."""
+    model = load_model(smollm2_dir, dtype="fp32")
+    torch.manual_seed(0)
+    tokens = torch.randint(100, 30000, (4, 80))
+    prompt_lens = [40, 43, 57, 71]  # row 0 is the one compared
+
+    def logits_of_row0(rows: int, t: int) -> torch.Tensor:
+        cache = KVCache(model.cfg, slots=rows, capacity=96, dtype=torch.float32, device="cpu")
+        for b in range(rows):
+            n = prompt_lens[b]
+            pos = torch.arange(n)[None]
+            model.hidden(tokens[b : b + 1, :n], pos, CacheView(cache, b, pos, n, torch.ones(1, n, n).tril().bool()))
+        write = torch.stack([prompt_lens[b] + torch.arange(t) for b in range(rows)])  # (rows, t)
+        ids = torch.stack([tokens[b, prompt_lens[b] : prompt_lens[b] + t] for b in range(rows)])
+        kv_len = int(write.max()) + 1
+        mask = torch.arange(kv_len)[None, None] <= write[:, :, None]  # causal over prefix + new tokens
+        return model(ids, write, CacheView(cache, 0, write, kv_len, mask))[0, 0]
+
+    with torch.inference_mode():
+        alone = logits_of_row0(1, 1)
+        assert torch.equal(logits_of_row0(1, 5), alone)  # a verify forward of [token, 4 drafts]
+        assert torch.equal(logits_of_row0(4, 1), alone)  # a plain step beside longer rows
+        assert torch.equal(logits_of_row0(4, 5), alone)
