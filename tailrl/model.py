@@ -11,11 +11,13 @@ Row invariance. Lossless speculative decoding needs a token's logits to come out
 whether it is fed alone (a plain step), with its draft (a verify forward) or beside other
 sequences. On CPU fp32, matmuls with fewer than 4 rows take another kernel path (measured on
 this project's AVX2 EPYC, MKL/oneDNN, 1 and 2 threads: rows 1-3 differ from rows >= 4 by ~1e-5,
-rows >= 4 agree bit for bit; keys beyond a row's length, masked, change nothing). A 1e-5 logit
-difference flips ~1 sampled token per 1,000 at temperature 1 (the uniform lands between the two
-CDFs). So every cached-path matmul runs on at least MIN_ROWS rows, zero-padded: the linears
-(`Linear`) and the attention's query rows. The padding costs ~3 extra rows of a 1-row step,
-which is memory-bound anyway.
+rows >= 4 agree bit for bit), and the attention-value matmul groups its sum by the number of
+keys, which is the batch's longest row. A 1e-5 logit difference flips ~1 sampled token per
+1,000 at temperature 1 (the uniform lands between the two CDFs). So every cached-path matmul runs
+on at least MIN_ROWS rows, zero-padded (the linears, `Linear`, and the attention's query rows;
+~3 extra rows of a 1-row step, which is memory-bound anyway), and the attention-value product
+runs in fixed-size key chunks (`chunked_pv`). The softmax over masked keys is already
+length-independent (measured).
 
 Shapes: B batch rows, T new tokens, S key positions, H query heads, K kv heads, G = H / K,
 D head dim, E hidden size, V vocabulary, L layers, C cache slots, M cache capacity (tokens).
@@ -33,6 +35,7 @@ from torch import nn
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 MIN_ROWS = 4  # see "Row invariance" above
+KV_CHUNK = 128  # keys per attention-value matmul, see chunked_pv
 
 
 def pad_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -43,6 +46,30 @@ def pad_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = MIN_ROWS - n
     return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs @ values[..., :S, :] summed chunk by chunk.  # (B, K, N, S), (B, K, M, D) -> (B, K, N, D)
+
+    A matmul over S keys groups its sum by S (measured: the same nonzero probabilities give
+    different bits at S = 286 than at 284), so a row's output would depend on the longest row in
+    its batch. Here every chunk is a KV_CHUNK-long matmul (probs zero-padded at the end, values
+    read from the cache: finite, so the padding adds exact zeros) and the chunk results are added
+    in position order: a row's output depends only on its own keys.
+    """
+    b, k, n, s = probs.shape
+    chunks = -(-s // KV_CHUNK)
+    cap = values.shape[2]
+    probs = F.pad(probs, (0, chunks * KV_CHUNK - s))
+    if chunks * KV_CHUNK > cap:
+        values = F.pad(values, (0, 0, 0, chunks * KV_CHUNK - cap))
+    parts = probs.view(b, k, n, chunks, KV_CHUNK).transpose(2, 3) @ values[:, :, : chunks * KV_CHUNK].view(
+        b, k, chunks, KV_CHUNK, -1
+    )  # (B, K, chunks, N, D)
+    out = parts[:, :, 0]
+    for c in range(1, chunks):
+        out = out + parts[:, :, c]
+    return out
 
 
 class Linear(nn.Linear):
@@ -231,7 +258,7 @@ class Attention(nn.Module):
         bidx = torch.arange(b, device=q.device).unsqueeze(1).expand(b, t)
         ck[bidx, :, view.write_pos] = k.transpose(1, 2)
         cv[bidx, :, view.write_pos] = v.transpose(1, 2)
-        keys, vals = ck[:, :, : view.kv_len], cv[:, :, : view.kv_len]  # (B, K, S, D)
+        keys = ck[:, :, : view.kv_len]  # (B, K, S, D)
         g = self.h // self.k
         # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
         # copies for GQA, and on CPU it beats SDPA for bf16 decode (DESIGN.md section 9).
@@ -239,8 +266,12 @@ class Attention(nn.Module):
         qg = pad_rows(q.reshape(b, self.k, n, d), 2)  # (B, K, max(G*T, MIN_ROWS), D)
         scores = (qg @ keys.transpose(-1, -2))[:, :, :n] * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
         scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = pad_rows(probs.view(b, self.k, n, -1), 2) @ vals  # (B, K, max(G*T, MIN_ROWS), D)
+        # Softmax with the normaliser summed in fp64: a vectorised fp32 sum groups keys by their
+        # index, so the same keys at other positions (a tree's accepted path, before compaction)
+        # would round differently; fp64 makes the order invisible after rounding back.
+        e = torch.exp(scores.float() - scores.amax(-1, keepdim=True).float())
+        probs = (e / e.sum(-1, keepdim=True, dtype=torch.float64).float()).to(q.dtype)
+        out = chunked_pv(pad_rows(probs.view(b, self.k, n, -1), 2), cv)  # (B, K, max(G*T, MIN_ROWS), D)
         return out[:, :, :n].reshape(b, self.h, t, d)
 
 

@@ -89,27 +89,48 @@ def test_bad_model_dirs(tmp_path):
 
 def test_token_logits_do_not_depend_on_the_forward_shape(smollm2_dir):
     """The row invariance lossless SD relies on (tailrl.model docstring): a token's logits are bit
-    for bit the same fed alone, with 4 draft tokens after it, or beside rows of other lengths.
-    Without the MIN_ROWS padding they differ by ~1e-5 on this project's CPUs (fp32, 1-2 threads)."""
+    for bit the same fed alone, with 4 draft tokens after it, beside rows of other lengths (which
+    set the number of keys attended), or at the end of a tree branch whose ancestors sit at
+    non-consecutive cache positions. Without MIN_ROWS padding, chunked_pv and the fp64 softmax
+    normaliser they differ by ~1e-5 on this project's CPUs (fp32, 1-2 threads)."""
     model = load_model(smollm2_dir, dtype="fp32")
     torch.manual_seed(0)
-    tokens = torch.randint(100, 30000, (4, 80))
-    prompt_lens = [40, 43, 57, 71]  # row 0 is the one compared
+    tokens = torch.randint(100, 30000, (4, 700))
+    prompt_lens = [290, 293, 407, 630]  # row 0 is the one compared; the others span key chunks
 
-    def logits_of_row0(rows: int, t: int) -> torch.Tensor:
-        cache = KVCache(model.cfg, slots=rows, capacity=96, dtype=torch.float32, device="cpu")
+    def prefilled(rows: int) -> KVCache:
+        cache = KVCache(model.cfg, slots=rows, capacity=704, dtype=torch.float32, device="cpu")
         for b in range(rows):
             n = prompt_lens[b]
             pos = torch.arange(n)[None]
             model.hidden(tokens[b : b + 1, :n], pos, CacheView(cache, b, pos, n, torch.ones(1, n, n).tril().bool()))
+        return cache
+
+    def logits_of_row0(rows: int, t: int) -> torch.Tensor:  # [token, t - 1 drafts] per row, causal
+        cache = prefilled(rows)
         write = torch.stack([prompt_lens[b] + torch.arange(t) for b in range(rows)])  # (rows, t)
         ids = torch.stack([tokens[b, prompt_lens[b] : prompt_lens[b] + t] for b in range(rows)])
         kv_len = int(write.max()) + 1
-        mask = torch.arange(kv_len)[None, None] <= write[:, :, None]  # causal over prefix + new tokens
-        return model(ids, write, CacheView(cache, 0, write, kv_len, mask))[0, 0]
+        mask = torch.arange(kv_len)[None, None] <= write[:, :, None]
+        return model(ids, write, CacheView(cache, 0, write, kv_len, mask))[0]
 
     with torch.inference_mode():
-        alone = logits_of_row0(1, 1)
-        assert torch.equal(logits_of_row0(1, 5), alone)  # a verify forward of [token, 4 drafts]
-        assert torch.equal(logits_of_row0(4, 1), alone)  # a plain step beside longer rows
-        assert torch.equal(logits_of_row0(4, 5), alone)
+        alone = logits_of_row0(1, 1)[0]
+        assert torch.equal(logits_of_row0(1, 5)[0], alone)  # a verify forward of [token, 4 drafts]
+        assert torch.equal(logits_of_row0(4, 1)[0], alone)  # a plain step beside longer rows
+        assert torch.equal(logits_of_row0(4, 5)[0], alone)
+        # A tree [root, a, x, b] with b under a and x a sibling branch: b sits at cache index
+        # n + 3 with its parent at n + 1, while plain decoding has them at n + 2 and n + 1.
+        n = prompt_lens[0]
+        root, a, b = tokens[0, n], tokens[0, n + 1], tokens[0, n + 2]
+        chain = logits_of_row0(1, 3)[2]  # logits after [.., root, a, b], consecutive
+        cache = prefilled(1)
+        write = torch.tensor([[n, n + 1, n + 2, n + 3]])
+        positions = torch.tensor([[n, n + 1, n + 1, n + 2]])
+        mask = torch.arange(n + 4)[None, None] < n
+        mask = mask.repeat(1, 4, 1)
+        for i, ancestors in enumerate(([0], [0, 1], [0, 2], [0, 1, 3])):
+            mask[0, i, [n + j for j in ancestors]] = True
+        ids = torch.stack([root, a, torch.tensor(999), b])[None]
+        tree = model(ids, positions, CacheView(cache, 0, write, n + 4, mask))[0, 3]
+        assert torch.equal(tree, chain)
