@@ -18,6 +18,7 @@ from typing import Callable
 from tailrl import config as cfglib
 from tailrl.engine import EngineConfig, Progress
 from tailrl.sampling import SamplingParams
+from tailrl.workers.runtimes import WorkerError
 
 
 def progress_printer(label: str = "") -> Callable[[Progress], None]:
@@ -260,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tailrl: error: {e}", file=sys.stderr)
         return 2
+    except WorkerError as e:  # a rollout worker died or hung; the run directory stays resumable
+        if os.environ.get("TAILRL_DEBUG"):
+            raise
+        print(f"tailrl: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ntailrl: interrupted", file=sys.stderr)
         return 130
