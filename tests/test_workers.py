@@ -14,17 +14,21 @@ import pytest
 import torch
 
 from tailrl.engine import Engine, EngineConfig, EngineStats, Request, SpecStats
+from tailrl.rl.progress import RolloutProgress
+from tailrl.rl.run_dir import RunDir
+from tailrl.rl.train import train
 from tailrl.loading import load_model
 from tailrl.sampling import SamplingParams, derive_seed
 from tailrl.spec.drafter import Drafter, save_drafter
 from tailrl.spec.drafter_train import TrainSeq
-from tailrl.spec.modes import SpecConfig, install
+from tailrl.spec.modes import SpecConfig
 from tailrl.tuner import TunerConfig
 from tailrl.workers.buffer import DataBuffer, train_seq
 from tailrl.workers.pool import WorkerConfig, merge_stats, shard_indices, start_pool
 from tailrl.workers.runtimes import WorkerError
 from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, run_spot
 from tailrl.workers.worker import SpotBeat
+from test_train import char_model_dir, comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
 
 VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in
 PARAMS = SamplingParams(temperature=1.0)
@@ -217,3 +221,45 @@ def test_a_hung_worker_is_detected_by_timeout(target):
             pool.generate(3, requests(), PARAMS, 20)
     finally:
         pool.close()  # kills the stopped process
+
+
+# ---- in the GRPO loop -------------------------------------------------------------------------
+
+# Wall-clock measurements, and counts that depend on how the work was split between workers.
+SPLIT = {"decode_steps", "idle_seconds_harvested", "idle_seconds_left", "preempt_latency_s"}
+
+
+@pytest.fixture(scope="module")
+def straight_fp32(tmp_path_factory, char_model_dir, task_file):
+    """Three steps with the in-process engine (fp32 rollouts, so a batch's composition cannot
+    flip a token by rounding): the reference for runs on several workers."""
+    out = tmp_path_factory.mktemp("runs") / "straight"
+    train(tiny_configs(char_model_dir, task_file, dtype="fp32"), out)
+    return out
+
+
+def same_run(a: list[dict], b: list[dict]) -> bool:
+    return [{k: v for k, v in r.items() if k not in SPLIT} for r in comparable(a)] == \
+        [{k: v for k, v in r.items() if k not in SPLIT} for r in comparable(b)]
+
+
+def test_killing_a_worker_stops_the_run_resumably(straight_fp32, tmp_path, char_model_dir, task_file):
+    import multiprocessing
+
+    def kill_worker_1_in_step_3(event):
+        if isinstance(event, RolloutProgress) and event.step == 3:
+            (worker,) = [p for p in multiprocessing.active_children() if p.name == "tailrl-worker-1"]
+            os.kill(worker.pid, signal.SIGKILL)
+
+    out = tmp_path / "run"
+    configs = tiny_configs(char_model_dir, task_file, dtype="fp32")
+    configs["workers"] = WorkerConfig(workers=2)
+    with pytest.raises(WorkerError, match=rf"^worker 1 died \(exit code -9\) in step 3; the run stopped after "
+                                          rf"step 2, resume with --resume {out}$"):
+        train(configs, out, on_event=kill_worker_1_in_step_3)
+    assert [p.name for p in RunDir(out).checkpoints()] == ["step_000002"]
+    assert [r["step"] for r in RunDir(out).read_metrics()] == [1, 2]
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("tailrl-worker")]
+    # Resumed on two workers, the run is the in-process engine's run.
+    train(configs, out, resume=True)
+    assert same_run(RunDir(out).read_metrics(), RunDir(straight_fp32).read_metrics())
