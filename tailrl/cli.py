@@ -206,6 +206,10 @@ def _add_bench(sub) -> None:
     sp.add_argument("--json", action="store_true", help="print one JSON object")
     cfglib.add_arguments(sp, _sections({"bench": "tailrl.bench.spec:BenchSpecConfig"}))
     sp.set_defaults(run=_run_bench_spec)
+    dr = bench.add_parser("drafter", help="adaptive (spot-trained) vs frozen drafter: accept_len per RL step")
+    dr.add_argument("--json", action="store_true", help="print one JSON object")
+    cfglib.add_arguments(dr, _sections({"bench": "tailrl.bench.drafter:BenchDrafterConfig"}))
+    dr.set_defaults(run=_run_bench_drafter)
 
 
 def _run_bench_generate(args: argparse.Namespace) -> None:
@@ -234,6 +238,18 @@ def _run_bench_spec(args: argparse.Namespace) -> None:
         # 1-token step); measured once: 1 token in ~1,000 at a 3e-8 margin, fp32, temperature 1.
         print("tailrl: note: some sequences differ from plain decoding; in fp32 this is a near-tie "
               "of the sampling CDF (see `tailrl bench spec` docs), not a different distribution", file=sys.stderr)
+
+
+def _run_bench_drafter(args: argparse.Namespace) -> None:
+    from tailrl.bench import drafter as bench
+
+    cfg = cfglib.resolve(_sections({"bench": "tailrl.bench.drafter:BenchDrafterConfig"}), args)["bench"]
+    result = bench.run(cfg, log=(lambda *_: None) if args.json else (lambda line: print(line, file=sys.stderr)))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"accept_ratio {result['accept_ratio']:.3f} (adaptive over static, last {bench.LAST} steps), "
+              f"overhead {result['overhead']:.3f}, preempt share {result['preempt_share']:.4f}; plot {result['png']}")
 
 
 # ---- entry ------------------------------------------------------------------------------------

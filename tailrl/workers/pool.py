@@ -96,8 +96,12 @@ def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
 class WorkerPool:
     """Rollouts across a runtime's workers; the drafter's state, buffer and versions (see module doc)."""
 
-    def __init__(self, runtime: Any, spot: SpotConfig, drafter: DrafterState | None, timeout_s: float):
+    def __init__(self, runtime: Any, spot: SpotConfig, drafter: DrafterState | None, timeout_s: float,
+                 tuners: list | None = None):
         self.runtime, self.spot, self.timeout_s = runtime, spot, timeout_s
+        # Each worker's tuner state as of its last finished rollout: what a checkpoint saves, so
+        # saving never waits for (or interrupts) a rollout in flight.
+        self.tuners = tuners or [None] * runtime.size
         runtime.on_beat = self._on_beat
         # Spot training needs a learned drafter and a second worker to be idle while one generates.
         self.spot_on = drafter is not None and spot.spot_train and runtime.size >= 2
@@ -177,6 +181,7 @@ class WorkerPool:
                 if isinstance(reply, ShardResult):
                     busy.discard(rank)
                     results[rank], done_at[rank] = reply, time.monotonic()
+                    self.tuners[rank] = reply.tuner_state
                     self.buffer.add(reply.train_seqs)
                     if self.spot_on and busy and trainer is None and spot is None:
                         trainer = rank
@@ -227,7 +232,7 @@ class WorkerPool:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "tuners": self._call_all("tuner_state"),
+            "tuners": list(self.tuners),
             "drafter": dataclasses.asdict(self.drafter) if self.drafter is not None else None,
             "buffer": self.buffer.state_dict(),
         }
@@ -265,7 +270,7 @@ def start_pool(cfg: WorkerConfig, spot: SpotConfig, model: Transformer, setup_kw
     else:
         setup = WorkerSetup(**setup_kw, collect=collect, threads=cfg.worker_threads)
         runtime = ProcessRuntime(cfg.workers, model, setup, tuners, cfg.worker_timeout_s)
-    pool = WorkerPool(runtime, spot, drafter, cfg.worker_timeout_s)
+    pool = WorkerPool(runtime, spot, drafter, cfg.worker_timeout_s, tuners)
     if state is not None:
         pool.load_state_dict(state)
     return pool

@@ -60,6 +60,7 @@ class ShardResult:
     train_seqs: list[TrainSeq] = field(default_factory=list)
     drafter_verifies: int = 0  # verifies by the learned drafter's arms
     drafter_emitted: int = 0  # tokens they emitted
+    tuner_state: dict | None = None  # the tuner's state after this rollout (--spec auto), for checkpoints
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ class RolloutWorker:
         seqs = [train_seq(c) for c in out] if self.setup.collect else []
         for c in out:
             c.hidden = c.prompt_hidden = None
-        return ShardResult(out, self.engine.stats, seqs, self._verifies, self._emitted)
+        tuner = self.tuner.state_dict() if self.tuner is not None else None
+        return ShardResult(out, self.engine.stats, seqs, self._verifies, self._emitted, tuner)
 
     def set_drafter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """Draft with a newer drafter version from the next rollout on."""
@@ -129,9 +131,6 @@ class RolloutWorker:
             self._trainer = Drafter(drafter.cfg, self.model.model.embed_tokens.weight.detach())
         head = self.model.lm_head.weight.detach()[self._trainer.d2t].float()  # (K, E)
         return run_spot(self._trainer, job, head, self.preempted, lambda n: self.beat(SpotBeat(n)))
-
-    def tuner_state(self) -> dict | None:
-        return self.tuner.state_dict() if self.tuner is not None else None
 
     def pid(self) -> int:
         return os.getpid()
