@@ -5,6 +5,7 @@ Ray actors: tests/test_ray.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -201,6 +202,28 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
         assert state["drafter"]["version"] == 1 and len(state["tuners"]) == 2
     finally:
         pool.close()
+
+
+def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, drafter_dir):
+    spec = SpecConfig(spec="on", drafter=str(drafter_dir), num_steps=3, num_draft_tokens=3)
+    weights = {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny", seed=5).state_dict().items()}
+    buffer = DataBuffer(1000, 0.5)
+    buffer.add([_seq(5, 9)])
+    reqs = requests(prompts=2)
+    for workers in (1, 2):
+        state = {"tuners": [None] * workers, "drafter": dataclasses.asdict(DrafterState(3, weights, None, 7)),
+                 "buffer": buffer.state_dict()}
+        pool = start_pool(WorkerConfig(workers=workers), SpotConfig(), target, setup(spec), state)
+        try:
+            assert pool.drafter.version == 3 and pool.buffer.tokens == 14
+            out = pool.generate(1, reqs, PARAMS, 20)
+            assert pool.last_metrics["drafter_version"] == 3 and pool.last_metrics["drafter_accept_len"] >= 1
+            assert [c.token_ids for c in out] == [c.token_ids for c in reference(target, reqs)]
+            if workers == 1:
+                in_use = pool.runtime.worker.in_use.state_dict()
+                assert all(torch.equal(in_use[k], weights[k]) for k in weights)
+        finally:
+            pool.close()
 
 
 def test_a_killed_worker_is_reported_with_rank_and_step(target):

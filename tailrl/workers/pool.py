@@ -259,17 +259,21 @@ def start_pool(cfg: WorkerConfig, spot: SpotConfig, model: Transformer, setup_kw
         drafter = DrafterState(0, weights)
     collect = drafter is not None and spot.spot_train and cfg.workers >= 2
     tuners = (state or {}).get("tuners")
+    if tuners is not None and len(tuners) != cfg.workers:
+        raise ValueError(f"the checkpoint holds {len(tuners)} workers' state; resume with --workers {len(tuners)}")
+    # Starting (imports, model copy, drafter) takes seconds to minutes whatever the hang timeout is.
+    start_s = max(cfg.worker_timeout_s, 300.0)
     if cfg.use_ray:
         from tailrl.workers.ray_runtime import RayRuntime
 
         setup = WorkerSetup(**setup_kw, collect=collect, threads=cfg.worker_threads)
-        runtime = RayRuntime(cfg.workers, cfg.ray_address, model, setup, tuners, cfg.worker_timeout_s)
+        runtime = RayRuntime(cfg.workers, cfg.ray_address, model, setup, tuners, start_s)
     elif cfg.workers == 1:
         # Today's path: the engine in this process, on the trainer's rollout model, its threads as set.
         runtime = InProcessRuntime(model, WorkerSetup(**setup_kw, collect=collect), tuners)
     else:
         setup = WorkerSetup(**setup_kw, collect=collect, threads=cfg.worker_threads)
-        runtime = ProcessRuntime(cfg.workers, model, setup, tuners, cfg.worker_timeout_s)
+        runtime = ProcessRuntime(cfg.workers, model, setup, tuners, start_s)
     pool = WorkerPool(runtime, spot, drafter, cfg.worker_timeout_s, tuners)
     if state is not None:
         pool.load_state_dict(state)
