@@ -208,7 +208,7 @@ def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, draft
     spec = SpecConfig(spec="on", drafter=str(drafter_dir), num_steps=3, num_draft_tokens=3)
     weights = {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny", seed=5).state_dict().items()}
     buffer = DataBuffer(1000, 0.5)
-    buffer.add([_seq(5, 9)])
+    buffer.add([_seq(5, 9, e=64)])
     reqs = requests(prompts=2)
     for workers in (1, 2):
         state = {"tuners": [None] * workers, "drafter": dataclasses.asdict(DrafterState(3, weights, None, 7)),
