@@ -79,7 +79,7 @@ class SpotJob:
 class SpotResult:
     state: DrafterState  # same version; new weights and optimizer when micro_steps > 0
     micro_steps: int
-    seconds: float  # training time, i.e. idle time harvested
+    seconds: float  # CPU seconds this thread spent training: idle time actually harvested
     loss: float | None  # mean micro-step loss
 
 
@@ -91,7 +91,8 @@ def run_spot(
     on_step: Callable[[int], None] | None = None,
 ) -> SpotResult:
     """Micro-steps over the packed job data (cyclically, from the start) until preempted."""
-    t0 = time.perf_counter()
+    # CPU time, not wall time: a trainer that got no CPU (a busy machine) harvested nothing.
+    t0 = time.thread_time()
     cfg = job.cfg
     drafter.load_state_dict(job.state.weights)
     drafter.train()
@@ -116,4 +117,4 @@ def run_spot(
     if n:
         weights = {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
         state = DrafterState(state.version, weights, opt.state_dict(), state.micro_steps + n)
-    return SpotResult(state, n, time.perf_counter() - t0, sum(losses) / n if n else None)
+    return SpotResult(state, n, time.thread_time() - t0, sum(losses) / n if n else None)
