@@ -18,6 +18,7 @@ from typing import Callable
 from tailrl import config as cfglib
 from tailrl.engine import EngineConfig, Progress
 from tailrl.sampling import SamplingParams
+from tailrl.workers.runtimes import WorkerError
 
 
 def progress_printer(label: str = "") -> Callable[[Progress], None]:
@@ -209,6 +210,10 @@ def _add_bench(sub) -> None:
     ro.add_argument("--json", action="store_true", help="print one JSON object")
     cfglib.add_arguments(ro, _sections({"bench": "tailrl.bench.rollout:BenchRolloutConfig"}))
     ro.set_defaults(run=_run_bench_rollout)
+    dr = bench.add_parser("drafter", help="adaptive (spot-trained) vs frozen drafter: accept_len per RL step")
+    dr.add_argument("--json", action="store_true", help="print one JSON object")
+    cfglib.add_arguments(dr, _sections({"bench": "tailrl.bench.drafter:BenchDrafterConfig"}))
+    dr.set_defaults(run=_run_bench_drafter)
 
 
 def _run_bench_generate(args: argparse.Namespace) -> None:
@@ -248,6 +253,18 @@ def _run_bench_rollout(args: argparse.Namespace) -> None:
         print(json.dumps(report))
 
 
+def _run_bench_drafter(args: argparse.Namespace) -> None:
+    from tailrl.bench import drafter as bench
+
+    cfg = cfglib.resolve(_sections({"bench": "tailrl.bench.drafter:BenchDrafterConfig"}), args)["bench"]
+    result = bench.run(cfg, log=(lambda *_: None) if args.json else (lambda line: print(line, file=sys.stderr)))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"accept_ratio {result['accept_ratio']:.3f} (adaptive over static, last {bench.LAST} steps), "
+              f"overhead {result['overhead']:.3f}, preempt share {result['preempt_share']:.4f}; plot {result['png']}")
+
+
 # ---- entry ------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tailrl: error: {e}", file=sys.stderr)
         return 2
+    except WorkerError as e:  # a rollout worker died or hung; the run directory stays resumable
+        if os.environ.get("TAILRL_DEBUG"):
+            raise
+        print(f"tailrl: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ntailrl: interrupted", file=sys.stderr)
         return 130

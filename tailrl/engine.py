@@ -58,6 +58,9 @@ class Completion:
     group: int
     # (n, E) hidden state that produced each generated token (the LM head's input), when captured.
     hidden: torch.Tensor | None = None
+    # (P-1, E) the prompt's hidden states but the last (which is hidden[0]), when captured; siblings
+    # share one tensor.
+    prompt_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -297,8 +300,10 @@ class Engine:
                 i += 1
                 continue
             hidden = torch.cat(seq.hidden).float().cpu() if seq.hidden else None
+            prompt_hidden = seq.prompt_hidden.float().cpu() if seq.prompt_hidden is not None else None
             results[seq.req_index] = Completion(
-                seq.req.prompt_ids, seq.tokens, seq.logprobs, seq.finish, seq.req.seed, seq.req.group, hidden
+                seq.req.prompt_ids, seq.tokens, seq.logprobs, seq.finish, seq.req.seed, seq.req.group, hidden,
+                prompt_hidden,
             )
             last = running.pop()
             if last is not seq:

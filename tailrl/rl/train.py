@@ -1,8 +1,9 @@
 """The GRPO training loop: rollout -> rewards -> advantages -> update -> publish the weights.
 
 `train` runs one RL step per iteration of one loop, readable top to bottom. The helpers above
-it are the update's tensor plumbing (log-probs of responses, gradient accumulation) and the
-seam where speculative decoding plugs in (`build_engine`).
+it are the update's tensor plumbing (log-probs of responses, gradient accumulation). The rollout
+goes through tailrl.workers (`start_pool`): one engine in this process by default, or several
+worker processes / Ray actors, whose idle time in the long tail trains the drafter.
 
 Weights. The policy trains in `train_dtype` (fp32 master weights: an AdamW update of lr ~1e-5
 relative to a weight vanishes in bf16's 8-bit mantissa). Rollouts run in `dtype`; when it
@@ -29,8 +30,8 @@ one-token step). In auto mode the tuner picks arms by measured speed and its sta
 checkpointed, but a resumed run reproduces the uninterrupted one bit for bit only with spec off
 (or where no near-tie flips a token).
 
-Knows: tasks, rewards, the tokenizer, the engine's interface, AdamW, the run directory.
-Does not know: how the engine produces tokens (plain or speculative).
+Knows: tasks, rewards, the tokenizer, the rollout's interface, AdamW, the run directory.
+Does not know: how the engine produces tokens (plain or speculative), where workers run.
 
 Shapes: P prompts, G group_size, L tokens in a packed row (prompts + responses), N response
 tokens in it, E hidden size, V vocabulary.
@@ -49,7 +50,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from tailrl.engine import Engine, EngineConfig, Request
+from tailrl.engine import EngineConfig, Request
 from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig, group_advantages, policy_loss, sequence_logprobs
@@ -59,9 +60,12 @@ from tailrl.rl.rewards import from_reward_fn, load_reward, safe_rewards, task_re
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, extract_answer, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
-from tailrl.spec.modes import SpecConfig, install
+from tailrl.spec.modes import SpecConfig
 from tailrl.spec.report import rollout_report
-from tailrl.tuner import Tuner, TunerConfig
+from tailrl.tuner import TunerConfig
+from tailrl.workers.pool import WorkerConfig, WorkerPool, start_pool
+from tailrl.workers.runtimes import WorkerError
+from tailrl.workers.spot import SpotConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 # Fields that cannot change a run's results, so a resume may change them.
@@ -120,6 +124,7 @@ class TrainConfig:
 
 CONFIG_SECTIONS: dict[str, type] = {
     "train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig, "spec": SpecConfig, "tuner": TunerConfig,
+    "workers": WorkerConfig, "spot": SpotConfig,
 }
 
 
@@ -235,15 +240,6 @@ def accumulate_gradients(
     return UpdateStats(tokens=total, **sums)
 
 
-@torch.no_grad()
-def publish_weights(policy: Transformer, rollout_model: Transformer) -> None:
-    """Copy the policy into the rollout model (casting to its dtype); a no-op when they are one."""
-    if rollout_model is policy:
-        return
-    for dst, src in zip(rollout_model.parameters(), policy.parameters(), strict=True):
-        dst.copy_(src)
-
-
 def policy_weights(model: Transformer) -> dict[str, torch.Tensor]:
     """The state dict to save: contiguous tensors, a tied LM head left out (the config says so)."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -258,14 +254,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch sees no GPU")
     return torch.device(name)
-
-
-def build_engine(model: Transformer, configs: dict[str, Any], seed: int,
-                 tuner_state: dict[str, Any] | None = None) -> tuple[Engine, Tuner | None]:
-    """The rollout engine, decoding as the [spec] section says (off, on, auto): the one place
-    speculative decoding plugs in. Returns the tuner too in auto mode (its state is checkpointed)."""
-    engine = Engine(model, configs["engine"])
-    return engine, install(engine, configs["spec"], configs["tuner"], seed=seed, tuner_state=tuner_state)
 
 
 def encode_prompt(tokenizer: Any, question: str) -> tuple[int, ...]:
@@ -315,7 +303,7 @@ def _check_context(prompts: Sequence[tuple[int, ...]], first_index: int, max_new
 
 def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str], rewards: Any,
                  skipped: int, stats: UpdateStats, grad_norm: float, times: dict[str, float],
-                 engine: Engine, lr: float, bucket_edges: Sequence[int]) -> dict[str, Any]:
+                 pool: WorkerPool, lr: float, bucket_edges: Sequence[int]) -> dict[str, Any]:
     """The metrics record of one step (one line of metrics.jsonl)."""
     lens = np.array([len(c.token_ids) for c in completions])
     r = np.array(rewards.rewards)
@@ -334,12 +322,12 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
         "truncated": sum(c.finish_reason == "length" for c in completions),
         "max_new_tokens": tc.max_new_tokens,
         "tokens_generated": int(lens.sum()),
-        "rollout_tok_s": engine.stats.tokens_per_s,
-        "prefill_s": engine.stats.prefill_seconds,
-        "decode_steps": engine.stats.steps,
-        "spec_verify_steps": engine.stats.spec.verify_steps,
-        "spec_accept_len": engine.stats.spec.accept_len,
-        **rollout_report(engine.stats, bucket_edges),
+        "rollout_tok_s": pool.stats.tokens_per_s,
+        "prefill_s": pool.stats.prefill_seconds,
+        "decode_steps": pool.stats.steps,
+        "spec_verify_steps": pool.stats.spec.verify_steps,
+        "spec_accept_len": pool.stats.spec.accept_len,
+        **rollout_report(pool.stats, bucket_edges),
         **times,
         "loss": stats.loss,
         "pg_loss": stats.pg_loss,
@@ -350,6 +338,7 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
         "train_tokens": stats.tokens,
         "lr": lr,
         "response_lens": lens.tolist(),
+        **pool.last_metrics,  # drafter version, spot training, idle seconds
     }
 
 
@@ -399,7 +388,8 @@ def train(
     else:
         torch.manual_seed(tc.seed)
         emit(Notice(f"run directory {run.path}"))
-    engine, tuner = build_engine(rollout_model, configs, tc.seed, state.extra.get("tuner"))
+    setup = dict(engine=configs["engine"], spec=configs["spec"], tuner=configs["tuner"], seed=tc.seed)
+    pool = start_pool(configs["workers"], configs["spot"], rollout_model, setup, state.extra.get("workers"))
     where = "on the policy" if rollout_model is policy else f"on a {dtype} copy"
     emit(Notice(f"policy in {tc.train_dtype} on {device}; rollouts {where}"))
     params = SamplingParams(tc.temperature, tc.top_p, tc.top_k)
@@ -409,8 +399,7 @@ def train(
     def save() -> None:
         nonlocal saved_step
         state.rng = capture_rng()
-        if tuner is not None:
-            state.extra["tuner"] = tuner.state_dict()
+        state.extra["workers"] = pool.state_dict()  # tuners, drafter version and optimizer, buffer
         path = run.save_checkpoint(policy_weights(policy), optimizer.state_dict(), state, model_dir, tc.keep_checkpoints)
         saved_step = state.step
         emit(Notice(f"saved {path}"))
@@ -425,8 +414,8 @@ def train(
             #    prompt, sample), so the tokens do not depend on batching or on a resume.
             problems, requests = rollout_requests(task, tokenizer, tc, step, state.data_cursor,
                                                   rollout_model.cfg.max_position_embeddings)
-            completions = engine.generate(
-                requests, params, tc.max_new_tokens,
+            completions = pool.generate(
+                step, requests, params, tc.max_new_tokens,
                 on_progress=lambda progress: emit(RolloutProgress(step, tc.steps, progress)),
             )
             t_rollout = time.perf_counter()
@@ -458,7 +447,7 @@ def train(
                 if samples:
                     optimizer.step()
                 # 5. Publish: the next rollout samples from the updated policy.
-                publish_weights(policy, rollout_model)
+                pool.publish_weights(policy)
                 t_train = time.perf_counter()
                 state.step, state.data_cursor = step, state.data_cursor + P
                 times = {
@@ -468,7 +457,7 @@ def train(
                     "step_s": t_train - t_start,
                 }
                 metrics = step_metrics(step, tc, completions, texts, rewards, informative.count(False),
-                                       stats, grad_norm, times, engine, gc.lr, configs["tuner"].bucket_edges)
+                                       stats, grad_norm, times, pool, gc.lr, configs["tuner"].bucket_edges)
                 run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     save()
@@ -482,6 +471,13 @@ def train(
             save()
         emit(Notice(f"interrupted; resume with --resume {run.path}"))
         return TrainResult(run.path, state.step, interrupted=True)
+    except WorkerError as e:  # the failed step applied nothing; keep the completed ones
+        if saved_step != state.step:
+            save()
+        raise WorkerError(e.rank, f"{e.reason}; the run stopped after step {state.step}, "
+                          f"resume with --resume {run.path}") from None
+    finally:
+        pool.close()
     if saved_step != state.step:  # a run of 0 steps still leaves its starting checkpoint
         save()
     return TrainResult(run.path, state.step, interrupted=False)

@@ -1,0 +1,280 @@
+"""The rollout of one RL step across workers, with spot training of the drafter in the tail.
+
+`WorkerPool.generate` is the seam the RL loop calls instead of `Engine.generate`:
+1. Publish the newest drafter version to every worker (if it changed).
+2. Split the requests into one contiguous, equal-sized shard per worker (siblings are adjacent,
+   so GRPO groups stay whole whenever the shard size allows; the sampling seeds make the tokens
+   independent of the split).
+3. Wait. When a worker's shard is done its completions come back and its responses' hidden
+   states go into the data buffer; the first worker done while another still generates becomes
+   the spot trainer (tailrl.workers.spot) and trains the drafter on the buffer.
+4. When the last shard is done, preempt the trainer; it stops after its current micro-step and
+   returns the trained state, which becomes the next drafter version.
+A worker that dies, raises, or sends nothing for `worker_timeout_s` ends the call with a
+WorkerError naming its rank and the step; the RL loop applies nothing of that step.
+
+Knows: shards, the buffer, drafter versions, spot scheduling, timing of idle windows. Does not
+know: how workers run (runtimes), the engine's internals, rewards or the policy update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from safetensors.torch import load_file
+
+from tailrl.engine import Completion, EngineStats, Progress, Request
+from tailrl.model import Transformer
+from tailrl.sampling import SamplingParams
+from tailrl.spec.drafter import WEIGHTS_FILE
+from tailrl.workers.buffer import DataBuffer
+from tailrl.workers.runtimes import InProcessRuntime, ProcessRuntime, WorkerError
+from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, SpotResult
+from tailrl.workers.worker import RolloutJob, ShardResult, SpotBeat, WorkerSetup
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Rollout workers: how many, where they run, when one counts as hung."""
+
+    workers: int = field(default=1, metadata={"help": "rollout workers (1 = one engine in the trainer's process)"})
+    ray: bool = field(default=False, metadata={"help": "run the workers as Ray actors (local Ray unless --ray-address)"})
+    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster to join (implies --ray)"})
+    worker_threads: int = field(default=1, metadata={"help": "torch threads per worker process or actor"})
+    worker_timeout_s: float = field(
+        default=300.0, metadata={"help": "a worker silent this long (no progress, no reply) counts as hung"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.worker_threads < 1:
+            raise ValueError(f"workers and worker_threads must be >= 1, got {self.workers} and {self.worker_threads}")
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+
+    @property
+    def use_ray(self) -> bool:
+        return self.ray or self.ray_address is not None
+
+
+def shard_indices(n: int, workers: int) -> list[range]:
+    """Contiguous shards of n requests, sizes differing by at most one."""
+    base, extra = divmod(n, workers)
+    bounds = [0]
+    for rank in range(workers):
+        bounds.append(bounds[-1] + base + (rank < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
+    """One EngineStats for shards that ran side by side: counts add up, wall seconds are the
+    longest shard's, timelines and histograms are concatenated / added."""
+    out = EngineStats()
+    for part in parts:
+        for f in dataclasses.fields(EngineStats):
+            a, b = getattr(out, f.name), getattr(part, f.name)
+            if f.name == "seconds":
+                setattr(out, f.name, max(a, b))
+            elif f.name == "spec":
+                for g in dataclasses.fields(a):
+                    x, y = getattr(a, g.name), getattr(b, g.name)
+                    if isinstance(x, list):  # accept_hist: element-wise
+                        x += [0] * (len(y) - len(x))
+                        setattr(a, g.name, [u + (y[i] if i < len(y) else 0) for i, u in enumerate(x)])
+                    else:
+                        setattr(a, g.name, x + y)
+            elif isinstance(a, list):
+                setattr(out, f.name, a + list(b))
+            else:
+                setattr(out, f.name, a + b)
+    return out
+
+
+class WorkerPool:
+    """Rollouts across a runtime's workers; the drafter's state, buffer and versions (see module doc)."""
+
+    def __init__(self, runtime: Any, spot: SpotConfig, drafter: DrafterState | None, timeout_s: float,
+                 tuners: list | None = None):
+        self.runtime, self.spot, self.timeout_s = runtime, spot, timeout_s
+        # Each worker's tuner state as of its last finished rollout: what a checkpoint saves, so
+        # saving never waits for (or interrupts) a rollout in flight.
+        self.tuners = tuners or [None] * runtime.size
+        runtime.on_beat = self._on_beat
+        # Spot training needs a learned drafter and a second worker to be idle while one generates.
+        self.spot_on = drafter is not None and spot.spot_train and runtime.size >= 2
+        self.drafter = drafter
+        self.buffer = DataBuffer(spot.buffer_tokens, spot.keep_long)
+        self.published = 0  # drafter version the workers draft with (0: the --drafter files)
+        self.stats = EngineStats()
+        self.last_metrics: dict[str, Any] = {}
+        self._job = 0
+        self._heard: dict[int, float] = {}
+        self._progress: dict[int, Progress] = {}
+        self._on_progress: Callable[[Progress], None] | None = None
+
+    # ---- calls ----------------------------------------------------------------------------
+
+    def _on_beat(self, rank: int, payload: Any) -> None:
+        self._heard[rank] = time.monotonic()
+        if isinstance(payload, Progress):
+            self._progress[rank] = payload
+            if self._on_progress is not None:
+                ps = self._progress.values()
+                self._on_progress(Progress(sum(p.done for p in ps), sum(p.total for p in ps),
+                                           sum(p.running for p in ps), sum(p.tokens for p in ps),
+                                           max(p.seconds for p in ps)))
+
+    def _start(self, rank: int, method: str, *args: Any) -> None:
+        self._heard[rank] = time.monotonic()
+        self.runtime.start(rank, method, *args)
+
+    def _wait(self, waiting: set[int]) -> list[tuple[int, Any]]:
+        replies = self.runtime.wait(0.25)
+        now = time.monotonic()
+        for rank, _ in replies:
+            self._heard[rank] = now
+        for rank in waiting - {r for r, _ in replies}:
+            if now - self._heard[rank] > self.timeout_s:
+                raise WorkerError(rank, f"sent nothing for {self.timeout_s:g} s (hung)")
+        return replies
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """worker.method(*args) on every worker, in parallel; the replies in rank order."""
+        for rank in range(self.runtime.size):
+            self._start(rank, method, *args)
+        out: dict[int, Any] = {}
+        while len(out) < self.runtime.size:
+            out.update(self._wait(set(range(self.runtime.size)) - set(out)))
+        return [out[r] for r in range(self.runtime.size)]
+
+    # ---- a step's rollout -----------------------------------------------------------------
+
+    def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
+                 on_progress: Callable[[Progress], None] | None = None) -> list[Completion]:
+        try:
+            return self._generate(requests, params, max_new_tokens, on_progress)
+        except WorkerError as e:
+            raise WorkerError(e.rank, f"{e.reason} in step {step}") from None
+
+    def _generate(self, requests, params, max_new_tokens, on_progress) -> list[Completion]:
+        if self.drafter is not None and self.drafter.version != self.published:
+            self._call_all("set_drafter", self.drafter.version, self.drafter.weights)
+            self.published = self.drafter.version
+        self._on_progress, self._progress = on_progress, {}
+        t0 = time.monotonic()
+        shards = shard_indices(len(requests), self.runtime.size)
+        busy = set()
+        for rank, idx in enumerate(shards):
+            if idx:
+                self._start(rank, "rollout", RolloutJob([requests[i] for i in idx], params, max_new_tokens))
+                busy.add(rank)
+        results: dict[int, ShardResult] = {}
+        done_at = {rank: t0 for rank, idx in enumerate(shards) if not idx}
+        trainer: int | None = None
+        spot: SpotResult | None = None
+        preempt_at = stopped_at = None
+        while busy or trainer is not None:
+            for rank, reply in self._wait(busy | ({trainer} if trainer is not None else set())):
+                if isinstance(reply, ShardResult):
+                    busy.discard(rank)
+                    results[rank], done_at[rank] = reply, time.monotonic()
+                    self.tuners[rank] = reply.tuner_state
+                    self.buffer.add(reply.train_seqs)
+                    if self.spot_on and busy and trainer is None and spot is None:
+                        trainer = rank
+                        self._job += 1
+                        job = SpotJob(self._job, self.drafter, self.buffer.training_order(), self.spot)
+                        self._start(rank, "spot_train", job)
+                else:
+                    spot, trainer, stopped_at = reply, None, time.monotonic()
+            if not busy and trainer is not None and preempt_at is None:
+                preempt_at = time.monotonic()
+                self.runtime.preempt(trainer, self._job)
+        self._on_progress = None
+        self._finish_step(results, done_at, spot, preempt_at, stopped_at)
+        out: list[Completion | None] = [None] * len(requests)
+        for rank, result in results.items():
+            for i, c in zip(shards[rank], result.completions):
+                out[i] = c
+        return out  # type: ignore[return-value]
+
+    def _finish_step(self, results: dict[int, ShardResult], done_at: dict[int, float], spot: SpotResult | None,
+                     preempt_at: float | None, stopped_at: float | None) -> None:
+        """Merge the shards' stats, record the step's drafter metrics, make the next drafter version."""
+        self.stats = merge_stats([results[r].stats for r in sorted(results)])
+        end = max(done_at.values())
+        idle = sum(end - t for t in done_at.values())
+        harvested = min(spot.seconds, idle) if spot is not None else 0.0
+        verifies = sum(r.drafter_verifies for r in results.values())
+        self.last_metrics = {
+            "drafter_version": self.published,
+            "drafter_micro_steps": spot.micro_steps if spot is not None else 0,
+            "drafter_loss": spot.loss if spot is not None else None,
+            "drafter_accept_len": sum(r.drafter_emitted for r in results.values()) / verifies if verifies else None,
+            "idle_seconds_harvested": harvested,
+            "idle_seconds_left": idle - harvested,
+            "preempt_latency_s": stopped_at - preempt_at if preempt_at is not None else 0.0,
+            "buffer_tokens": self.buffer.tokens,
+        }
+        if spot is not None and spot.micro_steps:
+            s = spot.state
+            self.drafter = DrafterState(s.version + 1, s.weights, s.optimizer, s.micro_steps)
+        self.buffer.end_step()
+
+    # ---- weights, state, shutdown ---------------------------------------------------------
+
+    def publish_weights(self, policy: Transformer) -> None:
+        """The next rollout samples from `policy`."""
+        self.runtime.publish_weights(policy)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "tuners": list(self.tuners),
+            "drafter": dataclasses.asdict(self.drafter) if self.drafter is not None else None,
+            "buffer": self.buffer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The drafter and buffer of a checkpoint (tuner states go to the runtime at start)."""
+        if state.get("drafter") is not None:
+            self.drafter = DrafterState(**state["drafter"])
+        self.buffer.load_state_dict(state["buffer"])
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def start_pool(cfg: WorkerConfig, spot: SpotConfig, model: Transformer, setup_kw: dict[str, Any],
+               state: dict[str, Any] | None = None) -> WorkerPool:
+    """Workers as configured, drafting with `model` (the rollout model) and resuming `state`
+    (a WorkerPool.state_dict() from a checkpoint, or None). setup_kw: WorkerSetup's engine,
+    spec, tuner, seed."""
+    spec = setup_kw["spec"]
+    drafter = None
+    if spec.drafter and spec.spec != "off":
+        weights = load_file(Path(spec.drafter) / WEIGHTS_FILE)  # fp32, as saved
+        drafter = DrafterState(0, weights)
+    collect = drafter is not None and spot.spot_train and cfg.workers >= 2
+    tuners = (state or {}).get("tuners")
+    if tuners is not None and len(tuners) != cfg.workers:
+        raise ValueError(f"the checkpoint holds {len(tuners)} workers' state; resume with --workers {len(tuners)}")
+    # Starting (imports, model copy, drafter) takes seconds to minutes whatever the hang timeout is.
+    start_s = max(cfg.worker_timeout_s, 300.0)
+    if cfg.use_ray:
+        from tailrl.workers.ray_runtime import RayRuntime
+
+        setup = WorkerSetup(**setup_kw, collect=collect, threads=cfg.worker_threads)
+        runtime = RayRuntime(cfg.workers, cfg.ray_address, model, setup, tuners, start_s)
+    elif cfg.workers == 1:
+        # Today's path: the engine in this process, on the trainer's rollout model, its threads as set.
+        runtime = InProcessRuntime(model, WorkerSetup(**setup_kw, collect=collect), tuners)
+    else:
+        setup = WorkerSetup(**setup_kw, collect=collect, threads=cfg.worker_threads)
+        runtime = ProcessRuntime(cfg.workers, model, setup, tuners, start_s)
+    pool = WorkerPool(runtime, spot, drafter, cfg.worker_timeout_s, tuners)
+    if state is not None:
+        pool.load_state_dict(state)
+    return pool

@@ -1,0 +1,166 @@
+"""Workers as Ray actors: the same RolloutWorker, the same runtime interface as
+tailrl.workers.runtimes (start / wait / preempt / publish_weights / close).
+
+Each actor builds its rollout model from the model's config and weights put once into Ray's
+object store (numpy arrays, read in place by actors on the same node), so a remote node needs no
+copy of the model directory; publishing new policy weights is the same put and an in-place copy
+in every actor. Actors are threaded (two threads): one runs the worker's call (rollout or spot
+training), the other answers `beats` (progress, liveness) and `preempt`, so the trainer can stop
+a spot job mid-way. Ray is imported only here: it is an optional dependency (`pip install tailrl[ray]`).
+
+Knows: Ray actors, object refs, Ray's errors. Does not know: rollouts, the drafter, RL.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from tailrl.model import ModelConfig, Transformer
+from tailrl.workers.runtimes import WorkerError
+from tailrl.workers.worker import RolloutWorker, WorkerSetup
+
+try:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+except ImportError:  # pragma: no cover - the error below says what to install
+    ray = None
+
+
+def to_numpy(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """numpy has no bf16: such tensors travel as their int16 bit patterns."""
+    return {k: (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy() for k, v in weights.items()}
+
+
+def from_numpy(arrays: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, a in arrays.items():
+        t = torch.from_numpy(np.array(a))  # a copy: object-store arrays are read-only
+        out[k] = t.view(torch.bfloat16) if dtype == torch.bfloat16 and t.dtype == torch.int16 else t
+    return out
+
+
+def _weights(model: Transformer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in model.named_parameters()}
+
+
+class _Actor:
+    """The actor body: a RolloutWorker, its beats queued for the trainer to collect."""
+
+    def __init__(self, rank: int, cfg: ModelConfig, dtype: torch.dtype, weights: dict[str, np.ndarray],
+                 setup: WorkerSetup, tuner_state: dict | None):
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        model.load_state_dict(from_numpy(weights, dtype), strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        self.dtype = dtype
+        self.worker = RolloutWorker(rank, model.eval().requires_grad_(False), setup, tuner_state)
+        self._beats: list[Any] = []
+        self._preempted = 0
+        self.worker.beat = self._beats.append
+        self.worker.preempted = lambda: self._preempted
+
+    def call(self, method: str, args: tuple) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        self.worker.load_weights(from_numpy(weights, self.dtype))
+
+    def beats(self) -> list[Any]:
+        out, self._beats = self._beats, []
+        return out[-1:] if out else []  # the latest says all the trainer needs
+
+    def preempt(self, job_id: int) -> None:
+        self._preempted = job_id
+
+
+class RayRuntime:
+    def __init__(self, size: int, address: str | None, model: Transformer, setup: WorkerSetup,
+                 tuner_states: list | None = None, start_timeout_s: float = 300.0):
+        if ray is None:
+            raise ValueError("--ray needs the ray package: pip install 'tailrl[ray]'")
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        self.size, self.dtype = size, model.lm_head.weight.dtype
+        self.on_beat: Callable[[int, Any], None] = lambda rank, payload: None
+        weights = ray.put(to_numpy(_weights(model)))
+        states = tuner_states or [None] * size
+        actor = ray.remote(num_cpus=setup.threads or 1, max_concurrency=2)(_Actor)
+        self.actors = [actor.remote(r, model.cfg, self.dtype, weights, setup, states[r]) for r in range(size)]
+        self.calls: dict[Any, int] = {}  # pending call ref -> rank
+        self.beat_calls: dict[Any, int] = {}
+        try:
+            ray.get([a.beats.remote() for a in self.actors], timeout=start_timeout_s)  # constructed
+        except GetTimeoutError:
+            self.close()
+            raise WorkerError(0, f"(Ray actor) did not start within {start_timeout_s:.0f} s") from None
+        except (RayActorError, RayTaskError) as e:
+            self.close()
+            raise WorkerError(0, f"(Ray actor) could not start: {_first_line(e)}") from None
+
+    def start(self, rank: int, method: str, *args: Any) -> None:
+        self.calls[self.actors[rank].call.remote(method, args)] = rank
+
+    def wait(self, timeout: float) -> list[tuple[int, Any]]:
+        self._collect_beats()
+        replies = []
+        if self.calls:
+            ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=timeout)
+            if ready:
+                ready, _ = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
+            for ref in ready:
+                rank = self.calls.pop(ref)
+                replies.append((rank, self._get(rank, ref)))
+        else:
+            time.sleep(timeout)
+        return replies
+
+    def _collect_beats(self) -> None:
+        """Ask busy actors for beats, one outstanding request each (a hung actor gets no pile-up)."""
+        busy = set(self.calls.values())
+        asked = set(self.beat_calls.values())
+        for rank in busy - asked:
+            self.beat_calls[self.actors[rank].beats.remote()] = rank
+        ready, _ = ray.wait(list(self.beat_calls), num_returns=len(self.beat_calls), timeout=0)
+        for ref in ready:
+            rank = self.beat_calls.pop(ref)
+            for payload in self._get(rank, ref):
+                self.on_beat(rank, payload)
+
+    def _get(self, rank: int, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except RayActorError as e:
+            raise WorkerError(rank, f"died (Ray actor: {_first_line(e)})") from None
+        except RayTaskError as e:
+            raise WorkerError(rank, f"raised {_first_line(e)}") from None
+
+    def preempt(self, rank: int, job_id: int) -> None:
+        self.actors[rank].preempt.remote(job_id)
+
+    def publish_weights(self, policy: Transformer) -> None:
+        weights = {k: v.to(self.dtype) for k, v in _weights(policy).items()}
+        ref = ray.put(to_numpy(weights))
+        for rank, r in enumerate([a.load_weights.remote(ref) for a in self.actors]):
+            self._get(rank, r)
+
+    @property
+    def pids(self) -> list[int]:
+        return ray.get([a.call.remote("pid", ()) for a in self.actors])
+
+    def close(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__

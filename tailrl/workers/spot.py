@@ -1,0 +1,120 @@
+"""Spot training: the drafter trained on a rollout worker whose shard is done, while others generate.
+
+A spot job carries everything the trainer needs (the drafter's weights and optimizer state, the
+buffer's responses in training order) and comes back with the new state, so no worker owns the
+drafter: whichever worker is idle first trains it, and the trainer (the process running the RL
+loop) keeps the state, checkpoints it and publishes each new version.
+
+Preemption. Before every micro-step the trainer asks `preempted()` whether the rollout has
+ended; a micro-step is one optimizer step on one packed row of `drafter_batch_tokens` entries,
+so the rollout waits at most one micro-step (plus returning the state) for the trainer.
+
+One trainer, not data parallel. On this 2-core machine with 2 workers at most one worker is
+idle while another still generates, so data-parallel idle workers would never have a second
+member; and with more workers than cores, an idle worker's core is already busy with another
+worker's decoding, so extra trainers would slow the tail they wait for. Hence one trainer per
+step: the first worker to finish.
+
+Knows: the drafter's loss and optimizer, packing, the stop check. Does not know: workers,
+processes, Ray, the RL loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tailrl.spec.drafter import Drafter
+from tailrl.spec.drafter_train import TrainSeq, drafter_loss, pack
+
+
+@dataclass(frozen=True)
+class SpotConfig:
+    """Drafter training on idle rollout workers (spot training) and its data buffer."""
+
+    spot_train: bool = field(
+        default=True, metadata={"help": "train the learned drafter on idle workers (needs --workers >= 2 and --drafter)"}
+    )
+    drafter_lr: float = field(default=3e-4, metadata={"help": "spot training AdamW learning rate"})
+    drafter_batch_tokens: int = field(
+        default=512, metadata={"help": "drafter entries per micro-step (bounds the preemption latency)"}
+    )
+    drafter_ce_weight: float = field(default=0.1, metadata={"help": "weight of the drafter's cross-entropy term (TLT: 0.1)"})
+    buffer_tokens: int = field(
+        default=65536, metadata={"help": "data buffer bound, tokens incl. prompts (E x 4 bytes each: 2.3 KB for SmolLM2)"}
+    )
+    keep_long: float = field(
+        default=0.25, metadata={"help": "share of a step's responses, longest first, kept for the next step's training"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.drafter_lr > 0 or self.drafter_batch_tokens < 1 or self.buffer_tokens < 1:
+            raise ValueError("drafter_lr must be > 0, drafter_batch_tokens and buffer_tokens >= 1")
+        if not 0.0 <= self.keep_long <= 1.0:
+            raise ValueError(f"keep_long must be in [0, 1], got {self.keep_long}")
+
+
+@dataclass
+class DrafterState:
+    """The trained drafter as the RL loop keeps and checkpoints it."""
+
+    version: int  # 0 = the drafter loaded from --drafter; +1 per step that trained it
+    weights: dict[str, torch.Tensor]  # fp32 state dict (the embedding is the target's, not here)
+    optimizer: dict[str, Any] | None = None  # AdamW state; None before the first micro-step
+    micro_steps: int = 0  # in total, over all versions
+
+
+@dataclass
+class SpotJob:
+    job_id: int  # preempted() >= job_id means: stop
+    state: DrafterState
+    seqs: list[TrainSeq]  # in training order
+    cfg: SpotConfig
+
+
+@dataclass
+class SpotResult:
+    state: DrafterState  # same version; new weights and optimizer when micro_steps > 0
+    micro_steps: int
+    seconds: float  # CPU seconds this thread spent training: idle time actually harvested
+    loss: float | None  # mean micro-step loss
+
+
+def run_spot(
+    drafter: Drafter,
+    job: SpotJob,
+    target_head: torch.Tensor,  # (K, E) the target's LM-head rows of the draft vocabulary
+    preempted: Callable[[], int],
+    on_step: Callable[[int], None] | None = None,
+) -> SpotResult:
+    """Micro-steps over the packed job data (cyclically, from the start) until preempted."""
+    # CPU time, not wall time: a trainer that got no CPU (a busy machine) harvested nothing.
+    t0 = time.thread_time()
+    cfg = job.cfg
+    drafter.load_state_dict(job.state.weights)
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.drafter_lr, weight_decay=0.0)
+    if job.state.optimizer is not None:
+        opt.load_state_dict(job.state.optimizer)
+    batches = pack(job.seqs, cfg.drafter_batch_tokens)
+    losses: list[float] = []
+    while batches and preempted() < job.job_id:
+        loss, stats = drafter_loss(drafter, batches[len(losses) % len(batches)], target_head, cfg.drafter_ce_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(stats.loss)
+        if on_step is not None:
+            on_step(len(losses))
+    drafter.eval()
+    n = len(losses)
+    state = job.state
+    if n:
+        weights = {k: v.detach().float().clone() for k, v in drafter.state_dict().items()}
+        state = DrafterState(state.version, weights, opt.state_dict(), state.micro_steps + n)
+    return SpotResult(state, n, time.thread_time() - t0, sum(losses) / n if n else None)

@@ -1,0 +1,288 @@
+"""Rollout workers on a tiny random model: sharding, the data buffer, spot training's preemption,
+local processes giving the in-process engine's tokens, drafter versions published after spot
+training in a (forced) long tail, and dead or hung workers reported with their rank and step.
+Ray actors: tests/test_ray.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from tailrl.engine import Engine, EngineConfig, EngineStats, Request, SpecStats
+from tailrl.rl.progress import RolloutProgress
+from tailrl.rl.run_dir import RunDir
+from tailrl.rl.train import train
+from tailrl.loading import load_model
+from tailrl.sampling import SamplingParams, derive_seed
+from tailrl.spec.drafter import Drafter, save_drafter
+from tailrl.spec.drafter_train import TrainSeq
+from tailrl.spec.modes import SpecConfig
+from tailrl.tuner import TunerConfig
+from tailrl.workers.buffer import DataBuffer, train_seq
+from tailrl.workers.pool import WorkerConfig, merge_stats, shard_indices, start_pool
+from tailrl.workers.runtimes import WorkerError
+from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, run_spot
+from tailrl.workers.worker import SpotBeat
+from test_train import char_model_dir, comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
+
+VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in
+PARAMS = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return load_model(tiny_dir, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(target, tmp_path_factory):
+    return save_drafter(Drafter.from_target(target, VOCAB, "tiny", seed=0), tmp_path_factory.mktemp("drafter"))
+
+
+def requests(step: int = 1, prompts: int = 3, group: int = 4) -> list[Request]:
+    g = torch.Generator().manual_seed(step)
+    ps = [tuple(torch.randint(2, 96, (4 + 3 * i,), generator=g).tolist()) for i in range(prompts)]
+    return [Request(ps[i], derive_seed(7, step, i, j), group=i) for i in range(prompts) for j in range(group)]
+
+
+def reference(target, reqs, max_new_tokens=20):
+    return Engine(target, EngineConfig()).generate(reqs, PARAMS, max_new_tokens)
+
+
+def setup(spec: SpecConfig = SpecConfig()) -> dict:
+    return dict(engine=EngineConfig(max_batch=8), spec=spec, tuner=TunerConfig(), seed=0)
+
+
+# ---- pieces -----------------------------------------------------------------------------------
+
+
+def test_shards_are_contiguous_and_balanced():
+    assert shard_indices(10, 3) == [range(0, 4), range(4, 7), range(7, 10)]
+    assert shard_indices(2, 3) == [range(0, 1), range(1, 2), range(2, 2)]
+    # 8 groups of 8 on 2 workers: 4 whole groups each.
+    assert shard_indices(64, 2) == [range(0, 32), range(32, 64)]
+
+
+def test_merge_stats_adds_counts_and_takes_the_longest_shard():
+    a = EngineStats(tokens=10, seconds=2.0, prefill_seconds=0.5, steps=3, timeline=[(0.1, 2, "plain")],
+                    spec=SpecStats(verify_steps=2, emitted=5, accept_hist=[1, 1]))
+    b = EngineStats(tokens=4, seconds=3.0, prefill_seconds=0.25, steps=1, timeline=[(0.2, 1, "plain")],
+                    spec=SpecStats(verify_steps=1, emitted=4, accept_hist=[0, 0, 0, 1]))
+    m = merge_stats([a, b])
+    assert (m.tokens, m.seconds, m.prefill_seconds, m.steps) == (14, 3.0, 0.75, 4)
+    assert m.timeline == [(0.1, 2, "plain"), (0.2, 1, "plain")]
+    assert m.spec.accept_hist == [1, 1, 0, 1] and m.spec.accept_len == 3.0
+
+
+def _seq(prompt: int, response: int, e: int = 4) -> TrainSeq:
+    n = prompt + response
+    return TrainSeq(torch.arange(n), torch.zeros(n - 1, e), prompt)
+
+
+def test_buffer_trains_on_this_step_first_then_the_previous_steps_longest():
+    buf = DataBuffer(max_tokens=100, keep_long=0.5)
+    step1 = [_seq(5, r) for r in (3, 20, 8, 12)]
+    buf.add(step1)
+    buf.end_step()  # the longest half of step 1 (responses of 20 and 12) is kept
+    assert [s.tokens.shape[0] - 5 for s in buf.previous] == [20, 12]
+    step2 = [_seq(5, 6), _seq(5, 7)]
+    buf.add(step2)
+    assert buf.training_order() == step2 + buf.previous
+    assert buf.tokens == 11 + 12 + 25 + 17
+    # Over the bound: the previous step's shortest goes first, then this step's oldest.
+    buf.add([_seq(5, 30)])
+    assert buf.tokens == 100  # at the bound, nothing dropped
+    buf.add([_seq(5, 40)])  # 45 over: previous 17 and 25 go, then this step's oldest (11)
+    assert buf.previous == [] and [s.tokens.shape[0] for s in buf.current] == [12, 35, 45]
+    state = buf.state_dict()
+    other = DataBuffer(100, 0.5)
+    other.load_state_dict(state)
+    assert [torch.equal(a.tokens, b.tokens) for a, b in zip(other.current, buf.current)] == [True] * 3
+
+
+def test_train_seq_holds_the_prompt_hidden_states_of_a_prompt_forward(target):
+    reqs = requests(prompts=2, group=2)
+    out = Engine(target, EngineConfig(capture_hidden=True)).generate(reqs, PARAMS, 10)
+    for r, c in zip(reqs, out):
+        s = train_seq(c)
+        p = torch.tensor([r.prompt_ids])
+        with torch.no_grad():
+            hp = target.hidden(p, torch.arange(p.shape[1])[None])[0, :-1]
+        assert s.tokens.tolist() == list(r.prompt_ids) + c.token_ids and s.prompt_len == len(r.prompt_ids)
+        torch.testing.assert_close(s.hidden[: len(r.prompt_ids) - 1], hp, rtol=1e-5, atol=1e-5)
+        assert torch.equal(s.hidden[len(r.prompt_ids) - 1 :], c.hidden)
+
+
+def test_spot_training_stops_before_the_next_micro_step(target):
+    out = Engine(target, EngineConfig(capture_hidden=True)).generate(requests(), PARAMS, 20)
+    seqs = [train_seq(c) for c in out]
+    drafter = Drafter.from_target(target, VOCAB, "tiny")
+    head = target.lm_head.weight.detach()[drafter.d2t].float()
+    start = DrafterState(0, {k: v.clone() for k, v in drafter.state_dict().items()})
+    stop_at = {"flag": 0}
+
+    def on_step(n: int) -> None:
+        if n == 3:  # "rollout ended" arrives during micro-step 3
+            stop_at["flag"] = 1
+
+    job = SpotJob(1, start, seqs, SpotConfig(drafter_batch_tokens=64))
+    result = run_spot(drafter, job, head, lambda: stop_at["flag"], on_step)
+    assert result.micro_steps == 3 and result.state.micro_steps == 3 and result.loss > 0
+    assert any(not torch.equal(result.state.weights[k], start.weights[k]) for k in start.weights)
+    # A preempted job (id <= the preempted id) does nothing; the next job continues the optimizer.
+    assert run_spot(drafter, job, head, lambda: 1).micro_steps == 0
+    steps = {"n": 0}
+    job2 = SpotJob(2, result.state, seqs, job.cfg)
+    again = run_spot(drafter, job2, head, lambda: 2 if steps["n"] >= 2 else 1, lambda n: steps.update(n=n))
+    assert again.micro_steps == 2 and again.state.micro_steps == 5
+    assert int(again.state.optimizer["state"][0]["step"]) == 5
+
+
+# ---- local processes --------------------------------------------------------------------------
+
+
+def test_process_workers_give_the_in_process_tokens(target, tiny_dir):
+    reqs = requests()
+    want = reference(target, reqs)
+    for workers in (1, 2, 3):
+        pool = start_pool(WorkerConfig(workers=workers), SpotConfig(), target, setup())
+        try:
+            got = pool.generate(1, reqs, PARAMS, 20)
+        finally:
+            pool.close()
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert [c.seed for c in got] == [r.seed for r in reqs]
+        assert pool.stats.tokens == sum(len(c.token_ids) for c in want)
+
+
+def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, drafter_dir):
+    # Rank 0 is paused (SIGSTOP) so rank 1 finishes first and trains the drafter until rank 0,
+    # resumed, finishes: a long tail made on purpose. Tokens stay those of plain decoding.
+    spec = SpecConfig(spec="on", drafter=str(drafter_dir), num_steps=3, num_draft_tokens=3)
+    pool = start_pool(WorkerConfig(workers=2), SpotConfig(drafter_batch_tokens=64), target, setup(spec))
+    seen = threading.Event()
+    on_beat = pool.runtime.on_beat
+
+    def watch(rank: int, payload) -> None:
+        on_beat(rank, payload)
+        if isinstance(payload, SpotBeat) and payload.micro_steps >= 2:
+            seen.set()
+
+    pool.runtime.on_beat = watch
+    reqs = requests(prompts=2)
+    try:
+        rank0 = pool.runtime.pids[0]
+        os.kill(rank0, signal.SIGSTOP)
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(out=pool.generate(1, reqs, PARAMS, 20)))
+        t.start()
+        try:
+            assert seen.wait(120), "the idle worker never trained"
+        finally:
+            os.kill(rank0, signal.SIGCONT)
+        t.join(120)
+        m = pool.last_metrics
+        assert m["drafter_version"] == 0 and m["drafter_micro_steps"] >= 2 and m["drafter_loss"] > 0
+        assert m["idle_seconds_harvested"] > 0 and m["preempt_latency_s"] > 0
+        assert pool.drafter.version == 1 and pool.drafter.micro_steps == m["drafter_micro_steps"]
+        assert [c.token_ids for c in result["out"]] == [c.token_ids for c in reference(target, reqs)]
+        # The next rollout drafts with version 1 on every worker; still the same tokens.
+        reqs2 = requests(step=2, prompts=2)
+        out2 = pool.generate(2, reqs2, PARAMS, 20)
+        assert pool.last_metrics["drafter_version"] == 1 and pool.published == 1
+        assert pool.last_metrics["drafter_accept_len"] >= 1.0
+        assert [c.token_ids for c in out2] == [c.token_ids for c in reference(target, reqs2)]
+        state = pool.state_dict()
+        assert state["drafter"]["version"] == 1 and len(state["tuners"]) == 2
+    finally:
+        pool.close()
+
+
+def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, drafter_dir):
+    spec = SpecConfig(spec="on", drafter=str(drafter_dir), num_steps=3, num_draft_tokens=3)
+    weights = {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny", seed=5).state_dict().items()}
+    buffer = DataBuffer(1000, 0.5)
+    buffer.add([_seq(5, 9, e=64)])
+    reqs = requests(prompts=2)
+    for workers in (1, 2):
+        state = {"tuners": [None] * workers, "drafter": dataclasses.asdict(DrafterState(3, weights, None, 7)),
+                 "buffer": buffer.state_dict()}
+        pool = start_pool(WorkerConfig(workers=workers), SpotConfig(), target, setup(spec), state)
+        try:
+            assert pool.drafter.version == 3 and pool.buffer.tokens == 14
+            out = pool.generate(1, reqs, PARAMS, 20)
+            assert pool.last_metrics["drafter_version"] == 3 and pool.last_metrics["drafter_accept_len"] >= 1
+            assert [c.token_ids for c in out] == [c.token_ids for c in reference(target, reqs)]
+            if workers == 1:
+                in_use = pool.runtime.worker.in_use.state_dict()
+                assert all(torch.equal(in_use[k], weights[k]) for k in weights)
+        finally:
+            pool.close()
+
+
+def test_a_killed_worker_is_reported_with_rank_and_step(target):
+    pool = start_pool(WorkerConfig(workers=2), SpotConfig(), target, setup())
+    try:
+        os.kill(pool.runtime.pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerError, match=r"^worker 1 died \(exit code -9\) in step 4$"):
+            pool.generate(4, requests(), PARAMS, 20)
+    finally:
+        pool.close()
+
+
+def test_a_hung_worker_is_detected_by_timeout(target):
+    pool = start_pool(WorkerConfig(workers=2, worker_timeout_s=2), SpotConfig(), target, setup())
+    try:
+        os.kill(pool.runtime.pids[0], signal.SIGSTOP)
+        with pytest.raises(WorkerError, match=r"^worker 0 sent nothing for 2 s \(hung\) in step 3$"):
+            pool.generate(3, requests(), PARAMS, 20)
+    finally:
+        pool.close()  # kills the stopped process
+
+
+# ---- in the GRPO loop -------------------------------------------------------------------------
+
+# Wall-clock measurements, and counts that depend on how the work was split between workers.
+SPLIT = {"decode_steps", "idle_seconds_harvested", "idle_seconds_left", "preempt_latency_s", "arm_by_bucket"}  # batch sizes per worker
+
+
+@pytest.fixture(scope="module")
+def straight_fp32(tmp_path_factory, char_model_dir, task_file):
+    """Three steps with the in-process engine (fp32 rollouts, so a batch's composition cannot
+    flip a token by rounding): the reference for runs on several workers."""
+    out = tmp_path_factory.mktemp("runs") / "straight"
+    train(tiny_configs(char_model_dir, task_file, dtype="fp32"), out)
+    return out
+
+
+def same_run(a: list[dict], b: list[dict]) -> bool:
+    return [{k: v for k, v in r.items() if k not in SPLIT} for r in comparable(a)] == \
+        [{k: v for k, v in r.items() if k not in SPLIT} for r in comparable(b)]
+
+
+def test_killing_a_worker_stops_the_run_resumably(straight_fp32, tmp_path, char_model_dir, task_file):
+    import multiprocessing
+
+    def kill_worker_1_in_step_3(event):
+        if isinstance(event, RolloutProgress) and event.step == 3:
+            (worker,) = [p for p in multiprocessing.active_children() if p.name == "tailrl-worker-1"]
+            os.kill(worker.pid, signal.SIGKILL)
+
+    out = tmp_path / "run"
+    configs = tiny_configs(char_model_dir, task_file, dtype="fp32")
+    configs["workers"] = WorkerConfig(workers=2)
+    with pytest.raises(WorkerError, match=rf"^worker 1 died \(exit code -9\) in step 3; the run stopped after "
+                                          rf"step 2, resume with --resume {out}$"):
+        train(configs, out, on_event=kill_worker_1_in_step_3)
+    assert [p.name for p in RunDir(out).checkpoints()] == ["step_000002"]
+    assert [r["step"] for r in RunDir(out).read_metrics()] == [1, 2]
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("tailrl-worker")]
+    # Resumed on two workers, the run is the in-process engine's run.
+    train(configs, out, resume=True)
+    assert same_run(RunDir(out).read_metrics(), RunDir(straight_fp32).read_metrics())
