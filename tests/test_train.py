@@ -309,8 +309,8 @@ def test_sigkill_mid_step_loses_only_that_step(straight_run, tmp_path, char_mode
 
 
 def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_file):
-    # fp32 rollouts, so a verify forward and a one-token step agree except at exact near-ties,
-    # which this seeded tiny run does not hit (deterministic: no false-failure probability).
+    # fp32 rollouts: a verify forward computes a one-token step's logits bit for bit
+    # (tailrl.model's row invariance), so the runs are equal (deterministic, no false failures).
     runs = {}
     for mode in ("off", "on"):
         configs = tiny_configs(char_model_dir, task_file, dtype="fp32", steps=2)

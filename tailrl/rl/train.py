@@ -25,10 +25,10 @@ update (neither computed nor counted in the token mean, as DAPO's dynamic sampli
 counts in the reward metrics.
 
 Speculative rollouts ([spec] section, tailrl.spec.modes) are lossless, so they change speed,
-not tokens, up to float rounding at near-ties (a multi-token verify rounds differently from a
-one-token step). In auto mode the tuner picks arms by measured speed and its state is
-checkpointed, but a resumed run reproduces the uninterrupted one bit for bit only with spec off
-(or where no near-tie flips a token).
+not tokens: the model's cached forwards are row-invariant in fp32 (tailrl.model), so a verify
+forward computes the logits a one-token step would, bit for bit. In auto mode the tuner picks
+arms by measured speed, so which arms ran differs between runs, the tokens do not; its state is
+checkpointed.
 
 Knows: tasks, rewards, the tokenizer, the rollout's interface, AdamW, the run directory.
 Does not know: how the engine produces tokens (plain or speculative), where workers run.
