@@ -5,9 +5,11 @@ speculative decoding with the learned drafter or the n-gram drafter and a draft-
 (num_steps, topk, num_draft_tokens). The reward of a step is the tokens it emitted per wall
 second. Rewards are kept per (bucket, arm), the bucket being the range the running batch size
 falls in, in a sliding window of the last `window` rewards. Within a bucket the tuner plays
-untried arms first (in the order given), then with probability epsilon a uniformly random arm
-(the greedy one included), else the arm with the best median reward over its window (TLT's
-rule; the median shrugs off the odd slow step). Ties go to the arm listed first.
+arms with fewer than `min_pulls` rewards first (fewest first, then in the order given), then
+with probability epsilon a uniformly random arm (the greedy one included), else the arm with
+the best median reward over its window (TLT's rule; the median shrugs off the odd slow step,
+once an arm has 3 rewards: with one, a single step slowed by another process could bury the
+best arm, which epsilon then revisits only rarely). Ties go to the arm listed first.
 
 A switch gate sits in front (TLT's rule): SD is considered only once the running batch has
 stayed <= switch_batch for switch_patience consecutive decode steps, counting the current one.
@@ -105,6 +107,9 @@ class TunerConfig:
     window: int = field(
         default=300, metadata={"help": "rewards kept per (bucket, arm); arms are ranked by their median"}
     )
+    min_pulls: int = field(
+        default=3, metadata={"help": "rewards each arm gets in a bucket before the bandit ranks it"}
+    )
     bucket_edges: tuple[int, ...] = field(
         default=(1, 2, 4, 8, 16, 32),
         metadata={
@@ -124,8 +129,8 @@ class TunerConfig:
         self.bucket_edges = tuple(self.bucket_edges)
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"epsilon must be in [0, 1], got {self.epsilon}")
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.window < 1 or self.min_pulls < 1:
+            raise ValueError(f"window and min_pulls must be >= 1, got {self.window} and {self.min_pulls}")
         edges = self.bucket_edges
         if any(e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
             raise ValueError(f"bucket_edges must be strictly increasing integers >= 1, got {edges}")
@@ -166,11 +171,11 @@ class Tuner:
         return self._gate_run >= patience
 
     def choose(self, batch_size: int) -> Arm:
-        """The bandit's pick for this bucket, ignoring the gate: untried, random, or best median."""
+        """The bandit's pick for this bucket, ignoring the gate: under-tried, random, or best median."""
         b = self.bucket(batch_size)
-        for arm, pulls in zip(self.arms, self._pulls[b]):
-            if pulls == 0:
-                return arm
+        fewest = min(self._pulls[b])
+        if fewest < self.config.min_pulls:
+            return self.arms[self._pulls[b].index(fewest)]
         if self._rng.random() < self.config.epsilon:
             return self._rng.choice(self.arms)
         return self._best(b)

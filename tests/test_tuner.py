@@ -121,14 +121,17 @@ def test_updates_in_one_bucket_leave_other_buckets_alone():
     assert tuner.choose(4) == DRAFTER
 
 
-def test_untried_arms_come_first_in_order():
-    tuner = Tuner([DRAFTER, NGRAM, PLAIN], TunerConfig(epsilon=1.0))
+def test_under_tried_arms_come_first_in_order():
+    # Every arm gets min_pulls rewards, round robin in the order given, before the bandit ranks
+    # them (epsilon 0: afterwards only the greedy arm).
+    tuner = Tuner([DRAFTER, NGRAM, PLAIN], TunerConfig(epsilon=0.0, min_pulls=2))
     order = []
-    for reward in (1.0, 2.0, 3.0):
+    for reward in (1.0, 3.0, 2.0, 1.0, 3.0, 2.0):
         arm = tuner.choose(5)
         order.append(arm)
         tuner.update(5, arm, reward)
-    assert order == [DRAFTER, NGRAM, PLAIN]
+    assert order == [DRAFTER, NGRAM, PLAIN] * 2
+    assert tuner.choose(5) == NGRAM
 
 
 def test_exploration_rate_matches_epsilon():
@@ -136,7 +139,7 @@ def test_exploration_rate_matches_epsilon():
     # Four exact two-sided binomial intervals at delta = 2.5e-7 each: false failure < 1e-6.
     eps, n, delta = 0.1, 20_000, 2.5e-7
     arms = [PLAIN, DRAFTER, NGRAM, Arm("drafter", 1, 8, 8)]
-    tuner = Tuner(arms, TunerConfig(epsilon=eps), seed=3)
+    tuner = Tuner(arms, TunerConfig(epsilon=eps, min_pulls=1), seed=3)
     for reward in (1.0, 2.0, 3.0, 4.0):  # warm-up: every arm tried once, the last is greedy
         tuner.update(1, tuner.choose(1), reward)
     greedy = tuner.best(1)
@@ -153,7 +156,7 @@ def test_exploration_rate_matches_epsilon():
 
 
 def test_epsilon_zero_never_explores():
-    tuner = Tuner([PLAIN, DRAFTER], TunerConfig(epsilon=0.0), seed=5)
+    tuner = Tuner([PLAIN, DRAFTER], TunerConfig(epsilon=0.0, min_pulls=1), seed=5)
     tuner.update(2, PLAIN, 10.0)
     tuner.update(2, DRAFTER, 11.0)
     assert {tuner.choose(2) for _ in range(1000)} == {DRAFTER}
@@ -163,7 +166,7 @@ def test_epsilon_zero_never_explores():
 def test_sliding_window_abandons_an_arm_whose_reward_dropped(window):
     # The drafter earned 10 for a full window, plain earns 5. After the drop the drafter earns 1;
     # its median falls below 5 once the new rewards are a majority: window // 2 + 1 pulls.
-    tuner = Tuner([PLAIN, DRAFTER], TunerConfig(epsilon=0.0, window=window))
+    tuner = Tuner([PLAIN, DRAFTER], TunerConfig(epsilon=0.0, window=window, min_pulls=1))
     for _ in range(window):
         tuner.update(1, DRAFTER, 10.0)
     tuner.update(1, PLAIN, 5.0)
@@ -176,7 +179,7 @@ def test_sliding_window_abandons_an_arm_whose_reward_dropped(window):
 
 
 def test_gate_opens_after_patience_and_closes_above_switch_batch():
-    config = TunerConfig(epsilon=1.0, switch_batch=32, switch_patience=10)
+    config = TunerConfig(epsilon=1.0, switch_batch=32, switch_patience=10, min_pulls=1)
     tuner = Tuner([DRAFTER, PLAIN], config, seed=0)
     for arm in (DRAFTER, PLAIN):  # everything tried: an open gate would explore
         for batch in (20, 32, 64):

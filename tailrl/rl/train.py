@@ -60,7 +60,7 @@ from tailrl.rl.rewards import from_reward_fn, load_reward, safe_rewards, task_re
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, extract_answer, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
-from tailrl.spec.modes import SpecConfig
+from tailrl.spec.modes import RolloutSpecConfig
 from tailrl.spec.report import rollout_report
 from tailrl.tuner import TunerConfig
 from tailrl.workers.pool import WorkerConfig, WorkerPool, start_pool
@@ -123,7 +123,7 @@ class TrainConfig:
 
 
 CONFIG_SECTIONS: dict[str, type] = {
-    "train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig, "spec": SpecConfig, "tuner": TunerConfig,
+    "train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig, "spec": RolloutSpecConfig, "tuner": TunerConfig,
     "workers": WorkerConfig, "spot": SpotConfig,
 }
 

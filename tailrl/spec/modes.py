@@ -54,6 +54,13 @@ class SpecConfig:
         return Arm("drafter" if self.drafter else "ngram", self.num_steps, self.topk, self.num_draft_tokens)
 
 
+@dataclass(frozen=True)
+class RolloutSpecConfig(SpecConfig):
+    """Speculative decoding of RL rollouts: adaptive by default, as in TLT."""
+
+    spec: str = field(default="auto", metadata={"help": "speculative decoding: auto (tuned, default), off (baseline) or on (every step)", "choices": SPEC_MODES})
+
+
 def proposers(cfg: SpecConfig, engine: Engine) -> dict[str, Proposer]:
     """The n-gram proposer always; the learned one when a drafter directory is given."""
     out: dict[str, Proposer] = {"ngram": NgramProposer()}
