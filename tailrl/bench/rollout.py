@@ -5,9 +5,11 @@ stream, group_size seeded samples each, the policy before any update). It is gen
 mode: off (plain decoding), ngram (n-gram drafter every step), drafter (the learned drafter every
 step, when one is given) and auto (the tuner, TLT's switch gate in front). Modes run interleaved
 within each repetition, so slow phases of a shared machine hit every mode alike; each mode starts
-from a fresh decoder every time (a fresh tuner, an empty n-gram history: a repetition must not
-draft from its own previous answers). Tokens are compared with the off run of the same
-repetition.
+from a fresh decoder every time (an empty n-gram history: a repetition must not draft from its
+own previous answers). The tuner starts from the state it reached on one untimed rollout of
+another batch (the previous step's problems and seeds), as in training from the second step on,
+where the tuner's state carries over; `--cold-tuner` starts it empty instead. Tokens are compared
+with the off run of the same repetition.
 
 The long-tail picture: the running batch size over time per mode, and the ideal time, i.e. the
 off run's prefill plus all its decode tokens at the throughput of its full-batch steps: what the
@@ -51,6 +53,7 @@ class BenchRolloutConfig:
     seed: int = field(default=0, metadata={"help": "run seed (problems and sampling)"})
     reps: int = field(default=3, metadata={"help": "repetitions of every mode"})
     modes: tuple[str, ...] = field(default=("off", "ngram", "drafter", "auto"), metadata={"help": "comma-separated modes to run (drafter only with --drafter)"})
+    cold_tuner: bool = field(default=False, metadata={"help": "auto starts with an empty tuner (default: warmed on one other batch)"})
     plot: str | None = field(default="bench-rollout.png", metadata={"help": "PNG of the running batch over time and the times (empty: none)"})
 
     def __post_init__(self) -> None:
@@ -107,12 +110,19 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     _, requests = rollout_requests(make_task(cfg.task), tokenizer, tc, 1, 0, model.cfg.max_position_embeddings)
     params = SamplingParams(cfg.temperature)
     engine.generate(requests[:2], params, 2)  # allocate the cache, warm the kernels: untimed
+    tuner_state = None
+    if "auto" in modes and not cfg.cold_tuner:
+        _, other = rollout_requests(make_task(cfg.task), tokenizer, tc, 0, cfg.num_prompts, model.cfg.max_position_embeddings)
+        tuner = install(engine, _spec_config("auto", cfg.drafter), TunerConfig(), seed=cfg.seed)
+        engine.generate(other, params, cfg.max_new_tokens)
+        tuner_state = tuner.state_dict()
+        log(f"tuner warmed on another batch of {len(other)} requests in {engine.stats.seconds:.1f} s")
     results = {m: ModeResult() for m in modes}
     ideal: list[float] = []
     for rep in range(cfg.reps):
         reference = None
         for mode in modes:
-            install(engine, _spec_config(mode, cfg.drafter), TunerConfig(), seed=cfg.seed)
+            install(engine, _spec_config(mode, cfg.drafter), TunerConfig(), seed=cfg.seed, tuner_state=tuner_state)
             out = engine.generate(requests, params, cfg.max_new_tokens)
             tokens = [c.token_ids for c in out]
             st, r = engine.stats, results[mode]
