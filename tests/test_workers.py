@@ -199,7 +199,8 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
         assert pool.last_metrics["drafter_accept_len"] >= 1.0
         assert [c.token_ids for c in out2] == [c.token_ids for c in reference(target, reqs2)]
         state = pool.state_dict()
-        assert state["drafter"]["version"] == 1 and len(state["tuners"]) == 2
+        # The second rollout may have had an idle worker too (timing), training version 2.
+        assert state["drafter"]["version"] == pool.drafter.version >= 1 and len(state["tuners"]) == 2
     finally:
         pool.close()
 
