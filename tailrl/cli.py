@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from tailrl import config as cfglib
 from tailrl.engine import EngineConfig, Progress
@@ -195,25 +195,29 @@ def _run_export(args: argparse.Namespace) -> None:
 
 # ---- bench ------------------------------------------------------------------------------------
 
+# name -> (help, config dataclass); every bench also takes --json.
+BENCHES = {
+    "generate": ("engine tokens/s vs transformers generate", "tailrl.bench.generate:BenchGenerateConfig"),
+    "spec": ("plain vs speculative tokens/s per batch size and arm", "tailrl.bench.spec:BenchSpecConfig"),
+    "rollout": ("one long-tailed GRPO rollout batch: SD off, n-gram, drafter, auto", "tailrl.bench.rollout:BenchRolloutConfig"),
+    "drafter": ("adaptive (spot-trained) vs frozen drafter: accept_len per RL step", "tailrl.bench.drafter:BenchDrafterConfig"),
+}
+
+
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    g = bench.add_parser("generate", help="engine tokens/s vs transformers generate")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
-    cfglib.add_arguments(g, _sections({"bench": "tailrl.bench.generate:BenchGenerateConfig"}))
-    g.set_defaults(run=_run_bench_generate)
-    sp = bench.add_parser("spec", help="plain vs speculative tokens/s per batch size and arm")
-    sp.add_argument("--json", action="store_true", help="print one JSON object")
-    cfglib.add_arguments(sp, _sections({"bench": "tailrl.bench.spec:BenchSpecConfig"}))
-    sp.set_defaults(run=_run_bench_spec)
-    ro = bench.add_parser("rollout", help="one long-tailed GRPO rollout batch: SD off, n-gram, drafter, auto")
-    ro.add_argument("--json", action="store_true", help="print one JSON object")
-    cfglib.add_arguments(ro, _sections({"bench": "tailrl.bench.rollout:BenchRolloutConfig"}))
-    ro.set_defaults(run=_run_bench_rollout)
-    dr = bench.add_parser("drafter", help="adaptive (spot-trained) vs frozen drafter: accept_len per RL step")
-    dr.add_argument("--json", action="store_true", help="print one JSON object")
-    cfglib.add_arguments(dr, _sections({"bench": "tailrl.bench.drafter:BenchDrafterConfig"}))
-    dr.set_defaults(run=_run_bench_drafter)
+    runners = {"generate": _run_bench_generate, "spec": _run_bench_spec, "rollout": _run_bench_rollout,
+               "drafter": _run_bench_drafter}
+    for name, (help_text, config) in BENCHES.items():
+        b = bench.add_parser(name, help=help_text)
+        b.add_argument("--json", action="store_true", help="print one JSON object")
+        cfglib.add_arguments(b, _sections({"bench": config}))
+        b.set_defaults(run=runners[name])
+
+
+def _bench_config(args: argparse.Namespace) -> Any:
+    return cfglib.resolve(_sections({"bench": BENCHES[args.bench][1]}), args)["bench"]
 
 
 def _run_bench_generate(args: argparse.Namespace) -> None:
@@ -221,7 +225,7 @@ def _run_bench_generate(args: argparse.Namespace) -> None:
 
     from tailrl.bench import generate as bench
 
-    cfg = cfglib.resolve(_sections({"bench": "tailrl.bench.generate:BenchGenerateConfig"}), args)["bench"]
+    cfg = _bench_config(args)
     rows = bench.run(cfg, log=(lambda *_: None) if args.json else print)
     if args.json:
         print(json.dumps({"results": [dict(asdict(r), speedup=round(r.speedup, 3)) for r in rows]}))
@@ -232,7 +236,7 @@ def _run_bench_spec(args: argparse.Namespace) -> None:
 
     from tailrl.bench import spec as bench
 
-    cfg = cfglib.resolve(_sections({"bench": "tailrl.bench.spec:BenchSpecConfig"}), args)["bench"]
+    cfg = _bench_config(args)
     rows = bench.run(cfg, log=(lambda *_: None) if args.json else print)
     if args.json:
         print(json.dumps({"results": [asdict(r) for r in rows]}))
@@ -247,7 +251,7 @@ def _run_bench_spec(args: argparse.Namespace) -> None:
 def _run_bench_rollout(args: argparse.Namespace) -> None:
     from tailrl.bench import rollout as bench
 
-    cfg = cfglib.resolve(_sections({"bench": "tailrl.bench.rollout:BenchRolloutConfig"}), args)["bench"]
+    cfg = _bench_config(args)
     report = bench.run(cfg, log=(lambda *_: None) if args.json else print)
     if args.json:
         print(json.dumps(report))
@@ -256,7 +260,7 @@ def _run_bench_rollout(args: argparse.Namespace) -> None:
 def _run_bench_drafter(args: argparse.Namespace) -> None:
     from tailrl.bench import drafter as bench
 
-    cfg = cfglib.resolve(_sections({"bench": "tailrl.bench.drafter:BenchDrafterConfig"}), args)["bench"]
+    cfg = _bench_config(args)
     result = bench.run(cfg, log=(lambda *_: None) if args.json else (lambda line: print(line, file=sys.stderr)))
     if args.json:
         print(json.dumps(result))

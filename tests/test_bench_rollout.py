@@ -1,0 +1,23 @@
+"""`tailrl bench rollout` on the real model, tiny: the report's shape and that every mode emits
+plain decoding's tokens (exact in fp32, tailrl.model's row invariance)."""
+
+import json
+
+from tailrl.cli import main
+
+
+def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_dir, tmp_path, capsys):
+    plot = tmp_path / "rollout.png"
+    code = main(["bench", "rollout", "--model", str(smollm2_dir), "--dtype", "fp32", "--num-prompts", "2",
+                 "--group-size", "2", "--max-new-tokens", "12", "--reps", "2", "--modes", "off,ngram,auto",
+                 "--plot", str(plot), "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["modes"]) == set(report["speedup"]) == {"off", "ngram", "auto"}
+    assert report["speedup"]["off"] == 1.0 and report["ideal_seconds"] > 0
+    tokens = {m["tokens"] for m in report["modes"].values()}
+    assert len(tokens) == 1 and all(m["differing_sequences"] == 0 for m in report["modes"].values())
+    for m in report["modes"].values():
+        assert m["seconds_min"] <= m["seconds_median"] <= m["seconds_max"]
+    assert report["modes"]["ngram"]["accept_len"] >= 1.0 and report["modes"]["ngram"]["sd_fraction"] == 1.0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
