@@ -14,10 +14,14 @@ this project's AVX2 EPYC, MKL/oneDNN, 1 and 2 threads: rows 1-3 differ from rows
 rows >= 4 agree bit for bit), and the attention-value matmul groups its sum by the number of
 keys, which is the batch's longest row. A 1e-5 logit difference flips ~1 sampled token per
 1,000 at temperature 1 (the uniform lands between the two CDFs). So every cached-path matmul runs
-on at least MIN_ROWS rows, zero-padded (the linears, `Linear`, and the attention's query rows;
-~3 extra rows of a 1-row step, which is memory-bound anyway), and the attention-value product
-runs in fixed-size key chunks (`chunked_pv`). The softmax over masked keys is already
-length-independent (measured).
+on at least MIN_ROWS rows, zero-padded (the linears, `Linear`, and the attention's query rows),
+the attention-value product runs in fixed-size key chunks (`chunked_pv`) and the softmax
+normaliser is summed in fp64 (a tree's accepted path sits at non-consecutive keys). This is
+`exact` mode (`Transformer.set_exact`), off by default because it costs speed: a 1-row matmul
+is a GEMV that streams the weights once, and padded to 4 rows it becomes a GEMM that ran ~2x
+slower here (decode step at batch 1: 60 -> 122 ms; batch 2: 1.3x; batch 8 and 64: 1.1x). Without
+it, speculative decoding is lossless in distribution (every token is an exact sample of the
+target's fp32 logits as one kernel or the other computed them) but not bit-reproducible.
 
 Shapes: B batch rows, T new tokens, S key positions, H query heads, K kv heads, G = H / K,
 D head dim, E hidden size, V vocabulary, L layers, C cache slots, M cache capacity (tokens).
@@ -73,9 +77,13 @@ def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict keys) computed on >= MIN_ROWS rows."""
+    """nn.Linear (same parameters and state-dict keys), computed on >= MIN_ROWS rows when exact."""
+
+    exact = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.exact:
+            return super().forward(x)
         flat = x.reshape(-1, x.shape[-1])
         out = F.linear(pad_rows(flat, 0), self.weight, self.bias)[: flat.shape[0]]
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -146,6 +154,8 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
+        # Whole KV_CHUNKs, so chunked_pv never copies the values to pad them.
+        capacity = -(-capacity // KV_CHUNK) * KV_CHUNK
         shape = (cfg.num_layers, slots, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -219,6 +229,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    exact = False  # see "Row invariance" in the module docstring
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, k, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
@@ -263,6 +275,12 @@ class Attention(nn.Module):
         # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
         # copies for GQA, and on CPU it beats SDPA for bf16 decode (DESIGN.md section 9).
         n = g * t
+        if not self.exact:
+            scores = (q.reshape(b, self.k, n, d) @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
+            scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = probs.view(b, self.k, n, -1) @ cv[:, :, : view.kv_len]  # (B, K, G*T, D)
+            return out.view(b, self.h, t, d)
         qg = pad_rows(q.reshape(b, self.k, n, d), 2)  # (B, K, max(G*T, MIN_ROWS), D)
         scores = (qg @ keys.transpose(-1, -2))[:, :, :n] * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
         scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
@@ -319,6 +337,12 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # A plain attribute, not a buffer: module.to(bf16) must not round the frequencies.
         self.inv_freq = rope_inv_freq(cfg).float()
+
+    def set_exact(self, on: bool) -> None:
+        """Row-invariant cached forwards (module docstring, "Row invariance"): slower, bit-exact."""
+        for module in self.modules():
+            if isinstance(module, (Linear, Attention)):
+                module.exact = on
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:

@@ -5,8 +5,7 @@ uniform for a position comes from a counter-based hash (splitmix64), and the tok
 CDF of the processed target probabilities, walked in token-id order. Plain decoding and every
 speculative path therefore use the same uniform for the same position, so they emit the same
 tokens whatever the batch composition, given logits that do not depend on it (tailrl.model's
-row invariance; otherwise they can differ where a uniform falls within rounding of a CDF
-boundary).
+exact mode; otherwise they can differ where a uniform falls within rounding of a CDF boundary).
 
 Knows: sampling settings, probability processing (temperature, top-k, top-p), the hash, the
 inverse CDF. Does not know: models, caches, drafting, tokenizers.

@@ -1,5 +1,5 @@
 """`tailrl bench rollout` on the real model, tiny: the report's shape and that every mode emits
-plain decoding's tokens (exact in fp32, tailrl.model's row invariance)."""
+plain decoding's tokens (--exact: fp32 row-invariant forwards, tailrl.model)."""
 
 import json
 
@@ -9,7 +9,7 @@ from tailrl.cli import main
 def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_dir, tmp_path, capsys):
     plot = tmp_path / "rollout.png"
     code = main(["bench", "rollout", "--model", str(smollm2_dir), "--dtype", "fp32", "--num-prompts", "2",
-                 "--group-size", "2", "--max-new-tokens", "12", "--reps", "2", "--modes", "off,ngram,auto",
+                 "--group-size", "2", "--max-new-tokens", "12", "--reps", "2", "--modes", "off,ngram,auto", "--exact",
                  "--plot", str(plot), "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -12,7 +12,7 @@ import torch
 from tailrl import cli
 from tailrl.engine import Engine, EngineConfig, Request
 from tailrl.loading import load_model
-from tailrl.model import KVCache
+from tailrl.model import KV_CHUNK, KVCache
 from tailrl.sampling import SamplingParams, process_logits
 
 
@@ -113,7 +113,8 @@ def test_hidden_capture_matches_full_forward(tiny):
 
 
 def test_kv_budget(tiny):
-    per_seq = KVCache.bytes_per_token(tiny.cfg, torch.float32) * (8 + 16 + 1)
+    # 8 prompt + 16 new + 1 tokens, allocated in whole KV_CHUNKs of positions.
+    per_seq = KVCache.bytes_per_token(tiny.cfg, torch.float32) * KV_CHUNK
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         Engine(tiny, EngineConfig(kv_budget_gb=per_seq / 2 / 2**30)).generate(_requests(2), SamplingParams(), 16)
     # A budget of three sequences runs everything three at a time, with the same tokens.

@@ -271,8 +271,8 @@ def test_smollm2_ngram_sd_equals_plain(smollm2_dir):
 
 
 def test_smollm2_speculation_gives_plain_tokens_exactly(smollm2_dir):
-    """SmolLM2, fp32, temperature 1 with top-p: the n-gram drafter as a chain and as a tree emits
-    exactly plain decoding's tokens over 8 x 64 tokens. Before the row-invariant forwards
+    """SmolLM2, fp32, exact mode, temperature 1 with top-p: the n-gram drafter as a chain and as a
+    tree emits exactly plain decoding's tokens over 8 x 64 tokens. Before the row-invariant forwards
     (tailrl.model) a verify rounded differently from a one-token step and ~1 token in 1,000
     flipped at this temperature, so this run of 512 tokens would catch that with p ~ 0.4 (the
     deterministic guard is test_model.py::test_token_logits_do_not_depend_on_the_forward_shape)."""
@@ -280,7 +280,7 @@ def test_smollm2_speculation_gives_plain_tokens_exactly(smollm2_dir):
     prompts = [tuple(range(1000 + 50 * i, 1000 + 50 * i + 20 + 7 * i)) for i in range(4)]
     reqs = [Request(prompts[i // 2], seed=7 + i, group=i // 2) for i in range(8)]
     params = SamplingParams(temperature=1.0, top_p=0.95)
-    engine = Engine(target, EngineConfig(max_batch=8))
+    engine = Engine(target, EngineConfig(max_batch=8, exact=True))
     plain = [c.token_ids for c in engine.generate(reqs, params, 64)]
     for arm in (Arm("ngram", 4, 1, 4), Arm("ngram", 3, 2, 6)):
         engine.decoder = fixed(arm, NgramProposer())

@@ -312,12 +312,13 @@ def test_sigkill_mid_step_loses_only_that_step(straight_run, tmp_path, char_mode
 
 
 def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_file):
-    # fp32 rollouts: a verify forward computes a one-token step's logits bit for bit
-    # (tailrl.model's row invariance), so the runs are equal (deterministic, no false failures).
+    # fp32 rollouts in exact mode: a verify forward computes a one-token step's logits bit for
+    # bit (tailrl.model's row invariance), so the runs are equal (deterministic, no false failures).
     runs = {}
     for mode in ("off", "on"):
         configs = tiny_configs(char_model_dir, task_file, dtype="fp32", steps=2)
         configs["spec"] = SpecConfig(spec=mode, num_steps=3, num_draft_tokens=3)
+        configs["engine"] = EngineConfig(max_batch=8, exact=True)
         train(configs, tmp_path / mode)
         runs[mode] = RunDir(tmp_path / mode).read_metrics()
     assert all(r["spec_verify_steps"] == 0 for r in runs["off"])

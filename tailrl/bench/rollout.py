@@ -53,6 +53,7 @@ class BenchRolloutConfig:
     seed: int = field(default=0, metadata={"help": "run seed (problems and sampling)"})
     reps: int = field(default=3, metadata={"help": "repetitions of every mode"})
     modes: tuple[str, ...] = field(default=("off", "ngram", "drafter", "auto"), metadata={"help": "comma-separated modes to run (drafter only with --drafter)"})
+    exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (slower steps, see tailrl.model)"})
     cold_tuner: bool = field(default=False, metadata={"help": "auto starts with an empty tuner (default: warmed on one other batch)"})
     plot: str | None = field(default="bench-rollout.png", metadata={"help": "PNG of the running batch over time and the times (empty: none)"})
 
@@ -104,7 +105,7 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     path = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=cfg.dtype)
-    engine = Engine(model, EngineConfig(max_batch=cfg.num_prompts * cfg.group_size))
+    engine = Engine(model, EngineConfig(max_batch=cfg.num_prompts * cfg.group_size, exact=cfg.exact))
     tc = TrainConfig(task=cfg.task, num_prompts=cfg.num_prompts, group_size=cfg.group_size,
                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
     _, requests = rollout_requests(make_task(cfg.task), tokenizer, tc, 1, 0, model.cfg.max_position_embeddings)

@@ -2,9 +2,9 @@
 
 For each batch size, the same requests (the default task's prompts, sampled at temperature 1
 with position-keyed seeds) run once with plain decoding and once per arm, all in one process;
-the arms' tokens are compared with plain decoding's (`identical` per row). In fp32 they are
-equal bit for bit (tailrl.model's row invariance); where a platform's kernels break that
-invariance, a uniform within rounding of a CDF boundary can flip a token, and this shows it.
+the arms' tokens are compared with plain decoding's (`identical` per row). They are equal bit
+for bit only in exact mode (tailrl.model); without it a uniform within rounding of a CDF
+boundary flips ~1 token in 1,000 at temperature 1, and this shows it.
 
 Knows: how to time the engine in each mode. Does not know: training.
 """

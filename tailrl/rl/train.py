@@ -24,11 +24,11 @@ Skipped groups. A group whose rewards are all equal has zero advantages; it is l
 update (neither computed nor counted in the token mean, as DAPO's dynamic sampling drops it) but
 counts in the reward metrics.
 
-Speculative rollouts ([spec] section, tailrl.spec.modes) are lossless, so they change speed,
-not tokens: the model's cached forwards are row-invariant in fp32 (tailrl.model), so a verify
-forward computes the logits a one-token step would, bit for bit. In auto mode the tuner picks
-arms by measured speed, so which arms ran differs between runs, the tokens do not; its state is
-checkpointed.
+Speculative rollouts ([spec] section, tailrl.spec.modes) are lossless: they change speed, not
+the distribution of tokens. With `exact` (engine option) the model's cached forwards are
+row-invariant (tailrl.model), a verify computes a one-token step's logits bit for bit and the
+tokens are identical too; without it a near-tie flips ~1 token in 1,000 at temperature 1. In
+auto mode the tuner picks arms by measured speed; its state is checkpointed.
 
 Knows: tasks, rewards, the tokenizer, the rollout's interface, AdamW, the run directory.
 Does not know: how the engine produces tokens (plain or speculative), where workers run.
