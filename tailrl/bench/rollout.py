@@ -34,7 +34,7 @@ from tailrl.rl.tasks import DEFAULT_TASK, make_task
 from tailrl.rl.train import TrainConfig, rollout_requests
 from tailrl.sampling import SamplingParams
 from tailrl.spec.modes import SpecConfig, install
-from tailrl.spec.report import segments
+from tailrl.spec.report import rollout_report
 from tailrl.tuner import TunerConfig
 
 MODES = ("off", "ngram", "drafter", "auto")
@@ -99,7 +99,8 @@ def _spec_config(mode: str, drafter: str | None) -> SpecConfig:
 
 def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every mode `reps` times; the JSON object described in the CLI help."""
-    modes = [m for m in cfg.modes if m != "drafter" or cfg.drafter]
+    # off first: each repetition's other modes are compared with its tokens.
+    modes = ["off"] + [m for m in cfg.modes if m != "off" and (m != "drafter" or cfg.drafter)]
     if "drafter" in cfg.modes and not cfg.drafter:
         log("drafter mode skipped: no --drafter given")
     path = resolve_model_dir(cfg.model)
@@ -133,9 +134,9 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
                 ideal.append(ideal_seconds(st))
             r.differing += sum(a != b for a, b in zip(tokens, reference))
             if rep == 0:
-                r.tokens, r.accept_len, r.timeline = st.tokens, st.spec.accept_len, segments(st)
-                decode_tokens = sum(x.tokens for x in st.timeline)
-                r.sd_fraction = sum(x.tokens for x in st.timeline if x.arm != "plain") / max(decode_tokens, 1)
+                decoding = rollout_report(st, TunerConfig().bucket_edges)
+                r.tokens, r.accept_len = st.tokens, st.spec.accept_len
+                r.timeline, r.sd_fraction = decoding["batch_timeline"], decoding["sd_fraction"]
             log(f"rep {rep + 1}/{cfg.reps} {mode:>7}: {st.seconds:7.1f} s, {st.tokens} tokens, "
                 f"{st.tokens_per_s:6.1f} tok/s, accept_len {st.spec.accept_len:4.2f}"
                 + (f", {r.differing} sequences differ from off" if r.differing else ""))
