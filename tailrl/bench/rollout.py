@@ -148,16 +148,19 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
         "requests": len(requests),
         "max_new_tokens": cfg.max_new_tokens,
     }
-    log(f"ideal (all tokens at full-batch throughput): {report['ideal_seconds']:.1f} s")
-    for m, r in results.items():
-        j = report["modes"][m]
-        log(f"{m:>7}: median {j['seconds_median']:7.1f} s [{j['seconds_min']:.1f}-{j['seconds_max']:.1f}], "
-            f"speedup vs off {report['speedup'][m]:4.2f}x, {r.tokens / j['seconds_median']:6.1f} tok/s, "
-            f"accept_len {r.accept_len:4.2f}, SD share {r.sd_fraction:4.2f}")
+    log_summary(report, log)
     if cfg.plot:
         plot(results, report, Path(cfg.plot))
         log(f"plot: {cfg.plot}")
     return report
+
+
+def log_summary(report: dict[str, Any], log: Callable[[str], None]) -> None:
+    log(f"ideal (all tokens at full-batch throughput): {report['ideal_seconds']:.1f} s")
+    for m, j in report["modes"].items():
+        log(f"{m:>7}: median {j['seconds_median']:7.1f} s [{j['seconds_min']:.1f}-{j['seconds_max']:.1f}], "
+            f"speedup vs off {report['speedup'][m]:4.2f}x, {j['tokens'] / j['seconds_median']:6.1f} tok/s, "
+            f"accept_len {j['accept_len']:4.2f}, SD share {j['sd_fraction']:4.2f}")
 
 
 def ideal_seconds(stats) -> float:
