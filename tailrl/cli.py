@@ -201,6 +201,7 @@ BENCHES = {
     "spec": ("plain vs speculative tokens/s per batch size and arm", "tailrl.bench.spec:BenchSpecConfig"),
     "rollout": ("one long-tailed GRPO rollout batch: SD off, n-gram, drafter, auto", "tailrl.bench.rollout:BenchRolloutConfig"),
     "drafter": ("adaptive (spot-trained) vs frozen drafter: accept_len per RL step", "tailrl.bench.drafter:BenchDrafterConfig"),
+    "train": ("K RL steps: full TLT vs SD off, step times and identical work", "tailrl.bench.train:BenchTrainConfig"),
 }
 
 
@@ -208,7 +209,7 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     runners = {"generate": _run_bench_generate, "spec": _run_bench_spec, "rollout": _run_bench_rollout,
-               "drafter": _run_bench_drafter}
+               "drafter": _run_bench_drafter, "train": _run_bench_train}
     for name, (help_text, config) in BENCHES.items():
         b = bench.add_parser(name, help=help_text)
         b.add_argument("--json", action="store_true", help="print one JSON object")
@@ -266,6 +267,20 @@ def _run_bench_drafter(args: argparse.Namespace) -> None:
     else:
         print(f"accept_ratio {result['accept_ratio']:.3f} (adaptive over static, last {bench.LAST} steps), "
               f"overhead {result['overhead']:.3f}, preempt share {result['preempt_share']:.4f}; plot {result['png']}")
+
+
+def _run_bench_train(args: argparse.Namespace) -> None:
+    from tailrl.bench import train as bench
+
+    cfg = _bench_config(args)
+    report = bench.run(cfg, log=(lambda *_: None) if args.json else (lambda line: print(line, file=sys.stderr)))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        lo, hi = report["speedup_step_range"]
+        print(f"speedup_e2e {report['speedup_e2e']:.3f} (per step {lo:.2f}-{hi:.2f}), speedup_rollout "
+              f"{report['speedup_rollout']:.3f}; identical tokens {report['identical_tokens']}, rewards "
+              f"{report['identical_rewards']}; plot {report['png']}")
 
 
 # ---- entry ------------------------------------------------------------------------------------

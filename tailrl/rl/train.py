@@ -40,6 +40,7 @@ tokens in it, E hidden size, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import signal
 import threading
 import time
@@ -301,6 +302,16 @@ def _check_context(prompts: Sequence[tuple[int, ...]], first_index: int, max_new
             )
 
 
+def tokens_digest(completions: Sequence[Any]) -> str:
+    """A fingerprint of a rollout's token ids in request order: two runs sampled the same tokens
+    iff their digests match (what `tailrl bench train` compares)."""
+    h = hashlib.sha256()
+    for c in completions:
+        h.update(np.asarray(c.token_ids, dtype=np.int64).tobytes())
+        h.update(b"|")  # a boundary, so [1, 2] [3] differs from [1] [2, 3]
+    return h.hexdigest()
+
+
 def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str], rewards: Any,
                  skipped: int, stats: UpdateStats, grad_norm: float, times: dict[str, float],
                  pool: WorkerPool, lr: float, bucket_edges: Sequence[int]) -> dict[str, Any]:
@@ -338,6 +349,8 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
         "train_tokens": stats.tokens,
         "lr": lr,
         "response_lens": lens.tolist(),
+        "rewards": r.tolist(),
+        "tokens_sha256": tokens_digest(completions),
         **pool.last_metrics,  # drafter version, spot training, idle seconds
     }
 

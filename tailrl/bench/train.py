@@ -1,0 +1,155 @@
+"""`tailrl bench train`: K RL steps of the full TLT configuration against the same run with SD off.
+
+Two GRPO runs from the same start (the default model, the same seed, data and settings):
+- baseline: speculative decoding off, no drafter training;
+- tlt: `--spec auto` with a warmed-up learned drafter and the n-gram drafter, the drafter
+  spot-trained on idle workers (needs >= 2 workers), drafter versions published every step.
+Both use the same workers, so the difference is what TLT adds. The runs are interleaved step by
+step (step k of one, then step k of the other, each continuing its run directory through
+resume, which reproduces an uninterrupted run), so the drift of a shared machine hits both
+alike; the per-step ratios show the spread.
+
+Identical work. Speculative decoding is lossless: in exact mode (the engine's row-invariant
+forwards, default here) both runs sample the same tokens bit for bit, so they compute the same
+rewards, the same updates and the same policies. Every step's tokens digest and rewards are
+compared; without exact mode a near-tie may flip a token (~1 in 1,000 at temperature 1) and the
+runs drift apart from there, which the report then shows as not identical.
+
+Reported: per step both runs' step / rollout / train seconds, tokens, reward_mean and whether
+tokens and rewards agree; speedup_e2e (sum of baseline step times over TLT's), speedup_rollout
+(same for the rollout phase), the per-step ratios' range; a PNG.
+
+Knows: how to configure the two runs and read their metrics. Does not know: how either runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tailrl.engine import EngineConfig
+from tailrl.rl.tasks import DEFAULT_TASK
+from tailrl.spec.modes import RolloutSpecConfig
+from tailrl.workers.pool import WorkerConfig
+from tailrl.workers.spot import SpotConfig
+
+RUNS = ("baseline", "tlt")
+
+
+@dataclass(frozen=True)
+class BenchTrainConfig:
+    model: str | None = field(default=None, metadata={"help": "model directory (default: SmolLM2-135M-Instruct)"})
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym spec 'name(key=value)' or a .jsonl file"})
+    reward: str | None = field(default=None, metadata={"help": "user reward 'module:function' (default: the task's)"})
+    steps: int = field(default=5, metadata={"help": "RL steps per run"})
+    drafter: str | None = field(
+        default=None, metadata={"help": "warmed-up drafter directory (default: warm one up first, ~5 min)"}
+    )
+    out: str | None = field(default=None, metadata={"help": "directory for both runs and the PNG (default: runs/bench-train-<time>)"})
+    workers: int = field(default=2, metadata={"help": "rollout workers of both runs (TLT's spot training needs >= 2)"})
+    num_prompts: int = field(default=8, metadata={"help": "prompts per step"})
+    group_size: int = field(default=8, metadata={"help": "responses per prompt"})
+    max_new_tokens: int = field(default=384, metadata={"help": "longest response"})
+    seed: int = field(default=0, metadata={"help": "run seed of both runs"})
+    exact: bool = field(default=True, metadata={"help": "row-invariant forwards in both runs, so their tokens can be "
+                                                        "compared bit for bit (slower small-batch steps, see tailrl.model)"})
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.workers < 2:
+            raise ValueError(f"need steps >= 1 and workers >= 2, got {self.steps} and {self.workers}")
+
+
+def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) -> dict[str, Any]:
+    """The train() sections of one run, stopping after `steps` steps."""
+    from tailrl.rl.train import TrainConfig
+
+    tlt = run == "tlt"
+    train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                        steps=steps, seed=cfg.seed)
+    return {
+        "train": train,
+        "engine": EngineConfig(exact=cfg.exact),
+        "spec": RolloutSpecConfig(spec="auto", drafter=drafter) if tlt else RolloutSpecConfig(spec="off"),
+        "workers": WorkerConfig(workers=cfg.workers),
+        "spot": SpotConfig(spot_train=tlt),
+    }
+
+
+def compare(baseline: list[dict[str, Any]], tlt: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report of two runs' metrics records (one per step, in step order)."""
+    rows = []
+    for b, t in zip(baseline, tlt, strict=True):
+        rows.append({
+            "step": b["step"],
+            "baseline_step_s": b["step_s"], "tlt_step_s": t["step_s"],
+            "baseline_rollout_s": b["rollout_s"], "tlt_rollout_s": t["rollout_s"],
+            "baseline_train_s": b["train_s"], "tlt_train_s": t["train_s"],
+            "tokens": b["tokens_generated"],
+            "reward_mean": b["reward_mean"],
+            "speedup_step": b["step_s"] / t["step_s"],
+            "speedup_rollout": b["rollout_s"] / t["rollout_s"],
+            "tlt_sd_fraction": t.get("sd_fraction"),
+            "tlt_accept_len": t.get("spec_accept_len"),
+            "identical_tokens": b["tokens_sha256"] == t["tokens_sha256"],
+            "identical_rewards": b["rewards"] == t["rewards"],
+        })
+    total = lambda key: sum(r[key] for r in rows)  # noqa: E731
+    return {
+        "speedup_e2e": total("baseline_step_s") / total("tlt_step_s"),
+        "speedup_rollout": total("baseline_rollout_s") / total("tlt_rollout_s"),
+        "speedup_step_range": [min(r["speedup_step"] for r in rows), max(r["speedup_step"] for r in rows)],
+        "identical_tokens": all(r["identical_tokens"] for r in rows),
+        "identical_rewards": all(r["identical_rewards"] for r in rows),
+        "steps": rows,
+    }
+
+
+def run(cfg: BenchTrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from tailrl.rl.run_dir import RunDir
+    from tailrl.rl.train import train
+
+    out = Path(cfg.out or f"runs/bench-train-{time.strftime('%Y%m%d-%H%M%S')}")
+    drafter = cfg.drafter
+    if drafter is None:
+        from tailrl.spec.warmup import WarmupConfig, warmup
+
+        drafter = str(out / "warm-drafter")
+        log(f"warming up a drafter into {drafter}")
+        warmup(WarmupConfig(model=cfg.model, task=cfg.task, seed=cfg.seed), Path(drafter))
+    for step in range(1, cfg.steps + 1):
+        for name in RUNS:
+            train(configs(cfg, name, drafter, step), out / name, resume=step > 1)
+            m = RunDir(out / name).read_metrics()[-1]
+            log(f"step {step} {name:8s}: step {m['step_s']:6.1f} s (rollout {m['rollout_s']:6.1f} s, "
+                f"train {m['train_s']:5.1f} s), {m['tokens_generated']} tokens, reward {m['reward_mean']:.3f}")
+    records = {name: RunDir(out / name).read_metrics() for name in RUNS}
+    report = compare(records["baseline"], records["tlt"])
+    report["config"] = dataclasses.asdict(cfg) | {"drafter": drafter}
+    report["png"] = str(plot(report["steps"], out / "bench-train.png"))
+    return report
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, style in (("baseline", "s--"), ("tlt", "o-")):
+        ax.plot(steps, [r[f"{name}_step_s"] for r in rows], style, label=f"{name}: step")
+        ax.plot(steps, [r[f"{name}_rollout_s"] for r in rows], style, alpha=0.4, label=f"{name}: rollout")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("seconds")
+    ax.set_ylim(bottom=0)
+    ax.set_title("GRPO step time: TLT vs speculative decoding off")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,50 @@
+"""`tailrl bench train` on a tiny model: both runs (SD off; TLT: auto, learned drafter, spot
+training on 2 workers) do identical work in exact mode, and the report compares them step by
+step; `compare` flags a run whose tokens or rewards differ."""
+
+import json
+
+from tailrl.bench.train import compare
+from tailrl.cli import main
+from tailrl.loading import load_model
+from tailrl.spec.drafter import Drafter, save_drafter
+from test_train import char_model_dir, no_plots, task_file  # noqa: F401 - fixtures
+
+REWARD = "test_train:high_chars_reward"
+
+
+def record(step: int, digest: str, rewards: list[float], step_s: float) -> dict:
+    return {"step": step, "step_s": step_s, "rollout_s": step_s / 2, "train_s": step_s / 2, "tokens_generated": 10,
+            "reward_mean": sum(rewards) / len(rewards), "tokens_sha256": digest, "rewards": rewards}
+
+
+def test_compare_sums_step_times_and_flags_the_first_difference():
+    base = [record(1, "a", [0.0, 1.0], 4.0), record(2, "b", [1.0, 1.0], 6.0)]
+    tlt = [record(1, "a", [0.0, 1.0], 2.0), record(2, "c", [1.0, 0.5], 3.0)]
+    report = compare(base, tlt)
+    assert report["speedup_e2e"] == 10.0 / 5.0 and report["speedup_rollout"] == 5.0 / 2.5
+    assert report["speedup_step_range"] == [2.0, 2.0]
+    assert [r["identical_tokens"] for r in report["steps"]] == [True, False]
+    assert [r["identical_rewards"] for r in report["steps"]] == [True, False]
+    assert not report["identical_tokens"] and not report["identical_rewards"]
+
+
+def test_bench_train_runs_tlt_and_baseline_on_identical_tokens(char_model_dir, task_file, tmp_path, capsys):
+    target = load_model(char_model_dir, dtype="fp32")
+    vocab = list(range(1, 128, 2)) + [2, 4]
+    drafter = save_drafter(Drafter.from_target(target, vocab, "char", seed=0), tmp_path / "drafter")
+    out = tmp_path / "bench"
+    code = main(["bench", "train", "--model", str(char_model_dir), "--task", str(task_file), "--reward", REWARD,
+                 "--drafter", str(drafter), "--out", str(out), "--steps", "2", "--num-prompts", "3",
+                 "--group-size", "4", "--max-new-tokens", "16", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["step"] for r in report["steps"]] == [1, 2]
+    assert report["identical_tokens"] and report["identical_rewards"]
+    assert report["speedup_e2e"] > 0 and report["speedup_rollout"] > 0
+    tlt = [json.loads(line) for line in (out / "tlt" / "metrics.jsonl").read_text().splitlines()]
+    base = [json.loads(line) for line in (out / "baseline" / "metrics.jsonl").read_text().splitlines()]
+    # The runs differ in what TLT adds: speculation and the drafter, never in the samples.
+    assert all(r["sd_fraction"] == 0 for r in base) and any(r["sd_fraction"] > 0 for r in tlt)
+    assert [r["loss"] for r in tlt] == [r["loss"] for r in base]
+    assert (out / "bench-train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
