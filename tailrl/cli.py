@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tailrl import config as cfglib
+from tailrl.bench.suite import BENCHES
 from tailrl.engine import EngineConfig, Progress
 from tailrl.sampling import SamplingParams
 from tailrl.workers.runtimes import WorkerError
@@ -195,26 +196,21 @@ def _run_export(args: argparse.Namespace) -> None:
 
 # ---- bench ------------------------------------------------------------------------------------
 
-# name -> (help, config dataclass); every bench also takes --json.
-BENCHES = {
-    "generate": ("engine tokens/s vs transformers generate", "tailrl.bench.generate:BenchGenerateConfig"),
-    "spec": ("plain vs speculative tokens/s per batch size and arm", "tailrl.bench.spec:BenchSpecConfig"),
-    "rollout": ("one long-tailed GRPO rollout batch: SD off, n-gram, drafter, auto", "tailrl.bench.rollout:BenchRolloutConfig"),
-    "drafter": ("adaptive (spot-trained) vs frozen drafter: accept_len per RL step", "tailrl.bench.drafter:BenchDrafterConfig"),
-    "train": ("K RL steps: full TLT vs SD off, step times and identical work", "tailrl.bench.train:BenchTrainConfig"),
-}
-
-
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     runners = {"generate": _run_bench_generate, "spec": _run_bench_spec, "rollout": _run_bench_rollout,
                "drafter": _run_bench_drafter, "train": _run_bench_train}
-    for name, (help_text, config) in BENCHES.items():
+    for name, (help_text, config, _) in BENCHES.items():
         b = bench.add_parser(name, help=help_text)
         b.add_argument("--json", action="store_true", help="print one JSON object")
         cfglib.add_arguments(b, _sections({"bench": config}))
         b.set_defaults(run=runners[name])
+    a = bench.add_parser("all", help="every bench: a JSON file and PNG each, and the README's results section")
+    a.add_argument("--config", metavar="FILE.toml", help="one table per bench ([rollout], [train], ...) and [all]")
+    a.add_argument("--json", action="store_true", help="print one JSON object: bench -> result file or why skipped")
+    cfglib.add_arguments(a, _sections({"all": "tailrl.bench.suite:BenchAllConfig"}))
+    a.set_defaults(run=_run_bench_all)
 
 
 def _bench_config(args: argparse.Namespace) -> Any:
@@ -222,26 +218,20 @@ def _bench_config(args: argparse.Namespace) -> Any:
 
 
 def _run_bench_generate(args: argparse.Namespace) -> None:
-    from dataclasses import asdict
-
     from tailrl.bench import generate as bench
 
-    cfg = _bench_config(args)
-    rows = bench.run(cfg, log=(lambda *_: None) if args.json else print)
+    report = bench.report(_bench_config(args), log=(lambda *_: None) if args.json else print)
     if args.json:
-        print(json.dumps({"results": [dict(asdict(r), speedup=round(r.speedup, 3)) for r in rows]}))
+        print(json.dumps(report))
 
 
 def _run_bench_spec(args: argparse.Namespace) -> None:
-    from dataclasses import asdict
-
     from tailrl.bench import spec as bench
 
-    cfg = _bench_config(args)
-    rows = bench.run(cfg, log=(lambda *_: None) if args.json else print)
+    report = bench.report(_bench_config(args), log=(lambda *_: None) if args.json else print)
     if args.json:
-        print(json.dumps({"results": [asdict(r) for r in rows]}))
-    if not all(r.identical for r in rows):
+        print(json.dumps(report))
+    if not all(r["identical"] for r in report["results"]):
         # Without exact mode a verify forward rounds differently from a one-token step, and a
         # uniform within that rounding of a CDF boundary flips a token (tailrl.model).
         print("tailrl: note: some sequences differ from plain decoding: a verify forward rounds differently "
@@ -281,6 +271,18 @@ def _run_bench_train(args: argparse.Namespace) -> None:
         print(f"speedup_e2e {report['speedup_e2e']:.3f} (per step {lo:.2f}-{hi:.2f}), speedup_rollout "
               f"{report['speedup_rollout']:.3f}; identical tokens {report['identical_tokens']}, rewards "
               f"{report['identical_rewards']}; plot {report['png']}")
+
+
+def _run_bench_all(args: argparse.Namespace) -> None:
+    from tailrl.bench import suite
+
+    toml = cfglib.read_toml(args.config) if args.config else None
+    sections = _sections({"all": suite.BenchAllConfig} | {name: cls for name, (_, cls, _) in BENCHES.items()})
+    # A flag of [all] that a bench also has (--drafter) applies to both.
+    configs = cfglib.resolve(sections, args, toml)
+    done = suite.run(configs.pop("all"), configs, log=(lambda *_: None) if args.json else print)
+    if args.json:
+        print(json.dumps(done))
 
 
 # ---- entry ------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ plain decoding's tokens (--exact: fp32 row-invariant forwards, tailrl.model)."""
 
 import json
 
+from tailrl.bench.suite import _rollout
 from tailrl.cli import main
 
 
@@ -20,4 +21,6 @@ def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_dir, tmp
     for m in report["modes"].values():
         assert m["seconds_min"] <= m["seconds_median"] <= m["seconds_max"]
     assert report["modes"]["ngram"]["accept_len"] >= 1.0 and report["modes"]["ngram"]["sd_fraction"] == 1.0
+    rows = [line for line in _rollout(report) if line.startswith("| ")][1:]  # the README's rendering
+    assert [line.split(" | ")[0] for line in rows] == ["| off", "| ngram", "| auto"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -4,6 +4,7 @@ step; `compare` flags a run whose tokens or rewards differ."""
 
 import json
 
+from tailrl.bench.suite import _train
 from tailrl.bench.train import compare
 from tailrl.cli import main
 from tailrl.loading import load_model
@@ -47,4 +48,6 @@ def test_bench_train_runs_tlt_and_baseline_on_identical_tokens(char_model_dir, t
     # The runs differ in what TLT adds: speculation and the drafter, never in the samples.
     assert all(r["sd_fraction"] == 0 for r in base) and any(r["sd_fraction"] > 0 for r in tlt)
     assert [r["loss"] for r in tlt] == [r["loss"] for r in base]
+    table = [line for line in _train(report) if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(table) == 2  # the README's rendering of the report
     assert (out / "bench-train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

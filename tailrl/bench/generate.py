@@ -10,7 +10,8 @@ Knows: how to time both generators. Does not know: anything about training.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -88,3 +89,8 @@ def run(cfg: BenchGenerateConfig, log=print) -> list[GenerateRow]:
             f"ratio {row.speedup:5.2f}x  (tokens {row.tailrl_tokens} vs {row.hf_tokens})")
         rows.append(row)
     return rows
+
+
+def report(cfg: BenchGenerateConfig, log=print) -> dict[str, Any]:
+    """`run` as the JSON object of `--json`."""
+    return {"results": [dict(asdict(r), speedup=round(r.speedup, 3)) for r in run(cfg, log)]}

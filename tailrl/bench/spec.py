@@ -11,7 +11,8 @@ Knows: how to time the engine in each mode. Does not know: training.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from tailrl.engine import Engine, EngineConfig, PlainDecoder
 from tailrl.generate import encode_prompt, make_requests
@@ -76,3 +77,8 @@ def run(cfg: BenchSpecConfig, log=print) -> list[SpecRow]:
                 f"speedup {row.speedup:4.2f}x | accept_len {row.accept_len:4.2f}" + ("" if same else " | TOKENS DIFFER"))
             rows.append(row)
     return rows
+
+
+def report(cfg: BenchSpecConfig, log=print) -> dict[str, Any]:
+    """`run` as the JSON object of `--json`; "identical" per row: the arm's tokens are plain decoding's."""
+    return {"results": [asdict(r) for r in run(cfg, log)]}

@@ -1,0 +1,42 @@
+"""`tailrl bench all`: runs the selected benches, keeps their JSON, and rewrites exactly the
+README's results section (text around it stays), refusing a README without markers."""
+
+import json
+
+import pytest
+
+from tailrl.bench.suite import END, START, update_readme
+from tailrl.cli import main
+
+
+def test_bench_all_writes_json_and_rewrites_only_the_results_section(smollm2_dir, tmp_path, capsys):
+    config = tmp_path / "bench.toml"
+    config.write_text(f'[generate]\nmodel = "{smollm2_dir}"\ndtype = "fp32"\nbatch_sizes = [1, 2]\nmax_new_tokens = 3\n')
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{START}\nold numbers\n{END}\nafter\n")
+    results = tmp_path / "results"
+    args = ["bench", "all", "--config", str(config), "--only", "generate", "--results", str(results),
+            "--readme", str(readme), "--json"]
+    for _ in range(2):  # a second run replaces the section, never appends
+        assert main(args) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"generate": str(results / "generate.json")}
+    record = json.loads((results / "generate.json").read_text())
+    assert record["config"]["batch_sizes"] == [1, 2] and record["meta"]["cores"] >= 1
+    assert [r["batch_size"] for r in record["report"]["results"]] == [1, 2]
+    text = readme.read_text()
+    assert text.startswith("# title\n\nbefore\n" + START) and text.endswith(END + "\nafter\n")
+    assert text.count(START) == 1 and "old numbers" not in text
+    section = text.split(START)[1].split(END)[0]
+    assert "#### `tailrl bench generate`" in section
+    rows = [line for line in section.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and all(line.endswith("x |") for line in rows)
+
+
+def test_bench_all_refuses_a_readme_without_markers_and_unknown_benches(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    assert main(["bench", "all", "--only", "nosuch", "--readme", str(readme)]) == 2
+    assert "unknown bench(es) nosuch" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="has no results markers"):
+        update_readme(readme, "x")
+    assert readme.read_text() == "# no markers\n"
