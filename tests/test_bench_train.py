@@ -1,6 +1,7 @@
-"""`tailrl bench train` on a tiny model: both runs (SD off; TLT: auto, learned drafter, spot
-training on 2 workers) do identical work in exact mode, and the report compares them step by
-step; `compare` flags a run whose tokens or rewards differ."""
+"""The two-run benches on a tiny model. `tailrl bench train`: both runs (SD off; TLT: auto,
+learned drafter, spot training on 2 workers) do identical work in exact mode and the report
+compares them step by step; `compare` flags a run whose tokens or rewards differ. `tailrl bench
+drafter`: adaptive and frozen drafter, interleaved, same tokens, accept_len per step."""
 
 import json
 
@@ -51,3 +52,24 @@ def test_bench_train_runs_tlt_and_baseline_on_identical_tokens(char_model_dir, t
     table = [line for line in _train(report) if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(table) == 2  # the README's rendering of the report
     assert (out / "bench-train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_drafter_compares_adaptive_and_frozen_drafters_step_by_step(char_model_dir, task_file, tmp_path,
+                                                                          capsys):
+    target = load_model(char_model_dir, dtype="fp32")
+    drafter = save_drafter(Drafter.from_target(target, list(range(1, 128, 2)) + [2, 4], "char", seed=0),
+                           tmp_path / "drafter")
+    out = tmp_path / "bench"
+    code = main(["bench", "drafter", "--model", str(char_model_dir), "--task", str(task_file), "--reward", REWARD,
+                 "--drafter", str(drafter), "--out", str(out), "--steps", "2", "--spec", "on", "--num-prompts", "3",
+                 "--group-size", "4", "--max-new-tokens", "16", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(report["accept_len_adaptive"]) == len(report["accept_len_static"]) == 2
+    # Step 1 drafts with the same version 0 in both runs, so the same drafts are verified.
+    assert report["accept_len_adaptive"][0] == report["accept_len_static"][0] >= 1.0
+    assert report["overhead"] > 0 and len(report["drafter_micro_steps"]) == 2
+    adaptive = [json.loads(line) for line in (out / "adaptive" / "metrics.jsonl").read_text().splitlines()]
+    static = [json.loads(line) for line in (out / "static" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens_sha256"] for r in adaptive] == [r["tokens_sha256"] for r in static]
+    assert all(r["drafter_version"] == 0 for r in static)

@@ -4,8 +4,8 @@ warmed-up drafter kept frozen, over K RL steps of the default run.
 Two GRPO runs from the same start and seeds, on the same workers, speculating with the same
 drafter; in one, idle workers train it (spot training) and each step drafts with the newest
 version; in the other it never changes. Speculative decoding is lossless, so both runs sample
-the same tokens and train the same policy (up to float near-ties): they differ only in how well
-the drafter keeps up with the policy, which is what accept_len (tokens per verify of the
+the same tokens and train the same policy (bit for bit in exact mode, the default here): they
+differ only in how well the drafter keeps up with the policy, which is what accept_len (tokens per verify of the
 learned drafter's arms, bonus included) shows per step.
 
 Reported: accept_len per step of both runs, accept_ratio (adaptive over static, mean of the
@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tailrl.spec.modes import SpecConfig
+from tailrl.engine import EngineConfig
+from tailrl.rl.tasks import DEFAULT_TASK
+from tailrl.spec.modes import RolloutSpecConfig
 from tailrl.workers.pool import WorkerConfig
 from tailrl.workers.spot import SpotConfig
 
@@ -34,6 +36,9 @@ LAST = 5  # steps averaged for accept_ratio
 
 @dataclass(frozen=True)
 class BenchDrafterConfig:
+    model: str | None = field(default=None, metadata={"help": "model directory (default: SmolLM2-135M-Instruct)"})
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym spec 'name(key=value)' or a .jsonl file"})
+    reward: str | None = field(default=None, metadata={"help": "user reward 'module:function' (default: the task's)"})
     steps: int = field(default=20, metadata={"help": "RL steps per run"})
     drafter: str | None = field(
         default=None, metadata={"help": "warmed-up drafter directory (default: warm one up first, ~5 min)"}
@@ -45,20 +50,24 @@ class BenchDrafterConfig:
     group_size: int = field(default=8, metadata={"help": "responses per prompt"})
     max_new_tokens: int = field(default=384, metadata={"help": "longest response"})
     seed: int = field(default=0, metadata={"help": "run seed of both runs"})
+    exact: bool = field(default=True, metadata={"help": "row-invariant forwards in both runs, so both sample the same "
+                                                        "tokens bit for bit (slower small-batch steps, see tailrl.model)"})
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.workers < 2:
             raise ValueError(f"need steps >= 1 and workers >= 2, got {self.steps} and {self.workers}")
 
 
-def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool) -> dict[str, Any]:
+def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool, steps: int) -> dict[str, Any]:
+    """The train() sections of one run, stopping after `steps` steps."""
     from tailrl.rl.train import TrainConfig
 
-    train = TrainConfig(num_prompts=cfg.num_prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                        steps=cfg.steps, seed=cfg.seed, checkpoint_every=cfg.steps)
+    train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                        steps=steps, seed=cfg.seed)
     return {
         "train": train,
-        "spec": SpecConfig(spec=cfg.spec, drafter=drafter),
+        "engine": EngineConfig(exact=cfg.exact),
+        "spec": RolloutSpecConfig(spec=cfg.spec, drafter=drafter),
         "workers": WorkerConfig(workers=cfg.workers),
         "spot": SpotConfig(spot_train=adaptive),
     }
@@ -70,7 +79,6 @@ def _mean(xs: list[float | None]) -> float:
 
 
 def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    from tailrl.rl.progress import StepDone
     from tailrl.rl.run_dir import RunDir
     from tailrl.rl.train import train
 
@@ -81,20 +89,15 @@ def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str
 
         drafter = str(out / "warm-drafter")
         log(f"warming up a drafter into {drafter}")
-        warmup(WarmupConfig(seed=cfg.seed), Path(drafter))
+        warmup(WarmupConfig(model=cfg.model, task=cfg.task, seed=cfg.seed), Path(drafter))
 
-    def show(event: Any) -> None:
-        if isinstance(event, StepDone):
-            m = event.metrics
-            log(f"  step {m['step']}: accept_len {m['drafter_accept_len']} step {m['step_s']:.1f}s "
+    for step in range(1, cfg.steps + 1):
+        for name, adaptive in (("adaptive", True), ("static", False)):
+            train(_configs(cfg, drafter, adaptive, step), out / name, resume=step > 1)
+            m = RunDir(out / name).read_metrics()[-1]
+            log(f"step {step} {name:8s}: accept_len {m['drafter_accept_len']} step {m['step_s']:.1f}s "
                 f"micro-steps {m['drafter_micro_steps']} version {m['drafter_version']}")
-
-    records = {}
-    for name, adaptive in (("adaptive", True), ("static", False)):
-        log(f"{name} run: {cfg.steps} steps, {cfg.workers} workers")
-        path = out / name
-        train(_configs(cfg, drafter, adaptive), path, on_event=show)
-        records[name] = RunDir(path).read_metrics()
+    records = {name: RunDir(out / name).read_metrics() for name in ("adaptive", "static")}
     a, s = records["adaptive"], records["static"]
     acc_a = [r["drafter_accept_len"] for r in a]
     acc_s = [r["drafter_accept_len"] for r in s]
