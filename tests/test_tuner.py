@@ -257,3 +257,14 @@ def test_state_round_trip_gives_identical_choices():
     small = Tuner(arms, TunerConfig(window=2))
     small.load_state_dict(state)  # a smaller window keeps each arm's newest rewards
     assert small.state_dict()["rewards"] == [[w[-2:] for w in bucket] for bucket in state["rewards"]]
+
+
+def test_the_tuned_decoder_rewards_tokens_per_second_per_running_sequence():
+    # 12 tokens in 2 s from 3 running sequences: 2 tokens/s each, whether the step ran at the top
+    # or the bottom of its bucket.
+    from tailrl.spec.decoder import StepReport, tuned
+
+    tuner = Tuner([PLAIN], TunerConfig(switch_patience=0))
+    decoder = tuned(tuner, {})
+    decoder.on_step(StepReport(PLAIN, batch_size=3, tokens=12, draft_seconds=0.0, verify_seconds=2.0))
+    assert tuner.summary()["3-4"]["median"] == {"plain": 2.0}

@@ -209,10 +209,11 @@ def fixed(arm: Arm, proposer: Proposer) -> SpecDecoder:
 
 
 def tuned(tuner: Tuner, proposers: dict[str, Proposer]) -> SpecDecoder:
-    """Let the tuner pick each step's arm (gate included) and reward it with tokens per second."""
+    """Let the tuner pick each step's arm (gate included) and reward it with tokens per second
+    per running sequence (see tailrl.tuner: a bucket spans batch sizes up to 2x apart)."""
 
     def report(r: StepReport) -> None:
-        tuner.update(r.batch_size, r.arm, r.tokens / r.seconds if r.seconds > 0 else 0.0)
+        tuner.update(r.batch_size, r.arm, r.tokens / r.seconds / r.batch_size if r.seconds > 0 else 0.0)
 
     return SpecDecoder(proposers, lambda running: tuner.step(len(running)), tuner.arms, on_step=report)
 
