@@ -18,7 +18,8 @@ best arm, which epsilon then revisits only rarely). Ties go to the arm listed fi
 
 A switch gate sits in front (TLT's rule): SD is considered only once the running batch has
 stayed <= switch_batch for switch_patience consecutive decode steps, counting the current one.
-A step above switch_batch closes the gate and restarts the count. While the gate is closed the
+A step above switch_batch closes the gate and restarts the count, and so does the start of a
+rollout (`new_rollout`). While the gate is closed the
 step decodes plain and the tuner draws no randomness. PLAIN must be one of the arms, so inside
 the gate the bandit can learn to keep decoding plain where speculation does not pay: the learned
 threshold overrides the fixed one. switch_patience 0 leaves the gate always open.
@@ -166,6 +167,12 @@ class Tuner:
     def bucket(self, batch_size: int) -> int:
         """Index of the bucket whose range (edges[i-1], edges[i]] holds batch_size."""
         return bucket_index(self.config.bucket_edges, batch_size)
+
+    def new_rollout(self) -> None:
+        """Close the gate: a rollout starts at its full batch, whatever the last one ended at.
+        (Left open, a rollout that starts at <= switch_batch, e.g. a worker's shard of 32,
+        would speculate from its first step, before TLT's patience has passed.)"""
+        self._gate_run = 0
 
     def gate(self, batch_size: int) -> bool:
         """Record one decode step's running batch size; True if SD may be used. Call once per step."""

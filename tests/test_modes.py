@@ -44,3 +44,15 @@ def test_bad_spec_config():
         SpecConfig(spec="maybe")
     with pytest.raises(ValueError, match="can hold"):
         SpecConfig(spec="on", num_steps=2, topk=1, num_draft_tokens=3)
+
+
+def test_every_rollout_starts_with_the_gate_closed(tiny):
+    # switch_batch above the batch: the gate opens after `patience` steps of each rollout, and
+    # epsilon 1 makes an open gate explore; the first patience - 1 steps of the second rollout
+    # must still decode plain.
+    engine = Engine(tiny, EngineConfig(max_batch=12))
+    install(engine, SpecConfig(spec="auto"), TunerConfig(switch_patience=5, epsilon=1.0), seed=1)
+    for _ in range(2):
+        engine.generate(_requests(), SamplingParams(temperature=1.0), 30)
+        arms = [r.arm for r in engine.stats.timeline]
+        assert arms[:4] == ["plain"] * 4 and any(a != "plain" for a in arms[4:])

@@ -190,6 +190,8 @@ def test_gate_opens_after_patience_and_closes_above_switch_batch():
     assert tuner.gate(1) is True
     assert tuner.gate(33) is False  # one large step closes it and restarts the count
     assert [tuner.gate(20) for _ in range(10)] == [False] * 9 + [True]
+    tuner.new_rollout()  # a new rollout starts closed, even at a batch <= switch_batch
+    assert [tuner.gate(20) for _ in range(10)] == [False] * 9 + [True]
     assert tuner.state_dict()["rng"] == rng_before  # gate() draws nothing
     # step(): a closed gate returns PLAIN without exploring (no randomness drawn).
     tuner.gate(64)

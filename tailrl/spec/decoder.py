@@ -87,11 +87,13 @@ class SpecDecoder:
         choose: Callable[[list[Seq]], Arm],
         arms: Sequence[Arm],
         on_step: Callable[[StepReport], None] | None = None,
+        on_begin: Callable[[], None] | None = None,
     ):
         for arm in arms:
             if arm.kind != "plain" and arm.kind not in proposers:
                 raise ValueError(f"arm {arm.label} needs a {arm.kind!r} proposer; have {sorted(proposers)}")
         self.proposers, self.choose, self.arms, self.on_step = proposers, choose, tuple(arms), on_step
+        self.on_begin = on_begin
         # generate() reserves max_tree + 1 cache positions past the longest sequence for verification.
         self.max_tree = max((a.num_draft_tokens for a in self.arms), default=0)
 
@@ -102,6 +104,8 @@ class SpecDecoder:
     def begin(self, engine: Engine) -> None:
         for p in self.proposers.values():
             p.begin(engine)
+        if self.on_begin is not None:
+            self.on_begin()
 
     def moved(self, src: int, dst: int, seq: Seq) -> None:
         for p in self.proposers.values():
@@ -215,7 +219,8 @@ def tuned(tuner: Tuner, proposers: dict[str, Proposer]) -> SpecDecoder:
     def report(r: StepReport) -> None:
         tuner.update(r.batch_size, r.arm, r.tokens / r.seconds / r.batch_size if r.seconds > 0 else 0.0)
 
-    return SpecDecoder(proposers, lambda running: tuner.step(len(running)), tuner.arms, on_step=report)
+    return SpecDecoder(proposers, lambda running: tuner.step(len(running)), tuner.arms, on_step=report,
+                       on_begin=tuner.new_rollout)
 
 
 # ---- the n-gram proposer -------------------------------------------------------------------
