@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -67,8 +68,18 @@ class BenchAllConfig:
             raise ValueError(f"unknown bench(es) {', '.join(sorted(unknown))}; valid: {', '.join(BENCHES)}")
 
 
+def _commit() -> str | None:
+    """The tailrl commit the numbers were measured with (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on, and with which code."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -84,6 +95,7 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "commit": _commit(),
     }
 
 
@@ -161,7 +173,8 @@ def render(results: Path, readme_dir: Path) -> str:
         meta, config = record["meta"], record["config"]
         lines = [f"#### `tailrl bench {name}`", "",
                  f"{meta['date']}, {meta['cpu']}, {meta['cores']} cores, torch {meta['torch']} "
-                 f"({meta['threads']} threads){', ' + meta['gpu'] if meta['gpu'] else ''}. Settings: "
+                 f"({meta['threads']} threads){', ' + meta['gpu'] if meta['gpu'] else ''}"
+                 f"{', tailrl ' + meta['commit'] if meta.get('commit') else ''}. Settings: "
                  + ", ".join(f"{k}={v}" for k, v in config.items() if v not in (None, "", ()) and k != "plot") + ".", ""]
         lines += RENDERERS[name](record["report"])
         png = results / f"{name}.png"
