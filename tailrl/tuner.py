@@ -29,6 +29,10 @@ Per decode step the engine does:
     ... decode one step with arm ...
     tuner.update(batch_size, arm, tokens / seconds / batch_size)  # also plain steps of a closed gate
 
+Several tuners of the same arms and buckets (one per rollout worker) can learn together: each
+passes its new rewards on (`take_new`) and counts the others' (`absorb`), so every arm is
+explored once for all workers rather than once per worker.
+
 One random.Random, seeded, serves every bucket, so the whole sequence of choices is a function
 of the seed and the rewards; state_dict() captures it as plain JSON-serialisable data.
 
@@ -163,6 +167,7 @@ class Tuner:
         self._rewards = [[deque(maxlen=self.config.window) for _ in self.arms] for _ in range(num_buckets)]
         self._pulls = [[0] * len(self.arms) for _ in range(num_buckets)]
         self._gate_run = 0  # consecutive steps at <= switch_batch, capped at switch_patience
+        self._new: list[tuple[int, int, float]] = []  # update()s since take_new(), for other tuners
 
     def bucket(self, batch_size: int) -> int:
         """Index of the bucket whose range (edges[i-1], edges[i]] holds batch_size."""
@@ -217,6 +222,20 @@ class Tuner:
             raise ValueError(f"reward must be a finite number >= 0 (tokens per second per sequence), got {reward}")
         self._rewards[b][i].append(float(reward))
         self._pulls[b][i] += 1
+        self._new.append((b, i, float(reward)))
+
+    def take_new(self) -> list[tuple[int, int, float]]:
+        """The (bucket, arm index, reward) records of update() since the last call: what tuners
+        of the same arms and buckets elsewhere (other rollout workers) can `absorb`."""
+        new, self._new = self._new, []
+        return new
+
+    def absorb(self, records: Sequence[Sequence[float]]) -> None:
+        """Count rewards observed by another tuner of the same arms and buckets as if updated here
+        (not passed on by take_new; draws no randomness)."""
+        for b, i, reward in records:
+            self._rewards[int(b)][int(i)].append(float(reward))
+            self._pulls[int(b)][int(i)] += 1
 
     def state_dict(self) -> dict:
         """Everything that decides future choices, as JSON-serialisable lists and numbers."""

@@ -270,3 +270,17 @@ def test_the_tuned_decoder_rewards_tokens_per_second_per_running_sequence():
     decoder = tuned(tuner, {})
     decoder.on_step(StepReport(PLAIN, batch_size=3, tokens=12, draft_seconds=0.0, verify_seconds=2.0))
     assert tuner.summary()["3-4"]["median"] == {"plain": 2.0}
+
+
+def test_tuners_learn_together_through_take_new_and_absorb():
+    config = TunerConfig(min_pulls=1, epsilon=0.0, switch_patience=0)
+    a, b = Tuner([PLAIN, DRAFTER], config, seed=0), Tuner([PLAIN, DRAFTER], config, seed=1)
+    a.update(3, PLAIN, 1.0)
+    a.update(3, DRAFTER, 2.0)
+    b.update(40, PLAIN, 5.0)
+    rng_before = b.state_dict()["rng"]
+    b.absorb(a.take_new())
+    assert b.state_dict()["rng"] == rng_before
+    assert a.take_new() == []  # each record is passed on once
+    assert b.summary()["3-4"] == a.summary()["3-4"] and b.step(3) == DRAFTER  # explored by a, exploited by b
+    assert b.take_new() == [(b.bucket(40), 0, 5.0)]  # its own only: absorbed rewards are not passed on again

@@ -161,6 +161,23 @@ def test_process_workers_give_the_in_process_tokens(target, tiny_dir):
         assert pool.stats.tokens == sum(len(c.token_ids) for c in want)
 
 
+def test_worker_tuners_learn_from_each_others_rollouts(target):
+    # Every decode step rewards its worker's tuner once; before its next rollout each worker
+    # also counts the other's rewards, and a checkpoint keeps what is not delivered yet.
+    pool = start_pool(WorkerConfig(workers=2), SpotConfig(), target, setup(SpecConfig(spec="auto")))
+    try:
+        pool.generate(1, requests(step=1), PARAMS, 20)
+        first = pool.stats.steps
+        pulls = lambda rank: sum(map(sum, pool.tuners[rank]["pulls"]))  # noqa: E731
+        assert pulls(0) + pulls(1) == first and pulls(0) > 0 and pulls(1) > 0
+        state = pool.state_dict()
+        assert [len(p) for p in state["tuner_pending"]] == [pulls(1), pulls(0)]
+        pool.generate(2, requests(step=2), PARAMS, 20)
+        assert pulls(0) + pulls(1) == 2 * first + pool.stats.steps
+    finally:
+        pool.close()
+
+
 def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, drafter_dir):
     # Rank 0 is paused (SIGSTOP) so rank 1 finishes first and trains the drafter until rank 0,
     # resumed, finishes: a long tail made on purpose. Tokens stay those of plain decoding.

@@ -97,11 +97,14 @@ class WorkerPool:
     """Rollouts across a runtime's workers; the drafter's state, buffer and versions (see module doc)."""
 
     def __init__(self, runtime: Any, spot: SpotConfig, drafter: DrafterState | None, timeout_s: float,
-                 tuners: list | None = None):
+                 tuners: list | None = None, tuner_pending: list | None = None):
         self.runtime, self.spot, self.timeout_s = runtime, spot, timeout_s
         # Each worker's tuner state as of its last finished rollout: what a checkpoint saves, so
         # saving never waits for (or interrupts) a rollout in flight.
         self.tuners = tuners or [None] * runtime.size
+        # Per worker, the rewards the other workers' tuners observed since its last rollout: the
+        # tuners learn together, so each arm is explored once for all workers (Tuner.absorb).
+        self.tuner_pending: list[list] = tuner_pending or [[] for _ in range(runtime.size)]
         runtime.on_beat = self._on_beat
         # Spot training needs a learned drafter and a second worker to be idle while one generates.
         self.spot_on = drafter is not None and spot.spot_train and runtime.size >= 2
@@ -169,7 +172,9 @@ class WorkerPool:
         busy = set()
         for rank, idx in enumerate(shards):
             if idx:
-                self._start(rank, "rollout", RolloutJob([requests[i] for i in idx], params, max_new_tokens))
+                job = RolloutJob([requests[i] for i in idx], params, max_new_tokens, self.tuner_pending[rank])
+                self._start(rank, "rollout", job)
+                self.tuner_pending[rank] = []
                 busy.add(rank)
         results: dict[int, ShardResult] = {}
         done_at = {rank: t0 for rank, idx in enumerate(shards) if not idx}
@@ -182,6 +187,9 @@ class WorkerPool:
                     busy.discard(rank)
                     results[rank], done_at[rank] = reply, time.monotonic()
                     self.tuners[rank] = reply.tuner_state
+                    for other in range(self.runtime.size):
+                        if other != rank:
+                            self.tuner_pending[other].extend(reply.tuner_new)
                     self.buffer.add(reply.train_seqs)
                     if self.spot_on and busy and trainer is None and spot is None:
                         trainer = rank
@@ -233,6 +241,7 @@ class WorkerPool:
     def state_dict(self) -> dict[str, Any]:
         return {
             "tuners": list(self.tuners),
+            "tuner_pending": [list(p) for p in self.tuner_pending],
             "drafter": dataclasses.asdict(self.drafter) if self.drafter is not None else None,
             "buffer": self.buffer.state_dict(),
         }
@@ -274,7 +283,7 @@ def start_pool(cfg: WorkerConfig, spot: SpotConfig, model: Transformer, setup_kw
     else:
         setup = WorkerSetup(**setup_kw, collect=collect, threads=cfg.worker_threads)
         runtime = ProcessRuntime(cfg.workers, model, setup, tuners, start_s)
-    pool = WorkerPool(runtime, spot, drafter, cfg.worker_timeout_s, tuners)
+    pool = WorkerPool(runtime, spot, drafter, cfg.worker_timeout_s, tuners, (state or {}).get("tuner_pending"))
     if state is not None:
         pool.load_state_dict(state)
     return pool

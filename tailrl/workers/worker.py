@@ -53,6 +53,8 @@ class RolloutJob:
     requests: list[Request]
     params: SamplingParams
     max_new_tokens: int
+    # Tuner rewards the other workers observed since this worker's last rollout (Tuner.absorb).
+    tuner_records: list = field(default_factory=list)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class ShardResult:
     drafter_verifies: int = 0  # verifies by the learned drafter's arms
     drafter_emitted: int = 0  # tokens they emitted
     tuner_state: dict | None = None  # the tuner's state after this rollout (--spec auto), for checkpoints
+    tuner_new: list = field(default_factory=list)  # its rewards observed in this rollout (Tuner.take_new)
 
 
 @dataclass(frozen=True)
@@ -105,12 +108,15 @@ class RolloutWorker:
 
     def rollout(self, job: RolloutJob) -> ShardResult:
         self._verifies = self._emitted = 0
+        if self.tuner is not None:
+            self.tuner.absorb(job.tuner_records)
         out = self.engine.generate(job.requests, job.params, job.max_new_tokens, on_progress=self.beat)
         seqs = [train_seq(c) for c in out] if self.setup.collect else []
         for c in out:
             c.hidden = c.prompt_hidden = None
         tuner = self.tuner.state_dict() if self.tuner is not None else None
-        return ShardResult(out, self.engine.stats, seqs, self._verifies, self._emitted, tuner)
+        new = self.tuner.take_new() if self.tuner is not None else []
+        return ShardResult(out, self.engine.stats, seqs, self._verifies, self._emitted, tuner, new)
 
     def set_drafter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """Draft with a newer drafter version from the next rollout on."""
