@@ -201,6 +201,7 @@ BENCHES = {
     "spec": ("plain vs speculative tokens/s per batch size and arm", "tailrl.bench.spec:BenchSpecConfig"),
     "rollout": ("one long-tailed GRPO rollout batch: SD off, n-gram, drafter, auto", "tailrl.bench.rollout:BenchRolloutConfig"),
     "drafter": ("adaptive (spot-trained) vs frozen drafter: accept_len per RL step", "tailrl.bench.drafter:BenchDrafterConfig"),
+    "peers": ("the same GRPO steps by TRL's GRPOTrainer and by tailrl: step seconds", "tailrl.bench.peers:BenchPeersConfig"),
 }
 
 
@@ -208,7 +209,7 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     runners = {"generate": _run_bench_generate, "spec": _run_bench_spec, "rollout": _run_bench_rollout,
-               "drafter": _run_bench_drafter}
+               "drafter": _run_bench_drafter, "peers": _run_bench_peers}
     for name, (help_text, config) in BENCHES.items():
         b = bench.add_parser(name, help=help_text)
         b.add_argument("--json", action="store_true", help="print one JSON object")
@@ -266,6 +267,19 @@ def _run_bench_drafter(args: argparse.Namespace) -> None:
     else:
         print(f"accept_ratio {result['accept_ratio']:.3f} (adaptive over static, last {bench.LAST} steps), "
               f"overhead {result['overhead']:.3f}, preempt share {result['preempt_share']:.4f}; plot {result['png']}")
+
+
+def _run_bench_peers(args: argparse.Namespace) -> None:
+    from tailrl.bench import peers as bench
+
+    cfg = _bench_config(args)
+    result = bench.run(cfg, log=(lambda *_: None) if args.json else (lambda line: print(line, file=sys.stderr)))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        t, r = result["trl"], result["tailrl"]
+        print(f"step seconds (median of {cfg.steps}): TRL {t['step_s']:.2f} vs tailrl {r['step_s']:.2f} "
+              f"({result['speedup_step']:.2f}x); tokens {t['tokens_generated']} vs {r['tokens_generated']}")
 
 
 # ---- entry ------------------------------------------------------------------------------------
