@@ -280,6 +280,11 @@ def _run_bench_peers(args: argparse.Namespace) -> None:
         t, r = result["trl"], result["tailrl"]
         print(f"step seconds (median of {cfg.steps}): TRL {t['step_s']:.2f} vs tailrl {r['step_s']:.2f} "
               f"({result['speedup_step']:.2f}x); tokens {t['tokens_generated']} vs {r['tokens_generated']}")
+        if "batch1" in result:
+            b = result["batch1"]
+            print(f"batch 1 tokens/s: transformers plain {b['transformers']['plain']['tok_s']:.1f}, prompt lookup "
+                  f"{b['transformers']['lookup']['tok_s']:.1f}; tailrl plain {b['tailrl']['plain']['tok_s']:.1f}, "
+                  f"n-gram {b['tailrl']['ngram']['tok_s']:.1f}")
 
 
 # ---- entry ------------------------------------------------------------------------------------

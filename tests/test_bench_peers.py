@@ -48,10 +48,10 @@ def test_trl_tokenizes_prompts_as_tailrl_does(smollm2_dir):
     assert list(trl_ids) == list(encode_prompt(tok, question))
 
 
-def test_both_sides_run_the_same_steps(tiny_chat_dir, capsys):
+def test_both_sides_run_the_same_steps_and_batch1(tiny_chat_dir, capsys):
     pytest.importorskip("trl")
     code = main(["bench", "peers", "--model", str(tiny_chat_dir), "--num-prompts", "2", "--group-size", "2",
-                 "--max-new-tokens", "4", "--steps", "2", "--warmup", "0", "--micro-batch", "2", "--json"])
+                 "--max-new-tokens", "4", "--steps", "2", "--warmup", "0", "--micro-batch", "2", "--lookup", "--json"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)  # stdout holds only the JSON object
     for side in ("tailrl", "trl"):
@@ -62,3 +62,6 @@ def test_both_sides_run_the_same_steps(tiny_chat_dir, capsys):
         assert r["threads_after"] == 1
     assert result["speedup_step"] == pytest.approx(result["trl"]["step_s"] / result["tailrl"]["step_s"])
     assert result["config"]["spec"] == "auto"
+    b = result["batch1"]
+    for side, arms in (("tailrl", ("plain", "ngram")), ("transformers", ("plain", "lookup"))):
+        assert all(0 < b[side][a]["tokens"] <= 2 * 4 and b[side][a]["tok_s"] > 0 for a in arms)

@@ -24,6 +24,10 @@ Not the same on both sides, by design of each library (reported, not equalised):
 - tailrl skips groups whose rewards are all equal in the update (zero advantage), TRL computes
   them; tailrl packs a prompt once per micro-batch, TRL pads prompt + completion per row.
 
+With --lookup, also batch 1 without a model drafter: transformers' prompt-lookup decoding
+(`prompt_lookup_num_tokens`) against tailrl's n-gram drafter, each beside its own plain decoding,
+one sample of each of the first step's prompts, in tokens/s.
+
 Knows: how to configure a tailrl run and a TRL GRPOTrainer for the same work, and read both
 sides' times. Does not know: how either side generates or trains.
 """
@@ -62,6 +66,8 @@ class BenchPeersConfig:
     drafter: str | None = field(default=None, metadata={"help": "learned drafter directory for tailrl's spec modes"})
     seed: int = field(default=0, metadata={"help": "run seed of both sides"})
     out: str | None = field(default=None, metadata={"help": "keep both runs' directories here (default: a temporary one)"})
+    lookup: bool = field(default=False, metadata={"help": "also time batch 1, model-free speculation: transformers' "
+                                                  "prompt lookup vs tailrl's n-gram drafter (tokens/s)"})
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "steps", "micro_batch", "threads"):
@@ -223,6 +229,79 @@ def run_trl(cfg: BenchPeersConfig, out: Path) -> dict[str, Any]:
     return summarise(steps)
 
 
+# ---- batch 1: prompt lookup vs n-gram drafter ----------------------------------------------------
+
+
+def _tailrl_batch1(cfg: BenchPeersConfig, model_dir: Path, prompts: list[tuple[int, ...]]) -> dict[str, Any]:
+    from tailrl.engine import Engine, EngineConfig, PlainDecoder
+    from tailrl.generate import make_requests
+    from tailrl.loading import load_model
+    from tailrl.sampling import SamplingParams
+    from tailrl.spec.decoder import fixed
+    from tailrl.spec.modes import SpecConfig, proposers
+
+    spec = SpecConfig(spec="on")  # `--spec on`'s n-gram chain
+    engine = Engine(load_model(model_dir, dtype="fp32"), EngineConfig(max_batch=1))
+    params = SamplingParams(temperature=1.0, top_p=1.0)
+    requests = make_requests(prompts, 1, cfg.seed)
+    engine.generate(requests[:1], params, 2)  # allocate the cache outside the timed runs
+    out = {}
+    for name, decoder in (("plain", PlainDecoder()), ("ngram", fixed(spec.arm, proposers(spec, engine)["ngram"]))):
+        engine.decoder = decoder
+        tokens, t = 0, time.perf_counter()
+        for req in requests:
+            tokens += len(engine.generate([req], params, cfg.max_new_tokens)[0].token_ids)
+        out[name] = {"tokens": tokens, "tok_s": tokens / (time.perf_counter() - t)}
+    out["ngram"]["draft_tokens"] = spec.num_steps
+    return out
+
+
+def _hf_batch1(cfg: BenchPeersConfig, model_dir: Path, prompts: list[tuple[int, ...]], pad: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tailrl.spec.modes import SpecConfig
+
+    draft = SpecConfig(spec="on").num_steps  # as many proposed tokens per verify as tailrl's chain
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad)
+
+    def generate(ids: tuple[int, ...], max_new_tokens: int, **extra: Any) -> int:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            y = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                            **sampling, **extra)
+        return y.shape[1] - x.shape[1]
+
+    generate(prompts[0], 2)  # first-call overheads outside the timed runs
+    out = {}
+    for name, extra in (("plain", {}), ("lookup", {"prompt_lookup_num_tokens": draft})):
+        torch.manual_seed(cfg.seed)
+        tokens, t = 0, time.perf_counter()
+        for ids in prompts:
+            tokens += generate(ids, cfg.max_new_tokens, **extra)
+        out[name] = {"tokens": tokens, "tok_s": tokens / (time.perf_counter() - t)}
+    out["lookup"]["draft_tokens"] = draft
+    return out
+
+
+def run_batch1(cfg: BenchPeersConfig) -> dict[str, Any]:
+    """One sample of each of the first step's prompts, one at a time, plain and speculative on
+    each side. Tokens differ between sides (own random numbers): compare tokens/s."""
+    from tailrl.loading import load_tokenizer, resolve_model_dir
+    from tailrl.rl.tasks import make_task
+    from tailrl.rl.train import encode_prompt
+
+    model_dir = resolve_model_dir(cfg.model)
+    tok = load_tokenizer(model_dir)
+    task = make_task(cfg.task)
+    prompts = [encode_prompt(tok, task.sample(cfg.seed, i).question) for i in range(cfg.num_prompts)]
+    out = {"tailrl": _tailrl_batch1(cfg, model_dir, prompts),
+           "transformers": _hf_batch1(cfg, model_dir, prompts, tok.pad_token_id)}
+    out["ngram_over_lookup"] = out["tailrl"]["ngram"]["tok_s"] / out["transformers"]["lookup"]["tok_s"]
+    return out
+
+
 # ---- both ------------------------------------------------------------------------------------
 
 
@@ -241,6 +320,10 @@ def run(cfg: BenchPeersConfig, log: Callable[[str], None] = print) -> dict[str, 
             result[name]["threads_after"] = torch.get_num_threads()
             log(f"{name}: step {result[name]['step_s']:.2f} s (rollout {result[name]['rollout_s']:.2f} s), "
                 f"{result[name]['tokens_generated']} tokens")
+    if cfg.lookup:
+        torch.set_num_threads(cfg.threads)
+        log("batch 1: transformers' prompt lookup vs tailrl's n-gram drafter")
+        result["batch1"] = run_batch1(cfg)
     result["speedup_step"] = result["trl"]["step_s"] / result["tailrl"]["step_s"]
     t, r = result["trl"]["s_per_token"], result["tailrl"]["s_per_token"]
     result["speedup_per_token"] = t / r if t and r else None
