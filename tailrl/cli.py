@@ -200,7 +200,8 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
     bench = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     runners = {"generate": _run_bench_generate, "spec": _run_bench_spec, "rollout": _run_bench_rollout,
-               "drafter": _run_bench_drafter, "train": _run_bench_train}
+               "drafter": _run_bench_drafter, "train": _run_bench_train,
+               "peers": _run_bench_peers}
     for name, (help_text, config, _) in BENCHES.items():
         b = bench.add_parser(name, help=help_text)
         b.add_argument("--json", action="store_true", help="print one JSON object")
@@ -283,6 +284,24 @@ def _run_bench_all(args: argparse.Namespace) -> None:
     done = suite.run(configs.pop("all"), configs, log=(lambda *_: None) if args.json else print)
     if args.json:
         print(json.dumps(done))
+
+
+def _run_bench_peers(args: argparse.Namespace) -> None:
+    from tailrl.bench import peers as bench
+
+    cfg = _bench_config(args)
+    result = bench.run(cfg, log=(lambda *_: None) if args.json else (lambda line: print(line, file=sys.stderr)))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        t, r = result["trl"], result["tailrl"]
+        print(f"step seconds (median of {cfg.steps}): TRL {t['step_s']:.2f} vs tailrl {r['step_s']:.2f} "
+              f"({result['speedup_step']:.2f}x); tokens {t['tokens_generated']} vs {r['tokens_generated']}")
+        if "batch1" in result:
+            b = result["batch1"]
+            print(f"batch 1 tokens/s: transformers plain {b['transformers']['plain']['tok_s']:.1f}, prompt lookup "
+                  f"{b['transformers']['lookup']['tok_s']:.1f}; tailrl plain {b['tailrl']['plain']['tok_s']:.1f}, "
+                  f"n-gram {b['tailrl']['ngram']['tok_s']:.1f}")
 
 
 # ---- entry ------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ BENCHES: dict[str, tuple[str, str, str]] = {
               "tailrl.bench.train:BenchTrainConfig", "tailrl.bench.train:run"),
     "drafter": ("adaptive (spot-trained) vs frozen drafter: accept_len per RL step",
                 "tailrl.bench.drafter:BenchDrafterConfig", "tailrl.bench.drafter:run"),
+    "peers": ("the same GRPO steps by TRL's GRPOTrainer and by tailrl: step seconds",
+              "tailrl.bench.peers:BenchPeersConfig", "tailrl.bench.peers:run"),
 }
 
 
@@ -239,6 +241,23 @@ def _drafter(r: dict[str, Any]) -> list[str]:
             f"| idle s harvested | {row(r['idle_seconds_harvested'])} |"]
 
 
+def _peers(r: dict[str, Any]) -> list[str]:
+    lines = [f"TRL's step took **{r['speedup_step']:.2f}x** tailrl's ({_f(r['speedup_per_token'])}x per generated "
+             "token; each side samples its own tokens, so their lengths differ).", "",
+             "| side | step s (median, min-max) | rollout s | reward s | train s | tokens generated | step s per token |",
+             "|---|---|---|---|---|---|---|"]
+    for name, label in (("trl", "TRL GRPOTrainer"), ("tailrl", "tailrl")):
+        x = r[name]
+        lines.append(f"| {label} | {x['step_s']:.1f} ({x['step_s_min']:.1f}-{x['step_s_max']:.1f}) | {x['rollout_s']:.1f} | "
+                     f"{x['reward_s']:.2f} | {x['train_s']:.1f} | {x['tokens_generated']} | {_f(x['s_per_token'], 3)} |")
+    if "batch1" in r:
+        b = r["batch1"]
+        lines += ["", "Batch 1, model-free speculation, tokens/s: transformers plain "
+                  f"{b['transformers']['plain']['tok_s']:.1f}, prompt lookup {b['transformers']['lookup']['tok_s']:.1f}; "
+                  f"tailrl plain {b['tailrl']['plain']['tok_s']:.1f}, n-gram drafter {b['tailrl']['ngram']['tok_s']:.1f}."]
+    return lines
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "generate": _generate, "spec": _spec, "rollout": _rollout, "train": _train, "drafter": _drafter,
+    "generate": _generate, "spec": _spec, "rollout": _rollout, "train": _train, "drafter": _drafter, "peers": _peers,
 }
