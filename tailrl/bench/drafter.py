@@ -79,25 +79,15 @@ def _mean(xs: list[float | None]) -> float:
 
 
 def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    from tailrl.rl.run_dir import RunDir
-    from tailrl.rl.train import train
+    from tailrl.bench.train import interleaved, warm_drafter
 
     out = Path(cfg.out or f"runs/bench-drafter-{time.strftime('%Y%m%d-%H%M%S')}")
-    drafter = cfg.drafter
-    if drafter is None:
-        from tailrl.spec.warmup import WarmupConfig, warmup
-
-        drafter = str(out / "warm-drafter")
-        log(f"warming up a drafter into {drafter}")
-        warmup(WarmupConfig(model=cfg.model, task=cfg.task, seed=cfg.seed), Path(drafter))
-
-    for step in range(1, cfg.steps + 1):
-        for name, adaptive in (("adaptive", True), ("static", False)):
-            train(_configs(cfg, drafter, adaptive, step), out / name, resume=step > 1)
-            m = RunDir(out / name).read_metrics()[-1]
-            log(f"step {step} {name:8s}: accept_len {m['drafter_accept_len']} step {m['step_s']:.1f}s "
-                f"micro-steps {m['drafter_micro_steps']} version {m['drafter_version']}")
-    records = {name: RunDir(out / name).read_metrics() for name in ("adaptive", "static")}
+    drafter = warm_drafter(cfg, out, log)
+    runs = {name: (lambda step, adaptive=adaptive: _configs(cfg, drafter, adaptive, step))
+            for name, adaptive in (("adaptive", True), ("static", False))}
+    records = interleaved(out, runs, cfg.steps, lambda m: (
+        f"accept_len {m['drafter_accept_len']} step {m['step_s']:.1f}s micro-steps {m['drafter_micro_steps']} "
+        f"version {m['drafter_version']}"), log)
     a, s = records["adaptive"], records["static"]
     acc_a = [r["drafter_accept_len"] for r in a]
     acc_s = [r["drafter_accept_len"] for r in s]

@@ -107,25 +107,40 @@ def compare(baseline: list[dict[str, Any]], tlt: list[dict[str, Any]]) -> dict[s
     }
 
 
-def run(cfg: BenchTrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+def warm_drafter(cfg: Any, out: Path, log: Callable[[str], None]) -> str:
+    """cfg.drafter, or a drafter warmed up for cfg's model and task into out/warm-drafter."""
+    if cfg.drafter is not None:
+        return cfg.drafter
+    from tailrl.spec.warmup import WarmupConfig, warmup
+
+    drafter = str(out / "warm-drafter")
+    log(f"warming up a drafter into {drafter}")
+    warmup(WarmupConfig(model=cfg.model, task=cfg.task, seed=cfg.seed), Path(drafter))
+    return drafter
+
+
+def interleaved(out: Path, runs: dict[str, Callable[[int], dict[str, Any]]], steps: int,
+                describe: Callable[[dict[str, Any]], str], log: Callable[[str], None]) -> dict[str, list[dict]]:
+    """Step k of every run, then step k + 1 of every run, ...: runs[name](k) gives the train()
+    sections stopping after k steps, and each run continues its directory out/name through
+    resume. Returns each run's metrics records."""
     from tailrl.rl.run_dir import RunDir
     from tailrl.rl.train import train
 
-    out = Path(cfg.out or f"runs/bench-train-{time.strftime('%Y%m%d-%H%M%S')}")
-    drafter = cfg.drafter
-    if drafter is None:
-        from tailrl.spec.warmup import WarmupConfig, warmup
+    for step in range(1, steps + 1):
+        for name, sections in runs.items():
+            train(sections(step), out / name, resume=step > 1)
+            log(f"step {step} {name:8s}: {describe(RunDir(out / name).read_metrics()[-1])}")
+    return {name: RunDir(out / name).read_metrics() for name in runs}
 
-        drafter = str(out / "warm-drafter")
-        log(f"warming up a drafter into {drafter}")
-        warmup(WarmupConfig(model=cfg.model, task=cfg.task, seed=cfg.seed), Path(drafter))
-    for step in range(1, cfg.steps + 1):
-        for name in RUNS:
-            train(configs(cfg, name, drafter, step), out / name, resume=step > 1)
-            m = RunDir(out / name).read_metrics()[-1]
-            log(f"step {step} {name:8s}: step {m['step_s']:6.1f} s (rollout {m['rollout_s']:6.1f} s, "
-                f"train {m['train_s']:5.1f} s), {m['tokens_generated']} tokens, reward {m['reward_mean']:.3f}")
-    records = {name: RunDir(out / name).read_metrics() for name in RUNS}
+
+def run(cfg: BenchTrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    out = Path(cfg.out or f"runs/bench-train-{time.strftime('%Y%m%d-%H%M%S')}")
+    drafter = warm_drafter(cfg, out, log)
+    runs = {name: (lambda step, name=name: configs(cfg, name, drafter, step)) for name in RUNS}
+    records = interleaved(out, runs, cfg.steps, lambda m: (
+        f"step {m['step_s']:6.1f} s (rollout {m['rollout_s']:6.1f} s, train {m['train_s']:5.1f} s), "
+        f"{m['tokens_generated']} tokens, reward {m['reward_mean']:.3f}"), log)
     report = compare(records["baseline"], records["tlt"])
     report["config"] = dataclasses.asdict(cfg) | {"drafter": drafter}
     report["png"] = str(plot(report["steps"], out / "bench-train.png"))
