@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from tailrl.bench.train import TwoRunsConfig
 from tailrl.engine import EngineConfig
-from tailrl.rl.tasks import DEFAULT_TASK
 from tailrl.spec.modes import RolloutSpecConfig
 from tailrl.workers.pool import WorkerConfig
 from tailrl.workers.spot import SpotConfig
@@ -35,27 +35,11 @@ LAST = 5  # steps averaged for accept_ratio
 
 
 @dataclass(frozen=True)
-class BenchDrafterConfig:
-    model: str | None = field(default=None, metadata={"help": "model directory (default: SmolLM2-135M-Instruct)"})
-    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym spec 'name(key=value)' or a .jsonl file"})
-    reward: str | None = field(default=None, metadata={"help": "user reward 'module:function' (default: the task's)"})
-    steps: int = field(default=20, metadata={"help": "RL steps per run"})
-    drafter: str | None = field(
-        default=None, metadata={"help": "warmed-up drafter directory (default: warm one up first, ~5 min)"}
-    )
-    out: str | None = field(default=None, metadata={"help": "directory for both runs and the PNG (default: runs/bench-drafter-<time>)"})
-    spec: str = field(default="auto", metadata={"help": "speculation mode of both runs", "choices": ("on", "auto")})
-    workers: int = field(default=2, metadata={"help": "rollout workers (spot training needs >= 2)"})
-    num_prompts: int = field(default=8, metadata={"help": "prompts per step"})
-    group_size: int = field(default=8, metadata={"help": "responses per prompt"})
-    max_new_tokens: int = field(default=384, metadata={"help": "longest response"})
-    seed: int = field(default=0, metadata={"help": "run seed of both runs"})
-    exact: bool = field(default=True, metadata={"help": "row-invariant forwards in both runs, so both sample the same "
-                                                        "tokens bit for bit (slower small-batch steps, see tailrl.model)"})
+class BenchDrafterConfig(TwoRunsConfig):
+    """Adaptive vs frozen drafter; both runs speculate as `spec` says."""
 
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.workers < 2:
-            raise ValueError(f"need steps >= 1 and workers >= 2, got {self.steps} and {self.workers}")
+    steps: int = field(default=20, metadata={"help": "RL steps per run"})
+    spec: str = field(default="auto", metadata={"help": "speculation mode of both runs", "choices": ("on", "auto")})
 
 
 def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool, steps: int) -> dict[str, Any]:

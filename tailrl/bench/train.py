@@ -40,7 +40,9 @@ RUNS = ("baseline", "tlt")
 
 
 @dataclass(frozen=True)
-class BenchTrainConfig:
+class TwoRunsConfig:
+    """Two GRPO runs of the same model, task and seeds on the same workers (bench train, bench drafter)."""
+
     model: str | None = field(default=None, metadata={"help": "model directory (default: SmolLM2-135M-Instruct)"})
     task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym spec 'name(key=value)' or a .jsonl file"})
     reward: str | None = field(default=None, metadata={"help": "user reward 'module:function' (default: the task's)"})
@@ -48,18 +50,23 @@ class BenchTrainConfig:
     drafter: str | None = field(
         default=None, metadata={"help": "warmed-up drafter directory (default: warm one up first, ~5 min)"}
     )
-    out: str | None = field(default=None, metadata={"help": "directory for both runs and the PNG (default: runs/bench-train-<time>)"})
-    workers: int = field(default=2, metadata={"help": "rollout workers of both runs (TLT's spot training needs >= 2)"})
+    out: str | None = field(default=None, metadata={"help": "directory for both runs and the PNG (default: runs/bench-<name>-<time>)"})
+    workers: int = field(default=2, metadata={"help": "rollout workers of both runs (spot training needs >= 2)"})
     num_prompts: int = field(default=8, metadata={"help": "prompts per step"})
     group_size: int = field(default=8, metadata={"help": "responses per prompt"})
     max_new_tokens: int = field(default=384, metadata={"help": "longest response"})
     seed: int = field(default=0, metadata={"help": "run seed of both runs"})
-    exact: bool = field(default=True, metadata={"help": "row-invariant forwards in both runs, so their tokens can be "
-                                                        "compared bit for bit (slower small-batch steps, see tailrl.model)"})
+    exact: bool = field(default=True, metadata={"help": "row-invariant forwards in both runs, so both sample the same "
+                                                        "tokens bit for bit (slower small-batch steps, see tailrl.model)"})
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.workers < 2:
             raise ValueError(f"need steps >= 1 and workers >= 2, got {self.steps} and {self.workers}")
+
+
+@dataclass(frozen=True)
+class BenchTrainConfig(TwoRunsConfig):
+    """SD off vs the full TLT configuration."""
 
 
 def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) -> dict[str, Any]:
