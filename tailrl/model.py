@@ -9,19 +9,22 @@ Does not know: sampling, drafting, RL, tokenizers.
 
 Row invariance. Lossless speculative decoding needs a token's logits to come out the same
 whether it is fed alone (a plain step), with its draft (a verify forward) or beside other
-sequences. On CPU fp32, matmuls with fewer than 4 rows take another kernel path (measured on
-this project's AVX2 EPYC, MKL/oneDNN, 1 and 2 threads: rows 1-3 differ from rows >= 4 by ~1e-5,
-rows >= 4 agree bit for bit), and the attention-value matmul groups its sum by the number of
-keys, which is the batch's longest row. A 1e-5 logit difference flips ~1 sampled token per
-1,000 at temperature 1 (the uniform lands between the two CDFs). So every cached-path matmul runs
-on at least MIN_ROWS rows, zero-padded (the linears, `Linear`, and the attention's query rows),
-the attention-value product runs in fixed-size key chunks (`chunked_pv`) and the softmax
-normaliser is summed in fp64 (a tree's accepted path sits at non-consecutive keys). This is
-`exact` mode (`Transformer.set_exact`), off by default because it costs speed: a 1-row matmul
-is a GEMV that streams the weights once, and padded to 4 rows it becomes a GEMM that ran ~2x
-slower here (decode step at batch 1: 60 -> 122 ms; batch 2: 1.3x; batch 8 and 64: 1.1x). Without
-it, speculative decoding is lossless in distribution (every token is an exact sample of the
-target's fp32 logits as one kernel or the other computed them) but not bit-reproducible.
+sequences. CPU matmul kernels do not give that: the kernel, and with it the order of a row's
+sums, is chosen by the number of rows. Measured with torch 2.13 (oneDNN/MKL): on an AVX2 EPYC in
+fp32, rows 1-3 differed from rows >= 4 by ~1e-5; on an AMX Xeon, a row's result changed at 2, 3,
+4, 8, 16, 32, 33 and 256 rows in bf16 and at most counts in fp32. But with the row count fixed,
+a row's result depended neither on its place among the rows nor on the other rows (both CPUs,
+both dtypes). The attention-value matmul also groups its sum by the number of keys, which is
+the batch's longest row. A 1e-5 logit difference flips ~1 sampled token per 1,000 at temperature
+1 in fp32, and a bf16 step ~1 in 100 (the uniform lands between the two CDFs). So in `exact`
+mode every cached-path matmul runs on blocks of exactly `row_block(dtype)` rows, zero-padded
+(`blocked`: the linears, `Linear`, and the attention's query rows), the attention-value product
+runs in fixed-size key chunks (`chunked_pv`) and the softmax normaliser is summed in fp64 (a
+tree's accepted path sits at non-consecutive keys). It is off by default because it costs speed
+(fixed blocks are padded work, and past one block the weights are read once per block); the
+costs measured are in the README ("Lossless; bit for bit with --exact"). Without it,
+speculative decoding is lossless in distribution (every token is an exact sample of the
+target's logits as one kernel or the other computed them) but not bit-reproducible.
 
 Shapes: B batch rows, T new tokens, S key positions, H query heads, K kv heads, G = H / K,
 D head dim, E hidden size, V vocabulary, L layers, C cache slots, M cache capacity (tokens).
@@ -38,18 +41,28 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
-MIN_ROWS = 4  # see "Row invariance" above
 KV_CHUNK = 128  # keys per attention-value matmul, see chunked_pv
+# Rows per matmul call in exact mode (see "Row invariance"): small blocks keep a 1-row decode step
+# cheap, and bf16 (AMX tiles of 16 rows) pays little for 16 (a 576 x 1536 bf16 linear: 1 row
+# 62 us, 16 rows 80 us) where fp32 pays 4x for 16 rows and 1.5x for 4 (measured on an AMX Xeon).
+_ROW_BLOCK = {torch.float32: 4, torch.bfloat16: 16}
 
 
-def pad_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x with zeros appended along dim up to MIN_ROWS (x itself if it has enough)."""
-    n = x.shape[dim]
-    if n >= MIN_ROWS:
-        return x
-    shape = list(x.shape)
-    shape[dim] = MIN_ROWS - n
-    return torch.cat([x, x.new_zeros(shape)], dim)
+def row_block(dtype: torch.dtype) -> int:
+    return _ROW_BLOCK.get(dtype, 16)
+
+
+def blocked(fn, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """fn over x split along dim into blocks of exactly row_block(x.dtype) rows, the last one
+    zero-padded; fn must treat rows along dim independently (a matmul's M dimension)."""
+    n, r = x.shape[dim], row_block(x.dtype)
+    if n % r:
+        shape = list(x.shape)
+        shape[dim] = r - n % r
+        x = torch.cat([x, x.new_zeros(shape)], dim)
+    parts = [fn(x.narrow(dim, i, r)) for i in range(0, x.shape[dim], r)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    return out.narrow(dim, 0, n)
 
 
 def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -58,8 +71,9 @@ def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     A matmul over S keys groups its sum by S (measured: the same nonzero probabilities give
     different bits at S = 286 than at 284), so a row's output would depend on the longest row in
     its batch. Here every chunk is a KV_CHUNK-long matmul (probs zero-padded at the end, values
-    read from the cache: finite, so the padding adds exact zeros) and the chunk results are added
-    in position order: a row's output depends only on its own keys.
+    read from the cache: finite, so the padding adds exact zeros) on blocks of query rows
+    (`blocked`), and the chunk results are added in position order: a row's output depends only
+    on its own keys.
     """
     b, k, n, s = probs.shape
     chunks = -(-s // KV_CHUNK)
@@ -67,9 +81,9 @@ def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     probs = F.pad(probs, (0, chunks * KV_CHUNK - s))
     if chunks * KV_CHUNK > cap:
         values = F.pad(values, (0, 0, 0, chunks * KV_CHUNK - cap))
-    parts = probs.view(b, k, n, chunks, KV_CHUNK).transpose(2, 3) @ values[:, :, : chunks * KV_CHUNK].view(
-        b, k, chunks, KV_CHUNK, -1
-    )  # (B, K, chunks, N, D)
+    v = values[:, :, : chunks * KV_CHUNK].view(b, k, chunks, KV_CHUNK, -1)  # (B, K, chunks, KV_CHUNK, D)
+    p = probs.view(b, k, n, chunks, KV_CHUNK).transpose(2, 3)  # (B, K, chunks, N, KV_CHUNK)
+    parts = blocked(lambda rows: rows @ v, p, 3)  # (B, K, chunks, N, D)
     out = parts[:, :, 0]
     for c in range(1, chunks):
         out = out + parts[:, :, c]
@@ -77,15 +91,14 @@ def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict keys), computed on >= MIN_ROWS rows when exact."""
+    """nn.Linear (same parameters and state-dict keys), computed in fixed row blocks when exact."""
 
     exact = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.exact:
             return super().forward(x)
-        flat = x.reshape(-1, x.shape[-1])
-        out = F.linear(pad_rows(flat, 0), self.weight, self.bias)[: flat.shape[0]]
+        out = blocked(lambda rows: F.linear(rows, self.weight, self.bias), x.reshape(-1, x.shape[-1]), 0)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -281,16 +294,16 @@ class Attention(nn.Module):
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = probs.view(b, self.k, n, -1) @ cv[:, :, : view.kv_len]  # (B, K, G*T, D)
             return out.view(b, self.h, t, d)
-        qg = pad_rows(q.reshape(b, self.k, n, d), 2)  # (B, K, max(G*T, MIN_ROWS), D)
-        scores = (qg @ keys.transpose(-1, -2))[:, :, :n] * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
+        kt = keys.transpose(-1, -2)
+        scores = blocked(lambda rows: rows @ kt, q.reshape(b, self.k, n, d), 2) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
         scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
         # Softmax with the normaliser summed in fp64: a vectorised fp32 sum groups keys by their
         # index, so the same keys at other positions (a tree's accepted path, before compaction)
         # would round differently; fp64 makes the order invisible after rounding back.
         e = torch.exp(scores.float() - scores.amax(-1, keepdim=True).float())
         probs = (e / e.sum(-1, keepdim=True, dtype=torch.float64).float()).to(q.dtype)
-        out = chunked_pv(pad_rows(probs.view(b, self.k, n, -1), 2), cv)  # (B, K, max(G*T, MIN_ROWS), D)
-        return out[:, :, :n].reshape(b, self.h, t, d)
+        out = chunked_pv(probs.view(b, self.k, n, -1), cv)  # (B, K, G*T, D)
+        return out.reshape(b, self.h, t, d)
 
 
 class MLP(nn.Module):

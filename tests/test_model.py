@@ -87,20 +87,22 @@ def test_bad_model_dirs(tmp_path):
         load_model(tmp_path)
 
 
-def test_token_logits_do_not_depend_on_the_forward_shape(smollm2_dir):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_token_logits_do_not_depend_on_the_forward_shape(smollm2_dir, dtype):
     """The row invariance lossless SD relies on (tailrl.model docstring): a token's logits are bit
     for bit the same fed alone, with 4 draft tokens after it, beside rows of other lengths (which
     set the number of keys attended), or at the end of a tree branch whose ancestors sit at
-    non-consecutive cache positions, in exact mode. Without it (MIN_ROWS padding, chunked_pv, the
-    fp64 softmax normaliser) they differ by ~1e-5 on this project's CPUs (fp32, 1-2 threads)."""
-    model = load_model(smollm2_dir, dtype="fp32")
+    non-consecutive cache positions, in exact mode. Without it (fixed row blocks, chunked_pv, the
+    fp64 softmax normaliser) they differ by ~1e-5 in fp32 on this project's CPUs (1-2 threads),
+    and in bf16 (the rollout dtype on CPUs with AVX512-BF16 / AMX) by whole bf16 steps."""
+    model = load_model(smollm2_dir, dtype=dtype)
     model.set_exact(True)
     torch.manual_seed(0)
     tokens = torch.randint(100, 30000, (4, 700))
     prompt_lens = [290, 293, 407, 630]  # row 0 is the one compared; the others span key chunks
 
     def prefilled(rows: int) -> KVCache:
-        cache = KVCache(model.cfg, slots=rows, capacity=704, dtype=torch.float32, device="cpu")
+        cache = KVCache(model.cfg, slots=rows, capacity=704, dtype=model.lm_head.weight.dtype, device="cpu")
         for b in range(rows):
             n = prompt_lens[b]
             pos = torch.arange(n)[None]

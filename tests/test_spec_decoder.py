@@ -270,13 +270,15 @@ def test_smollm2_ngram_sd_equals_plain(smollm2_dir):
     assert_stats_consistent(stats, spec, arm)
 
 
-def test_smollm2_speculation_gives_plain_tokens_exactly(smollm2_dir):
-    """SmolLM2, fp32, exact mode, temperature 1 with top-p: the n-gram drafter as a chain and as a
-    tree emits exactly plain decoding's tokens over 8 x 64 tokens. Before the row-invariant forwards
-    (tailrl.model) a verify rounded differently from a one-token step and ~1 token in 1,000
-    flipped at this temperature, so this run of 512 tokens would catch that with p ~ 0.4 (the
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_smollm2_speculation_gives_plain_tokens_exactly(smollm2_dir, dtype):
+    """SmolLM2, exact mode, temperature 1 with top-p: the n-gram drafter as a chain and as a tree
+    emits exactly plain decoding's tokens over 8 x 64 tokens, in fp32 and in bf16. Before the
+    row-invariant forwards (tailrl.model) a verify rounded differently from a one-token step and
+    ~1 token in 1,000 flipped at this temperature in fp32, so this run of 512 tokens would catch
+    that with p ~ 0.4; in bf16 ~1 in 100 flips (README, "bf16"), caught almost surely (the
     deterministic guard is test_model.py::test_token_logits_do_not_depend_on_the_forward_shape)."""
-    target = load_model(smollm2_dir, dtype="fp32")
+    target = load_model(smollm2_dir, dtype=dtype)
     prompts = [tuple(range(1000 + 50 * i, 1000 + 50 * i + 20 + 7 * i)) for i in range(4)]
     reqs = [Request(prompts[i // 2], seed=7 + i, group=i // 2) for i in range(8)]
     params = SamplingParams(temperature=1.0, top_p=0.95)

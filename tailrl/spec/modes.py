@@ -22,13 +22,16 @@ from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
 SPEC_MODES = ("off", "on", "auto")
 # Shapes the tuner chooses among in auto mode. Chains suit the n-gram drafter (its branches are
-# rarely right); the learned drafter gets chains and a small tree. Verify cost grows with the
-# node count, so on a CPU trees stay small (DESIGN.md section 9), and a 2-token chain is there
-# for high-entropy text: at temperature 1 SmolLM2's long tail accepted ~0.3 drafts per verify
-# (n-gram and warmed drafter alike), where only the cheapest verify can pay. Long n-gram chains
-# pay on repetitive text (accept_len 3.5-4.75 measured).
+# rarely right); the learned drafter gets two chains and a wide, shallow tree. At temperature 1
+# SmolLM2's long tail is high-entropy text: even the target's own top-1 token was the sampled one
+# only 10-40% of the time, its top 8 27-77%, so depth does not pay there but width can, where
+# verification is cheap (bf16 on AMX, batch 1: 16 verify tokens cost 1.11x one). Measured on the
+# default task's longest response alone (exact mode, bf16): drafter(2,8,16) 1.16x plain decoding,
+# (2,4,8) and (3,4,12) 1.07x, chains 0.96-1.01x. The 2-token chains are the cheapest verify for
+# CPUs where it is not free (fp32 / AVX2: 2 tokens 1.0-1.5x one). Long n-gram chains pay on
+# repetitive text (accept_len 3.5-4.75 measured).
 NGRAM_ARMS = (Arm("ngram", 2, 1, 2), Arm("ngram", 4, 1, 4), Arm("ngram", 8, 1, 8))
-DRAFTER_ARMS = (Arm("drafter", 2, 1, 2), Arm("drafter", 4, 1, 4), Arm("drafter", 4, 2, 8))
+DRAFTER_ARMS = (Arm("drafter", 2, 1, 2), Arm("drafter", 4, 1, 4), Arm("drafter", 2, 8, 16))
 
 
 @dataclass(frozen=True)
