@@ -143,6 +143,41 @@ def test_packing_pairs_h_i_and_x_i_plus_1_with_h_i_plus_1_by_hand():
     assert c.loss_mask.tolist() == [[False, False, True]]  # only x_{i+2} = x_4, a response token
 
 
+def test_siblings_share_their_prompt_entries_and_see_what_they_would_alone(target, seqs):
+    """Three responses to one prompt, packed together: the prompt's entries 0..P-3 appear once and
+    every entry's drafter output equals its output with each response packed alone (up to
+    float rounding: other matmul shapes), so the loss over the loss-carrying entries is the same.
+    A row too small for all three starts again with the prompt's entries."""
+    d = _drafter(target)
+    a = seqs[0]
+    p = a.prompt_len
+    g = torch.Generator().manual_seed(5)
+    sibs = [a] + [
+        TrainSeq(torch.cat([a.tokens[:p], torch.randint(2, 96, (n,), generator=g)]),
+                 torch.cat([a.hidden[: p - 1], torch.randn(n, 64, generator=g)]), p)
+        for n in (6, 9)
+    ]
+    (row,) = pack(sibs, 400)
+    alone = [pack([s], 400)[0] for s in sibs]
+    tails = [b.ids.shape[1] - (p - 2) for b in alone]
+    assert row.ids.shape[1] == (p - 2) + sum(tails)
+    with torch.no_grad():
+        out = d(row.hidden, row.ids, row.positions, mask=row.mask)[0]
+        ref = [d(b.hidden, b.ids, b.positions, mask=b.mask)[0] for b in alone]
+    assert torch.allclose(out[: p - 2], ref[0][: p - 2], atol=1e-5)
+    k = p - 2
+    for r, n in zip(ref, tails):
+        assert torch.allclose(out[k : k + n], r[p - 2 :], atol=1e-5)
+        k += n
+    head = target.lm_head.weight.detach()[d.d2t]
+    total, stats = drafter_loss(d, row, head)
+    parts = [drafter_loss(d, b, head)[1] for b in alone]
+    assert stats.entries == sum(s.entries for s in parts)
+    assert total.item() == pytest.approx(sum(s.loss * s.entries for s in parts) / stats.entries, abs=1e-5)
+    small = pack(sibs, (p - 2) + tails[0] + tails[1])
+    assert [b.ids.shape[1] for b in small] == [(p - 2) + tails[0] + tails[1], (p - 2) + tails[2]]
+
+
 def test_loss_is_minimal_for_an_oracle_only_at_the_right_offset(target):
     """Synthetic target whose hidden state at q encodes the token at q: h_q = G[x_q].
 
