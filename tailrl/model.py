@@ -16,7 +16,8 @@ fp32, rows 1-3 differed from rows >= 4 by ~1e-5; on an AMX Xeon, a row's result 
 a row's result depended neither on its place among the rows nor on the other rows (both CPUs,
 both dtypes). The attention-value matmul also groups its sum by the number of keys, which is
 the batch's longest row. A 1e-5 logit difference flips ~1 sampled token per 1,000 at temperature
-1 in fp32, and a bf16 step ~1 in 100 (the uniform lands between the two CDFs). So in `exact`
+1 in fp32 (the uniform lands between the two CDFs); in bf16 a token's logits differed by up to
+~0.4 between kernel paths, and on flat distributions most tokens flipped. So in `exact`
 mode every cached-path matmul runs on blocks of exactly `row_block(dtype)` rows, zero-padded
 (`blocked`: the linears, `Linear`, and the attention's query rows), the attention-value product
 runs in fixed-size key chunks (`chunked_pv`) and the softmax normaliser is summed in fp64 (a
