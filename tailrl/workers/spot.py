@@ -38,10 +38,9 @@ class SpotConfig:
     spot_train: bool = field(
         default=True, metadata={"help": "train the learned drafter on idle workers (needs --workers >= 2 and --drafter)"}
     )
-    # 1e-4, not 3e-4: replaying spot training offline on 64 responses of a step-20 policy (bf16
-    # SmolLM2, held-out accept_len of a 6-chain from 3.88 frozen), 3e-4 gave 4.26-4.70 and was
-    # not monotone in micro-steps, 1e-4 gave 4.26 / 4.70 / 4.70 after 5 / 20 / 60; a run with 3e-4
-    # and per-sequence packing ended below the frozen drafter (accept_ratio 0.92 after 20 steps).
+    # 1e-4, not 3e-4: a 20-step `bench drafter` run with 3e-4 (and one sequence per packed slot)
+    # ended below the frozen drafter (accept_ratio 0.92); replayed offline (README, "Spot
+    # training"), 1e-4 was as good or better after 5, 20 and 60 micro-steps, and steadier.
     drafter_lr: float = field(default=1e-4, metadata={"help": "spot training AdamW learning rate"})
     drafter_batch_tokens: int = field(
         default=512, metadata={"help": "drafter entries per micro-step (bounds the preemption latency)"}
