@@ -2,7 +2,8 @@
 
 Sequences occupy cache slots 0..B-1 (a finished sequence's slot is refilled by moving the last
 running sequence into it), so every forward reads a view of the cache, never a gather. Prompts
-shared by several samples (GRPO groups) are prefilled once and their KV copied to each sibling.
+shared by several samples (GRPO groups) are prefilled once and their KV copied to each sibling,
+and the distinct prompts admitted together are prefilled in one right-padded forward.
 A step is either plain (one token per sequence) or speculative (a draft tree per sequence,
 verified in one forward); `decoder` chooses per step. Token choice is position-keyed
 (tailrl.sampling), so a sequence's output does not depend on the batch it ran in or on how its
@@ -26,6 +27,11 @@ import torch
 
 from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer
 from tailrl.sampling import SamplingParams, sample
+
+
+# Padded tokens per batched prefill forward: bounds its attention scores (heads x tokens x prompt
+# length x 4 bytes: ~75 MB for SmolLM2 at 512-token prompts) while batching short prompts.
+PREFILL_TOKENS = 4096
 
 
 @dataclass
@@ -241,27 +247,52 @@ class Engine:
         return results  # type: ignore[return-value]
 
     def _admit(self, waiting: deque, running: list[Seq]) -> None:
-        """Prefill waiting requests into free slots; one prefill per distinct prompt."""
+        """Prefill waiting requests into free slots: one prefill per distinct prompt, the distinct
+        prompts of a wave batched into one forward (up to PREFILL_TOKENS padded tokens)."""
         t0 = time.perf_counter()
-        while waiting and len(running) < self.cache.slots:
-            idx, req = waiting.popleft()
-            slot = len(running)
-            prompt = torch.tensor([req.prompt_ids], device=self.device)
-            p = prompt.shape[1]
-            pos = torch.arange(p, device=self.device)[None]
-            mask = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None]
-            h = self.model.hidden(prompt, pos, CacheView(self.cache, slot, pos, p, mask))  # (1, P, E)
-            # Only the last position's logits are needed: the LM head over every prompt token
-            # would cost P x the head (49k rows for SmolLM2), about a third of a prefill.
-            logits = self.model.lm_head(h[:, -1:])  # (1, 1, V)
-            seqs = [self._start(idx, req, logits[:, -1], h[0])]
-            # Siblings with the same prompt reuse this prefill: copy the KV, sample their own first token.
-            while waiting and len(running) + len(seqs) < self.cache.slots and waiting[0][1].prompt_ids == req.prompt_ids:
-                j, sib = waiting.popleft()
-                self.cache.copy_slot(slot, slot + len(seqs), p)
-                seqs.append(self._start(j, sib, logits[:, -1], h[0]))
-            running.extend(seqs)
+        free = self.cache.slots - len(running)
+        groups: list[list[tuple[int, Request]]] = []  # adjacent requests with one prompt
+        while waiting and free > 0:
+            members = [waiting.popleft()]
+            while waiting and len(members) < free and waiting[0][1].prompt_ids == members[0][1].prompt_ids:
+                members.append(waiting.popleft())
+            free -= len(members)
+            groups.append(members)
+        while groups:
+            batch = [groups.pop(0)]
+            longest = len(batch[0][0][1].prompt_ids)
+            while groups and (len(batch) + 1) * max(longest, len(groups[0][0][1].prompt_ids)) <= PREFILL_TOKENS:
+                longest = max(longest, len(groups[0][0][1].prompt_ids))
+                batch.append(groups.pop(0))
+            self._prefill(batch, running)
         self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def _prefill(self, groups: list[list[tuple[int, Request]]], running: list[Seq]) -> None:
+        """One forward over the groups' prompts (right-padded), each into the slot of its first
+        member (slots len(running) ..), then the siblings' slots get a copy of its KV."""
+        first, n = len(running), len(groups)
+        lens = [len(g[0][1].prompt_ids) for g in groups]
+        p = max(lens)
+        ids = torch.zeros(n, p, dtype=torch.long)
+        for i, g in enumerate(groups):
+            ids[i, : lens[i]] = torch.tensor(g[0][1].prompt_ids)
+        pos = torch.arange(p, device=self.device)[None].expand(n, p)  # (n, P)
+        valid = pos < torch.tensor(lens, device=self.device)[:, None]  # (n, P)
+        # Causal over each row's own prompt; padding writes KV past the prompt, which stays masked
+        # (keys past a sequence's length) until decoding overwrites it.
+        mask = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None] & valid[:, None]  # (n, P, P)
+        h = self.model.hidden(ids.to(self.device), pos, CacheView(self.cache, first, pos, p, mask))  # (n, P, E)
+        # Only the last prompt position's logits are needed: the LM head over every prompt token
+        # would cost P x the head (49k rows for SmolLM2), about a third of a prefill.
+        last = h[torch.arange(n, device=self.device), torch.tensor(lens, device=self.device) - 1]  # (n, E)
+        logits = self.model.lm_head(last)  # (n, V)
+        heads = [self._start(idx, req, logits[i : i + 1], h[i, : lens[i]]) for i, ((idx, req), *_) in enumerate(groups)]
+        running.extend(heads)
+        # Siblings reuse their prompt's prefill: copy the KV, sample their own first token.
+        for i, g in enumerate(groups):
+            for j, sib in g[1:]:
+                self.cache.copy_slot(first + i, len(running), lens[i])
+                running.append(self._start(j, sib, logits[i : i + 1], h[i, : lens[i]]))
 
     def _start(self, idx: int, req: Request, logits: torch.Tensor, h_prompt: torch.Tensor) -> Seq:
         """A running sequence from its prompt's last logits (1, V) and hidden states (P, E)."""

@@ -19,8 +19,8 @@ the batch's longest row. A 1e-5 logit difference flips ~1 sampled token per 1,00
 1 in fp32 (the uniform lands between the two CDFs); in bf16 a token's logits differed by up to
 ~0.4 between kernel paths, and on flat distributions most tokens flipped. So in `exact`
 mode every cached-path matmul runs on blocks of exactly `row_block(dtype)` rows, zero-padded
-(`blocked`: the linears, `Linear`, and the attention's query rows), the attention-value product
-runs in fixed-size key chunks (`chunked_pv`) and the softmax normaliser is summed in fp64 (a
+(`blocked`: the linears, `Linear`, and the attention's query rows), the attention products run
+in fixed-size key chunks (`chunked_qk`, `chunked_pv`) and the softmax normaliser is summed in fp64 (a
 tree's accepted path sits at non-consecutive keys). It is off by default because it costs speed
 (fixed blocks are padded work, and past one block the weights are read once per block); the
 costs measured are in the README ("Lossless; bit for bit with --exact"). Without it,
@@ -64,6 +64,18 @@ def blocked(fn, x: torch.Tensor, dim: int) -> torch.Tensor:
     parts = [fn(x.narrow(dim, i, r)) for i in range(0, x.shape[dim], r)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
     return out.narrow(dim, 0, n)
+
+
+def chunked_qk(q: torch.Tensor, keys: torch.Tensor, s: int) -> torch.Tensor:
+    """q @ keys[..., :s, :]^T in KV_CHUNK-key pieces.  # (B, K, N, D), (B, K, M, D) -> (B, K, N, S)
+
+    The matmul kernel (and a score's rounding) also depends on the number of keys, which is the
+    batch's longest row (measured: one prompt's prefill scores moved by ~4e-7 when it was padded
+    to a longer prompt's length); every piece here has exactly KV_CHUNK keys (read from the cache,
+    whose capacity is whole chunks) on blocks of query rows (`blocked`).
+    """
+    out = [blocked(lambda rows: rows @ keys[:, :, c : c + KV_CHUNK].transpose(-1, -2), q, 2) for c in range(0, s, KV_CHUNK)]
+    return torch.cat(out, -1)[..., :s]
 
 
 def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -295,8 +307,7 @@ class Attention(nn.Module):
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = probs.view(b, self.k, n, -1) @ cv[:, :, : view.kv_len]  # (B, K, G*T, D)
             return out.view(b, self.h, t, d)
-        kt = keys.transpose(-1, -2)
-        scores = blocked(lambda rows: rows @ kt, q.reshape(b, self.k, n, d), 2) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
+        scores = chunked_qk(q.reshape(b, self.k, n, d), ck, view.kv_len) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
         scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
         # Softmax with the normaliser summed in fp64: a vectorised fp32 sum groups keys by their
         # index, so the same keys at other positions (a tree's accepted path, before compaction)

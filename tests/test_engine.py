@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tailrl import cli
+from tailrl import engine as engine_mod
 from tailrl.engine import Engine, EngineConfig, Request
 from tailrl.loading import load_model
 from tailrl.model import KV_CHUNK, KVCache
@@ -42,6 +43,26 @@ def test_alone_equals_batch_of_64(tiny, params):
         np.testing.assert_allclose(alone.logprobs, batched[k].logprobs, atol=1e-4)
     assert all(a.token_ids == b.token_ids for a, b in zip(batched, queued))
     assert {c.finish_reason for c in batched} <= {"eos", "length"}
+
+
+def test_batched_prefill_equals_one_prompt_per_forward(tiny, monkeypatch):
+    """Distinct prompts of 3-7 tokens prefilled in one right-padded forward give, in exact mode,
+    the same bits as one forward per prompt: tokens, logprobs, and the prompt and token hidden
+    states a drafter trains on (padding stays masked; each prompt's KV lands in its own slot and
+    is copied to its siblings)."""
+    reqs = _requests(24, group_size=3)
+    params = SamplingParams(temperature=1.0)
+
+    def run():
+        engine = Engine(tiny, EngineConfig(max_batch=24, capture_hidden=True, exact=True))
+        return engine.generate(reqs, params, 12)
+
+    batched = run()
+    monkeypatch.setattr(engine_mod, "PREFILL_TOKENS", 1)  # every prompt alone
+    alone = run()
+    for a, b in zip(batched, alone):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        assert torch.equal(a.hidden, b.hidden) and torch.equal(a.prompt_hidden, b.prompt_hidden)
 
 
 def test_greedy_equals_full_forward_argmax(tiny):
