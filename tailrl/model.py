@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
-KV_CHUNK = 128  # keys per attention-value matmul, see chunked_pv
+KV_CHUNK = 128  # keys per attention matmul in exact mode, see chunked_qk and chunked_pv
 # Rows per matmul call in exact mode (see "Row invariance"): small blocks keep a 1-row decode step
 # cheap, and bf16 (AMX tiles of 16 rows) pays little for 16 (a 576 x 1536 bf16 linear: 1 row
 # 62 us, 16 rows 80 us) where fp32 pays 4x for 16 rows and 1.5x for 4 (measured on an AMX Xeon).
