@@ -52,7 +52,8 @@ class WarmupConfig:
     """Offline drafter warm-up: data, budget and optimiser."""
 
     model: str | None = field(default=None, metadata={"help": "target model directory (default: SmolLM2-135M-Instruct)"})
-    dtype: str = field(default="fp32", metadata={"help": "target weights while sampling", "choices": ["fp32", "bf16"]})
+    dtype: str = field(default="auto", metadata={"help": "target weights while sampling (auto: the rollouts' dtype, "
+                                                 "bf16 where it is fast)", "choices": ["auto", "fp32", "bf16"]})
     prompts: str | None = field(default=None, metadata={"help": "JSONL prompts file (default: the task's prompts)"})
     task: str = field(default=DEFAULT_TASK, metadata={"help": "task whose prompts are sampled when no prompts file is given"})
     num_prompts: int = field(default=48, metadata={"help": "prompts sampled (held-out ones included)"})
