@@ -29,6 +29,7 @@ from tailrl.rl.train import (
     Sample,
     TrainConfig,
     accumulate_gradients,
+    deterministic,
     packed_logprobs,
     policy_weights,
     sigint_deferred,
@@ -412,3 +413,29 @@ def test_sigint_is_held_until_the_block_ends():
             done.append("rest of the block")
     assert done == ["rest of the block"]
 
+
+
+def test_update_gradients_are_the_same_bits_call_after_call(smollm2_dir):
+    """Two threads, SmolLM2 fp32, the same samples: inside `deterministic` the backward pass gives
+    the same gradient bits every call, with the allocator in another state each time. Without it
+    they differed on every call on an AMX Xeon (~1e-8), and two runs of identical tokens drifted
+    apart (tailrl.rl.train.deterministic)."""
+    import random
+
+    policy = load_model(smollm2_dir, dtype="fp32").requires_grad_(True)
+    rng = random.Random(0)
+    prompt = tuple(rng.randrange(100, 20000) for _ in range(150))
+    samples = [Sample(prompt, [rng.randrange(100, 20000) for _ in range(30)], rng.uniform(-1, 1)) for _ in range(4)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = []
+        for rep in range(2):
+            policy.zero_grad(set_to_none=True)
+            _ = [torch.empty(rng.randrange(1, 5000)) for _ in range(50)]  # another allocator state
+            with deterministic(torch.device("cpu")):
+                accumulate_gradients(policy, samples, GRPOConfig(), 1.0)
+            grads.append([p.grad.clone() for p in policy.parameters()])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
