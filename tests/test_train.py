@@ -22,6 +22,7 @@ from tailrl.config import ConfigError, read_toml, resolve
 from tailrl.engine import EngineConfig
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig
+from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir, RunDirError, TrainState
 from tailrl.rl.train import (
@@ -29,10 +30,8 @@ from tailrl.rl.train import (
     Sample,
     TrainConfig,
     accumulate_gradients,
-    deterministic,
     packed_logprobs,
     policy_weights,
-    sigint_deferred,
     train,
 )
 from tailrl.spec.modes import SpecConfig
@@ -419,7 +418,7 @@ def test_update_gradients_are_the_same_bits_call_after_call(smollm2_dir):
     """Two threads, SmolLM2 fp32, the same samples: inside `deterministic` the backward pass gives
     the same gradient bits every call, with the allocator in another state each time. Without it
     they differed on every call on an AMX Xeon (~1e-8), and two runs of identical tokens drifted
-    apart (tailrl.rl.train.deterministic)."""
+    apart (tailrl.rl.guards.deterministic)."""
     import random
 
     policy = load_model(smollm2_dir, dtype="fp32").requires_grad_(True)

@@ -39,14 +39,11 @@ tokens in it, E hidden size, V vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -55,6 +52,7 @@ from tailrl.engine import EngineConfig, Request
 from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig, group_advantages, policy_loss, sequence_logprobs
+from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
 from tailrl.rl.rewards import from_reward_fn, load_reward, safe_rewards, task_reward
@@ -263,40 +261,6 @@ def encode_prompt(tokenizer: Any, question: str) -> tuple[int, ...]:
         raise ValueError("the model's tokenizer has no chat template; tailrl prompts are chat messages")
     text = tokenizer.apply_chat_template(format_prompt(question), add_generation_prompt=True, tokenize=False)
     return tuple(tokenizer.encode(text, add_special_tokens=False))
-
-
-@contextlib.contextmanager
-def deterministic(device: torch.device) -> Iterator[None]:
-    """Deterministic kernels for the update on CPU: with 2 threads the backward pass gave other
-    bits on every call (measured on an AMX Xeon, SmolLM2 fp32: weight gradients ~1e-8 apart with
-    the same inputs), so two runs that sampled the same tokens drifted apart from the first
-    update on (their step-7 rollouts differed). With the flag the gradients were the same bits
-    call after call, at no measurable cost (8.2-8.3 s either way for 32 responses). Not on CUDA,
-    where it also needs CUBLAS_WORKSPACE_CONFIG set by the user."""
-    if device.type != "cpu" or torch.are_deterministic_algorithms_enabled():
-        yield
-        return
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
-
-
-@contextlib.contextmanager
-def sigint_deferred() -> Iterator[None]:
-    """Hold Ctrl-C until the block ends, so an interrupt never leaves a half-applied update."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
 
 
 def rollout_requests(task: Task, tokenizer: Any, tc: TrainConfig, step: int, data_cursor: int,
