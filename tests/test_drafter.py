@@ -176,6 +176,10 @@ def test_siblings_share_their_prompt_entries_and_see_what_they_would_alone(targe
     assert total.item() == pytest.approx(sum(s.loss * s.entries for s in parts) / stats.entries, abs=1e-5)
     small = pack(sibs, (p - 2) + tails[0] + tails[1])
     assert [b.ids.shape[1] for b in small] == [(p - 2) + tails[0] + tails[1], (p - 2) + tails[2]]
+    # The same prompt sampled by another policy (other prompt hidden states) is not a sibling.
+    other = TrainSeq(sibs[1].tokens, torch.cat([a.hidden[: p - 1] + 0.5, sibs[1].hidden[p - 1 :]]), p)
+    (row,) = pack([a, other], 400)
+    assert row.ids.shape[1] == alone[0].ids.shape[1] + alone[1].ids.shape[1]
 
 
 def test_loss_is_minimal_for_an_oracle_only_at_the_right_offset(target):

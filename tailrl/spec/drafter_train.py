@@ -112,13 +112,23 @@ def pack(seqs: list[TrainSeq], max_tokens: int) -> list[Packed]:
 
 
 def _siblings(seqs: list[TrainSeq]) -> list[list[TrainSeq]]:
-    """Sequences with >= 1 entry, grouped by prompt (from position 0, P >= 3) in first-seen order."""
+    """Sequences with >= 1 entry, grouped by prompt (from position 0, P >= 3) in first-seen order.
+
+    The prompt's hidden states must match too: the buffer can hold the same problem from two
+    steps (a JSONL task repeats its problems), sampled by two policies, and a sibling must not
+    attend to another policy's prompt states.
+    """
     groups: dict[Any, list[TrainSeq]] = {}
     for s in seqs:
         if s.tokens.shape[0] < 3:
             continue  # no entry has a target
-        shareable = s.offset == 0 and s.prompt_len >= 3 and s.tokens.shape[0] > s.prompt_len
-        key = tuple(s.tokens[: s.prompt_len].tolist()) if shareable else id(s)
+        key: Any = id(s)
+        if s.offset == 0 and s.prompt_len >= 3 and s.tokens.shape[0] > s.prompt_len:
+            prompt = tuple(s.tokens[: s.prompt_len].tolist())
+            head = groups.get(prompt)
+            ctx = s.prompt_len - 2
+            if head is None or torch.equal(head[0].hidden[:ctx], s.hidden[:ctx]):
+                key = prompt
         groups.setdefault(key, []).append(s)
     return list(groups.values())
 
