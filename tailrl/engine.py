@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import torch
 
 from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer
-from tailrl.sampling import SamplingParams, sample
+from tailrl.sampling import SamplingParams, is_top1, sample
 
 
 # Padded tokens per batched prefill forward: bounds its attention scores (heads x tokens x prompt
@@ -69,6 +69,9 @@ class Completion:
     # (P-1, E) the prompt's hidden states but the last (which is hidden[0]), when captured; siblings
     # share one tensor.
     prompt_hidden: torch.Tensor | None = None
+    # Per token: was it the target's most likely one (sampling.is_top1)? What a chain drafter
+    # proposing the target's own argmax would have had accepted (spec.report.chain_ceiling).
+    top1: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -135,6 +138,7 @@ class Seq:
     pending: int  # last emitted token, not yet fed (at position `length`)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top1: list[bool] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)  # (k, E) chunks, one row per emitted token
     # (P, E) target hidden states of the prompt, kept when hidden states are needed, so a drafter
     # switched on mid-rollout can catch up without re-running the prompt.
@@ -298,22 +302,26 @@ class Engine:
         """A running sequence from its prompt's last logits (1, V) and hidden states (P, E)."""
         p = len(req.prompt_ids)
         tok, lp = sample(logits, self.params, [req.seed], [p])
+        top = is_top1(logits, tok)
         seq = Seq(idx, req, length=p, pending=int(tok[0]))
         keep = self._keep_hidden
         if keep:
             seq.prompt_hidden = h_prompt[:-1]
-        self._emit(seq, [seq.pending], [float(lp[0])], h_prompt[-1:] if keep else None)
+        self._emit(seq, [seq.pending], [float(lp[0])], [bool(top[0])], h_prompt[-1:] if keep else None)
         return seq
 
     @property
     def _keep_hidden(self) -> bool:
         return self.cfg.capture_hidden or getattr(self.decoder, "needs_hidden", False)
 
-    def _emit(self, seq: Seq, tokens: list[int], logprobs: list[float], hidden: torch.Tensor | None) -> None:
+    def _emit(
+        self, seq: Seq, tokens: list[int], logprobs: list[float], top1: list[bool], hidden: torch.Tensor | None
+    ) -> None:
         """Append emitted tokens, cutting at EOS / stop / the length limit.  hidden: (k, E)"""
-        for k, (t, lp) in enumerate(zip(tokens, logprobs)):
+        for k, (t, lp, top) in enumerate(zip(tokens, logprobs, top1)):
             seq.tokens.append(t)
             seq.logprobs.append(lp)
+            seq.top1.append(top)
             if hidden is not None:
                 seq.hidden.append(hidden[k : k + 1])
             self.stats.tokens += 1
@@ -338,7 +346,7 @@ class Engine:
             prompt_hidden = seq.prompt_hidden.float().cpu() if seq.prompt_hidden is not None else None
             results[seq.req_index] = Completion(
                 seq.req.prompt_ids, seq.tokens, seq.logprobs, seq.finish, seq.req.seed, seq.req.group, hidden,
-                prompt_hidden,
+                prompt_hidden, seq.top1,
             )
             last = running.pop()
             if last is not seq:
@@ -364,11 +372,12 @@ class Engine:
             ids, lens[:, None], CacheView(self.cache, 0, lens[:, None], kv_len, mask), return_hidden=True
         )
         toks, lps = sample(logits[:, 0], self.params, [s.req.seed for s in running], (lens + 1).tolist())
+        top = is_top1(logits[:, 0], toks).tolist()
         keep = self._keep_hidden
         for i, s in enumerate(running):
             s.length += 1
             s.pending = int(toks[i])
-            self._emit(s, [s.pending], [float(lps[i])], h[i] if keep else None)
+            self._emit(s, [s.pending], [float(lps[i])], [top[i]], h[i] if keep else None)
 
 
 class PlainDecoder:

@@ -127,6 +127,15 @@ def sample(
     return tokens, token_logprobs(logits, tokens, params)
 
 
+def is_top1(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Whether each token is its row's most likely one.  # (B, V), (B,) -> (B,) bool
+
+    On the raw logits: temperature, top-k and top-p keep the argmax. A chain drafter that
+    proposed the target's own argmax would have had exactly these tokens accepted.
+    """
+    return logits.argmax(-1) == tokens.reshape(-1)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature).  # (B, V), (B,) -> (B,)"""
     x = logits.float()

@@ -5,7 +5,7 @@ drafter`: adaptive and frozen drafter, interleaved, same tokens, accept_len per 
 
 import json
 
-from tailrl.bench.suite import _train
+from tailrl.bench.suite import _drafter, _train
 from tailrl.bench.train import compare
 from tailrl.cli import main
 from tailrl.loading import load_model
@@ -72,4 +72,8 @@ def test_bench_drafter_compares_adaptive_and_frozen_drafters_step_by_step(char_m
     adaptive = [json.loads(line) for line in (out / "adaptive" / "metrics.jsonl").read_text().splitlines()]
     static = [json.loads(line) for line in (out / "static" / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens_sha256"] for r in adaptive] == [r["tokens_sha256"] for r in static]
+    # Same tokens from the same target logits: the same ceiling, whichever drafter drafted.
+    assert report["accept_len_ceiling"] == [r["accept_len_ceiling"] for r in static]
+    assert all(x >= 1.0 for x in report["accept_len_ceiling"])
+    assert sum(line.startswith("| ceiling") for line in _drafter(report)) == 1  # the README's rendering
     assert all(r["drafter_version"] == 0 for r in static)

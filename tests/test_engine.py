@@ -133,6 +133,19 @@ def test_hidden_capture_matches_full_forward(tiny):
         torch.testing.assert_close(c.hidden, h[0, p - 1 : p - 1 + len(c.token_ids)], atol=1e-5, rtol=1e-5)
 
 
+def test_top1_flags_are_the_full_forward_argmax(tiny):
+    """Completion.top1[i]: token i is the argmax of a no-cache forward's logits at its position."""
+    reqs = _requests(8, group_size=2)
+    flags = []
+    for c in Engine(tiny, EngineConfig(max_batch=4)).generate(reqs, SamplingParams(temperature=1.0), 12):
+        ids = list(c.prompt_ids) + c.token_ids
+        logits = tiny(torch.tensor([ids]), torch.arange(len(ids))[None])[0]
+        p = len(c.prompt_ids)
+        assert c.top1 == (logits[p - 1 : -1].argmax(-1) == torch.tensor(c.token_ids)).tolist()
+        flags += c.top1
+    assert any(flags) and not all(flags)  # sampled at temperature 1: both kinds occur
+
+
 def test_kv_budget(tiny):
     # 8 prompt + 16 new + 1 tokens, allocated in whole KV_CHUNKs of positions.
     per_seq = KVCache.bytes_per_token(tiny.cfg, torch.float32) * KV_CHUNK

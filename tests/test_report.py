@@ -1,7 +1,9 @@
-"""rollout_report against hand-computed summaries of a made-up step timeline."""
+"""rollout_report and chain_ceiling against hand-computed summaries of made-up steps and flags."""
 
 from tailrl.engine import EngineStats, SpecStats, StepRecord
-from tailrl.spec.report import rollout_report
+import pytest
+
+from tailrl.spec.report import chain_ceiling, rollout_report
 
 EDGES = (1, 2, 4, 8, 16, 32)
 
@@ -40,3 +42,18 @@ def test_report_by_bucket_and_arm():
 def test_report_of_an_empty_call():
     r = rollout_report(EngineStats(), EDGES)
     assert r["sd_fraction"] == 0.0 and r["by_bucket"] == {} and r["batch_timeline"] == []
+
+
+def test_chain_ceiling_replays_verifies_by_hand():
+    T, F = True, False
+    # Token 0 comes from prefill. Depth 2 from token 1: [T, T] accepted + bonus token 3 (3
+    # tokens); from 4: [F] 0 accepted, emit token 4 (1); from 5: [T, F] 1 + bonus (2, tokens 5-6);
+    # from 7: [T] then the end: 1 token left, emitted alone (1). 7 tokens over 4 verifies.
+    assert chain_ceiling([[F, T, T, F, F, T, F, T]], depth=2) == 7 / 4
+    # Depth 1 on the same flags: 1-2 (2), 3 (1), 4 (1), 5-6 (2), 7 (1): 7 tokens, 5 verifies.
+    assert chain_ceiling([[F, T, T, F, F, T, F, T]], depth=1) == 7 / 5
+    # Responses pool their verifies; a one-token response has none.
+    assert chain_ceiling([[T, T, T], [F]], depth=4) == 2 / 1
+    assert chain_ceiling([[T]], depth=3) is None
+    with pytest.raises(ValueError):
+        chain_ceiling([[T, T]], depth=0)

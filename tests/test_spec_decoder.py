@@ -121,6 +121,7 @@ def assert_same(plain, spec, hidden=False):
         assert s.token_ids == p.token_ids
         assert s.finish_reason == p.finish_reason
         assert max(abs(a - b) for a, b in zip(s.logprobs, p.logprobs)) <= ATOL
+        assert s.top1 == p.top1  # scored at the same positions by the verify forward
         if hidden:
             assert s.hidden.shape == p.hidden.shape == (len(p.token_ids), 64)
             assert (s.hidden - p.hidden).abs().max().item() <= ATOL

@@ -5,13 +5,15 @@ Two GRPO runs from the same start and seeds, on the same workers, speculating wi
 drafter; in one, idle workers train it (spot training) and each step drafts with the newest
 version; in the other it never changes. Speculative decoding is lossless, so both runs sample
 the same tokens and train the same policy (bit for bit in exact mode, the default here): they
-differ only in how well the drafter keeps up with the policy, which is what accept_len (tokens per verify of the
-learned drafter's arms, bonus included) shows per step.
+differ only in how well the drafter keeps up with the policy, which is what accept_len (tokens
+per verify of the learned drafter's arms, bonus included) shows per step.
 
 Reported: accept_len per step of both runs, accept_ratio (adaptive over static, mean of the
-last 5 steps), overhead (mean step time with spot training over without; this includes the
-adaptive drafter's own speed-up, so also reported: preempt_share, the rollout's wait for the
-trainer as a share of step time), and a PNG.
+last 5 steps), the ceiling per step (accept_len_ceiling: the target itself as a chain drafter of
+the `--spec on` depth, on the same responses; ceiling_ratio is about the most accept_ratio could
+be), overhead (mean step time with spot training over without; this includes the adaptive
+drafter's own speed-up, so also reported: preempt_share, the rollout's wait for the trainer as a
+share of step time), and a PNG.
 
 Knows: how to configure two training runs and read their metrics. Does not know: how either runs.
 """
@@ -75,11 +77,14 @@ def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str
     a, s = records["adaptive"], records["static"]
     acc_a = [r["drafter_accept_len"] for r in a]
     acc_s = [r["drafter_accept_len"] for r in s]
+    ceiling = [r["accept_len_ceiling"] for r in a]
     step_a, step_s = _mean([r["step_s"] for r in a]), _mean([r["step_s"] for r in s])
     result = {
         "accept_len_adaptive": acc_a,
         "accept_len_static": acc_s,
+        "accept_len_ceiling": ceiling,
         "accept_ratio": _mean(acc_a[-LAST:]) / _mean(acc_s[-LAST:]),
+        "ceiling_ratio": _mean(ceiling[-LAST:]) / _mean(acc_s[-LAST:]),
         "overhead": step_a / step_s,
         "preempt_share": sum(r["preempt_latency_s"] for r in a) / sum(r["step_s"] for r in a),
         "step_s_adaptive": step_a,
@@ -88,12 +93,12 @@ def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str
         "idle_seconds_harvested": [r["idle_seconds_harvested"] for r in a],
         "idle_seconds_left": [r["idle_seconds_left"] for r in a],
         "config": dataclasses.asdict(cfg) | {"drafter": drafter},
-        "png": str(plot(acc_a, acc_s, out / "accept_len.png")),
+        "png": str(plot(acc_a, acc_s, ceiling, out / "accept_len.png")),
     }
     return result
 
 
-def plot(adaptive: list[float | None], static: list[float | None], path: Path) -> Path:
+def plot(adaptive: list[float | None], static: list[float | None], ceiling: list[float | None], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,6 +109,7 @@ def plot(adaptive: list[float | None], static: list[float | None], path: Path) -
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(steps, nan(adaptive), "o-", label="adaptive (spot-trained)")
     ax.plot(steps, nan(static), "s--", label="static (frozen warm-up)")
+    ax.plot(steps, nan(ceiling), ":", color="gray", label="ceiling (the target's own chain)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("accept_len (tokens per verify)")
     ax.set_title("learned drafter as the policy trains")

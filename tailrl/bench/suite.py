@@ -231,12 +231,14 @@ def _train(r: dict[str, Any]) -> list[str]:
 def _drafter(r: dict[str, Any]) -> list[str]:
     steps = range(1, len(r["accept_len_adaptive"]) + 1)
     row = lambda xs: " | ".join(_f(x) for x in xs)  # noqa: E731
-    return [f"accept_ratio (adaptive over frozen, mean of the last 5 steps) **{r['accept_ratio']:.2f}x**; "
+    return [f"accept_ratio (adaptive over frozen, mean of the last 5 steps) **{r['accept_ratio']:.2f}x** "
+            f"(the ceiling over frozen: {r['ceiling_ratio']:.2f}x); "
             f"overhead (step time with spot training over without) {r['overhead']:.3f}; the rollout's wait for "
             f"the trainer {r['preempt_share']:.2%} of step time.", "",
             "| step | " + " | ".join(map(str, steps)) + " |", "|---|" + "---|" * len(steps),
             f"| adaptive accept_len | {row(r['accept_len_adaptive'])} |",
             f"| frozen accept_len | {row(r['accept_len_static'])} |",
+            f"| ceiling (target's own chain) | {row(r['accept_len_ceiling'])} |",
             "| spot micro-steps | " + " | ".join(map(str, r["drafter_micro_steps"])) + " |",
             f"| idle s harvested | {row(r['idle_seconds_harvested'])} |"]
 

@@ -60,7 +60,7 @@ from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, 
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, extract_answer, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
 from tailrl.spec.modes import RolloutSpecConfig
-from tailrl.spec.report import rollout_report
+from tailrl.spec.report import chain_ceiling, rollout_report
 from tailrl.tuner import TunerConfig
 from tailrl.workers.pool import WorkerConfig, WorkerPool, start_pool
 from tailrl.workers.runtimes import WorkerError
@@ -296,8 +296,9 @@ def tokens_digest(completions: Sequence[Any]) -> str:
 
 def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str], rewards: Any,
                  skipped: int, stats: UpdateStats, grad_norm: float, times: dict[str, float],
-                 pool: WorkerPool, lr: float, bucket_edges: Sequence[int]) -> dict[str, Any]:
-    """The metrics record of one step (one line of metrics.jsonl)."""
+                 pool: WorkerPool, lr: float, bucket_edges: Sequence[int], depth: int) -> dict[str, Any]:
+    """The metrics record of one step (one line of metrics.jsonl); `depth`: the chain depth of
+    accept_len_ceiling (the --spec on draft depth)."""
     lens = np.array([len(c.token_ids) for c in completions])
     r = np.array(rewards.rewards)
     return {
@@ -320,6 +321,7 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
         "decode_steps": pool.stats.steps,
         "spec_verify_steps": pool.stats.spec.verify_steps,
         "spec_accept_len": pool.stats.spec.accept_len,
+        "accept_len_ceiling": chain_ceiling([c.top1 for c in completions], depth),
         **rollout_report(pool.stats, bucket_edges),
         **times,
         "loss": stats.loss,
@@ -453,7 +455,8 @@ def train(
                     "step_s": t_train - t_start,
                 }
                 metrics = step_metrics(step, tc, completions, texts, rewards, informative.count(False),
-                                       stats, grad_norm, times, pool, gc.lr, configs["tuner"].bucket_edges)
+                                       stats, grad_norm, times, pool, gc.lr, configs["tuner"].bucket_edges,
+                                       configs["spec"].num_steps)
                 run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     save()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tailrl.sampling import SamplingParams, inverse_cdf, process_logits, token_logprobs, uniforms
+from tailrl.sampling import SamplingParams, inverse_cdf, is_top1, process_logits, token_logprobs, uniforms
 from tailrl.spec.tree import DraftTree
 
 
@@ -29,6 +29,7 @@ class AcceptResult:
 
     tokens: list[list[int]]
     logprobs: list[list[float]]  # sampling.token_logprobs of each emitted token
+    top1: list[list[bool]]  # sampling.is_top1 of each emitted token
     path: list[list[int]]  # verify indices of the accepted draft nodes (root excluded), root to leaf
     accept_len: list[int]  # len(tokens[b]): accepted drafts + 1
 
@@ -76,8 +77,8 @@ def accept_walk(
                 at[i] = c
                 still.append(i)
         rows, depth = still, depth + 1
-    logprobs = _logprobs(logits, tokens, picked_at, params)
-    return AcceptResult(tokens, logprobs, path, [len(t) for t in tokens])
+    logprobs, top1 = _scores(logits, tokens, picked_at, params)
+    return AcceptResult(tokens, logprobs, top1, path, [len(t) for t in tokens])
 
 
 def _first_true(match: Tensor) -> Tensor:
@@ -87,17 +88,19 @@ def _first_true(match: Tensor) -> Tensor:
     return torch.where(match.any(1), match.int().argmax(1) + 1, 0)
 
 
-def _logprobs(
+def _scores(
     logits: Tensor, tokens: list[list[int]], picked_at: list[list[int]], params: SamplingParams
-) -> list[list[float]]:
-    """token_logprobs of every emitted token, in one batched call over the visited rows only."""
+) -> tuple[list[list[float]], list[list[bool]]]:
+    """token_logprobs and is_top1 of every emitted token, batched over the visited rows only."""
     device = logits.device
     rows = torch.tensor([i for i, t in enumerate(tokens) for _ in t], dtype=torch.long, device=device)
     cols = torch.tensor([j for js in picked_at for j in js], dtype=torch.long, device=device)
     flat = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=device)
-    lps = token_logprobs(logits[rows, cols], flat, params).tolist()
-    out, k = [], 0
+    picked = logits[rows, cols]  # (sum of emitted, V)
+    lps, top = token_logprobs(picked, flat, params).tolist(), is_top1(picked, flat).tolist()
+    out_lp, out_top, k = [], [], 0
     for t in tokens:
-        out.append(lps[k : k + len(t)])
+        out_lp.append(lps[k : k + len(t)])
+        out_top.append(top[k : k + len(t)])
         k += len(t)
-    return out
+    return out_lp, out_top

@@ -165,7 +165,7 @@ def spec_step(engine: Engine, running: list[Seq], tree: DraftTree) -> None:
         seq.pending = result.tokens[i][-1]
         # Hidden rows of [root, accepted nodes]: the states that produced the emitted tokens.
         rows = hidden[i, [0, *result.path[i]]] if keep else None  # (accepted + 1, E)
-        engine._emit(seq, result.tokens[i], result.logprobs[i], rows)
+        engine._emit(seq, result.tokens[i], result.logprobs[i], result.top1[i], rows)
         stats.verify_steps += 1
         stats.proposed += tree.num_nodes
         stats.accepted += accepted

@@ -7,7 +7,8 @@ Summarises an EngineStats (its StepRecord timeline and SpecStats) into JSON-read
 - by_bucket: per running-batch-size bucket (the tuner's) and arm: steps, tokens, seconds,
   accept_len (tokens emitted per sequence-step, the bonus token included; 1 for plain);
 - arm_by_bucket: the arm that decoded most steps in each bucket;
-- batch_timeline: [start, end, batch, arm] run-length segments of the steps, for plots.
+- batch_timeline: [start, end, batch, arm] run-length segments of the steps, for plots;
+- chain_ceiling: the accept_len the target itself would reach as a chain drafter (headroom).
 
 Knows: StepRecord, SpecStats, bucket edges. Does not know: how arms are chosen or executed.
 """
@@ -68,3 +69,28 @@ def segments(stats: EngineStats) -> list[list[Any]]:
         else:
             out.append([round(r.end - r.seconds, 3), round(r.end, 3), r.batch, r.arm])
     return out
+
+
+def chain_ceiling(top1: Sequence[Sequence[bool]], depth: int) -> float | None:
+    """accept_len of the target itself as a depth-`depth` chain drafter, replayed on responses.
+
+    That drafter proposes the target's own most likely tokens, so a draft is accepted where the
+    sampled token was the top-1 one (Completion.top1). A chain draft token is accepted with the
+    target's probability of it, which the top-1 token maximises: this is what the best chain
+    drafter of that depth could reach on these responses (the greedy chain, not a proof of
+    optimality over every chain). Replayed as the engine decodes: the first token comes from
+    prefill, then each verify emits the accepted drafts plus one, cut at the response's end.
+    None when no response has a second token.
+    """
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    verifies = emitted = 0
+    for flags in top1:
+        n, t = len(flags), 1
+        while t < n:
+            accepted = 0
+            while accepted < depth and t + accepted < n and flags[t + accepted]:
+                accepted += 1
+            emit = min(accepted + 1, n - t)
+            verifies, emitted, t = verifies + 1, emitted + emit, t + emit
+    return emitted / verifies if verifies else None
