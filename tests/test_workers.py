@@ -28,7 +28,7 @@ from tailrl.workers.buffer import DataBuffer, train_seq
 from tailrl.workers.pool import WorkerConfig, merge_stats, shard_indices, start_pool
 from tailrl.workers.runtimes import WorkerError
 from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, run_spot
-from tailrl.workers.worker import SpotBeat
+from tailrl.workers.worker import RolloutWorker, SpotBeat, WorkerSetup
 from test_train import char_model_dir, comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
 
 VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in
@@ -132,16 +132,41 @@ def test_spot_training_stops_before_the_next_micro_step(target):
             stop_at["flag"] = 1
 
     job = SpotJob(1, start, seqs, SpotConfig(drafter_batch_tokens=64))
-    result = run_spot(drafter, job, head, lambda: stop_at["flag"], on_step)
-    assert result.micro_steps == 3 and result.state.micro_steps == 3 and result.loss > 0
-    assert any(not torch.equal(result.state.weights[k], start.weights[k]) for k in start.weights)
-    # A preempted job (id <= the preempted id) does nothing; the next job continues the optimizer.
-    assert run_spot(drafter, job, head, lambda: 1).micro_steps == 0
+    result = run_spot(drafter, job, start, head, lambda: stop_at["flag"], on_step)
+    assert result.micro_steps == 3 and result.loss > 0
+    assert any(not torch.equal(result.weights[k], start.weights[k]) for k in start.weights)
+    # A preempted job (id <= the preempted id) does nothing and sends nothing back.
+    skipped = run_spot(drafter, job, start, head, lambda: 1)
+    assert skipped.micro_steps == 0 and skipped.weights is None and skipped.optimizer is None
+    # The next job continues the optimizer.
     steps = {"n": 0}
-    job2 = SpotJob(2, result.state, seqs, job.cfg)
-    again = run_spot(drafter, job2, head, lambda: 2 if steps["n"] >= 2 else 1, lambda n: steps.update(n=n))
-    assert again.micro_steps == 2 and again.state.micro_steps == 5
-    assert int(again.state.optimizer["state"][0]["step"]) == 5
+    job2 = SpotJob(2, None, seqs, job.cfg)
+    after = DrafterState(1, result.weights, result.optimizer, 3)
+    again = run_spot(drafter, job2, after, head, lambda: 2 if steps["n"] >= 2 else 1, lambda n: steps.update(n=n))
+    assert again.micro_steps == 2 and int(again.optimizer["state"][0]["step"]) == 5
+
+
+def test_a_job_without_state_trains_on_from_what_the_worker_holds(target, drafter_dir):
+    """Sending the state again or not gives the same drafter: the worker keeps what it ended with."""
+    out = Engine(target, EngineConfig(capture_hidden=True)).generate(requests(), PARAMS, 20)
+    seqs = [train_seq(c) for c in out]
+    start = DrafterState(0, {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny").state_dict().items()})
+    cfg = SpotConfig(drafter_batch_tokens=64)
+    spec = SpecConfig(spec="on", drafter=str(drafter_dir), num_steps=3, num_draft_tokens=3)
+    results = []
+    for resend in (False, True):
+        worker = RolloutWorker(0, target, WorkerSetup(EngineConfig(), spec, TunerConfig(), seed=0, collect=True))
+        steps = {"n": 0}
+        worker.beat = lambda beat: steps.update(n=getattr(beat, "micro_steps", steps["n"]))
+        worker.preempted = lambda: 0 if steps["n"] < 2 else 10
+        first = worker.spot_train(SpotJob(1, start, seqs, cfg))
+        steps["n"] = 0
+        state = DrafterState(1, first.weights, first.optimizer, 2) if resend else None
+        results.append(worker.spot_train(SpotJob(2, state, seqs, cfg)))
+    held, sent = results
+    assert held.micro_steps == sent.micro_steps == 2
+    assert all(torch.equal(held.weights[k], sent.weights[k]) for k in sent.weights)
+    assert int(held.optimizer["state"][0]["step"]) == 4
 
 
 # ---- local processes --------------------------------------------------------------------------

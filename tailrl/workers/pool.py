@@ -111,6 +111,7 @@ class WorkerPool:
         self.drafter = drafter
         self.buffer = DataBuffer(spot.buffer_tokens, spot.keep_long)
         self.published = 0  # drafter version the workers draft with (0: the --drafter files)
+        self._holders: set[int] = set()  # workers whose spot state is self.drafter (jobs to them carry none)
         self.stats = EngineStats()
         self.last_metrics: dict[str, Any] = {}
         self._job = 0
@@ -194,10 +195,12 @@ class WorkerPool:
                     if self.spot_on and busy and trainer is None and spot is None:
                         trainer = rank
                         self._job += 1
-                        job = SpotJob(self._job, self.drafter, self.buffer.training_order(), self.spot)
-                        self._start(rank, "spot_train", job)
+                        state = None if rank in self._holders else self.drafter
+                        self._start(rank, "spot_train", SpotJob(self._job, state, self.buffer.training_order(), self.spot))
                 else:
-                    spot, trainer, stopped_at = reply, None, time.monotonic()
+                    spot, stopped_at = reply, time.monotonic()
+                    self._spot_done(trainer, reply)
+                    trainer = None
             if not busy and trainer is not None and preempt_at is None:
                 preempt_at = time.monotonic()
                 self.runtime.preempt(trainer, self._job)
@@ -211,7 +214,7 @@ class WorkerPool:
 
     def _finish_step(self, results: dict[int, ShardResult], done_at: dict[int, float], spot: SpotResult | None,
                      preempt_at: float | None, stopped_at: float | None) -> None:
-        """Merge the shards' stats, record the step's drafter metrics, make the next drafter version."""
+        """Merge the shards' stats, record the step's drafter metrics."""
         self.stats = merge_stats([results[r].stats for r in sorted(results)])
         end = max(done_at.values())
         idle = sum(end - t for t in done_at.values())
@@ -227,10 +230,16 @@ class WorkerPool:
             "preempt_latency_s": stopped_at - preempt_at if preempt_at is not None else 0.0,
             "buffer_tokens": self.buffer.tokens,
         }
-        if spot is not None and spot.micro_steps:
-            s = spot.state
-            self.drafter = DrafterState(s.version + 1, s.weights, s.optimizer, s.micro_steps)
         self.buffer.end_step()
+
+    def _spot_done(self, rank: int, spot: SpotResult) -> None:
+        """A spot job's result: the next drafter version if it trained; who holds which state."""
+        if not spot.micro_steps:
+            self._holders.add(rank)  # it now holds self.drafter (sent, or held already)
+            return
+        d = self.drafter
+        self.drafter = DrafterState(d.version + 1, spot.weights, spot.optimizer, d.micro_steps + spot.micro_steps)
+        self._holders = {rank}
 
     # ---- weights, state, shutdown ---------------------------------------------------------
 

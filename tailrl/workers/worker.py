@@ -33,7 +33,7 @@ from tailrl.spec.drafter_train import TrainSeq
 from tailrl.spec.modes import SpecConfig, install
 from tailrl.tuner import TunerConfig
 from tailrl.workers.buffer import train_seq
-from tailrl.workers.spot import SpotJob, SpotResult, run_spot
+from tailrl.workers.spot import DrafterState, SpotJob, SpotResult, run_spot
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class RolloutWorker:
         self.preempted: Callable[[], int] = lambda: 0
         self.drafter_version = 0
         self._trainer: Drafter | None = None  # the drafter copy spot jobs train (fp32)
+        self._spot_state: DrafterState | None = None  # what that copy ended its last job with
         self._spot_thread: ThreadPoolExecutor | None = None
         self._verifies = self._emitted = 0
         decoder = self.engine.decoder
@@ -139,12 +140,21 @@ class RolloutWorker:
         if self._trainer is None:
             self._trainer = Drafter(drafter.cfg, self.model.model.embed_tokens.weight.detach())
         head = self.model.lm_head.weight.detach()[self._trainer.d2t].float()  # (K, E)
+        if job.state is not None:
+            self._spot_state = job.state
+        start = self._spot_state
+        if start is None:
+            raise ValueError("a spot job without drafter state, and this worker holds none")
         if self._spot_thread is None:
             # OpenMP thread counts are per thread: the new one gets this thread's.
             threads = torch.get_num_threads()
             self._spot_thread = ThreadPoolExecutor(1, "spot", initializer=_spot_thread_init, initargs=(threads,))
-        run = lambda: run_spot(self._trainer, job, head, self.preempted, lambda n: self.beat(SpotBeat(n)))  # noqa: E731
-        return self._spot_thread.submit(run).result()
+        run = lambda: run_spot(self._trainer, job, start, head, self.preempted, lambda n: self.beat(SpotBeat(n)))  # noqa: E731
+        result = self._spot_thread.submit(run).result()
+        if result.micro_steps:
+            # Version and step count are the trainer's to keep; only weights and optimizer matter here.
+            self._spot_state = DrafterState(start.version, result.weights, result.optimizer)
+        return result
 
     def pid(self) -> int:
         return os.getpid()
