@@ -13,7 +13,8 @@ last 5 steps), the ceiling per step (accept_len_ceiling: the target itself as a 
 the `--spec on` depth, on the same responses; ceiling_ratio is about the most accept_ratio could
 be), overhead (mean step time with spot training over without; this includes the adaptive
 drafter's own speed-up, so also reported: preempt_share, the rollout's wait for the trainer as a
-share of step time), and a PNG.
+share of step time; and overhead_median, the median of per-step ratios, which a one-off such as
+the process's first update does not move), and a PNG.
 
 Knows: how to configure two training runs and read their metrics. Does not know: how either runs.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +88,7 @@ def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str
         "accept_ratio": _mean(acc_a[-LAST:]) / _mean(acc_s[-LAST:]),
         "ceiling_ratio": _mean(ceiling[-LAST:]) / _mean(acc_s[-LAST:]),
         "overhead": step_a / step_s,
+        "overhead_median": statistics.median(ra["step_s"] / rs["step_s"] for ra, rs in zip(a, s)),
         "preempt_share": sum(r["preempt_latency_s"] for r in a) / sum(r["step_s"] for r in a),
         "step_s_adaptive": step_a,
         "step_s_static": step_s,

@@ -233,7 +233,8 @@ def _drafter(r: dict[str, Any]) -> list[str]:
     row = lambda xs: " | ".join(_f(x) for x in xs)  # noqa: E731
     return [f"accept_ratio (adaptive over frozen, mean of the last 5 steps) **{r['accept_ratio']:.2f}x** "
             f"(the ceiling over frozen: {r['ceiling_ratio']:.2f}x); "
-            f"overhead (step time with spot training over without) {r['overhead']:.3f}; the rollout's wait for "
+            f"overhead (step time with spot training over without) {r['overhead']:.3f} (median of per-step "
+            f"ratios {r['overhead_median']:.3f}); the rollout's wait for "
             f"the trainer {r['preempt_share']:.2%} of step time.", "",
             "| step | " + " | ".join(map(str, steps)) + " |", "|---|" + "---|" * len(steps),
             f"| adaptive accept_len | {row(r['accept_len_adaptive'])} |",
