@@ -7,6 +7,7 @@ import pytest
 from tailrl.engine import Engine, EngineConfig, Request
 from tailrl.loading import load_model
 from tailrl.sampling import SamplingParams
+from tailrl.spec.drafter import Drafter, save_drafter
 from tailrl.spec.modes import SpecConfig, install
 from tailrl.tuner import TunerConfig
 
@@ -44,6 +45,18 @@ def test_bad_spec_config():
         SpecConfig(spec="maybe")
     with pytest.raises(ValueError, match="can hold"):
         SpecConfig(spec="on", num_steps=2, topk=1, num_draft_tokens=3)
+
+
+def test_exact_mode_drafts_chains_only(tiny, tmp_path):
+    """Trees are not exact on every CPU (modes.EXACT_CHAINS): exact mode refuses --spec on with a
+    tree and leaves trees out of the tuner's arms; without exact mode they stay."""
+    with pytest.raises(ValueError, match="chains only"):
+        install(Engine(tiny, EngineConfig(exact=True)), SpecConfig(spec="on", num_steps=3, topk=2, num_draft_tokens=6))
+    drafter = save_drafter(Drafter.from_target(tiny, list(range(1, 96, 2)), "tiny"), tmp_path / "drafter")
+    for exact in (True, False):
+        tuner = install(Engine(tiny, EngineConfig(exact=exact)), SpecConfig(spec="auto", drafter=str(drafter)), TunerConfig())
+        assert any(a.topk > 1 for a in tuner.arms) is not exact
+        assert any(a.kind == "ngram" for a in tuner.arms)
 
 
 def test_every_rollout_starts_with_the_gate_closed(tiny):

@@ -21,6 +21,12 @@ from tailrl.spec.decoder import NgramProposer, Proposer, SpecDecoder, fixed, tun
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
 SPEC_MODES = ("off", "on", "auto")
+# Why exact mode drafts chains only. A chain's verify lays out each node's keys as plain
+# decoding does (the prefix, then its ancestors, contiguous); a tree node's ancestors sit among
+# masked siblings, and on the AMX Xeon in bf16 that moved the attention sums enough to change
+# sampled tokens: the default run's first 32 requests, exact mode, drafter(2,8,16) every step,
+# 9 sequences differed from plain decoding; chains (drafter(4,1,4), ngram(2,1,2)) none.
+EXACT_CHAINS = "a tree node's attention reads its ancestors across masked siblings, which rounds differently"
 # Shapes the tuner chooses among in auto mode. Chains suit the n-gram drafter (its branches are
 # rarely right); the learned drafter gets two chains and a wide, shallow tree. At temperature 1
 # SmolLM2's long tail is high-entropy text: even the target's own top-1 token was the sampled one
@@ -84,11 +90,15 @@ def install(engine: Engine, cfg: SpecConfig, tuner_cfg: TunerConfig | None = Non
     if cfg.spec == "off":
         engine.decoder = PlainDecoder()
         return None
+    exact = engine.cfg.exact
+    if cfg.spec == "on" and exact and cfg.topk > 1:
+        raise ValueError(f"exact mode speculates with chains only (--topk 1), got --topk {cfg.topk}: {EXACT_CHAINS}")
     props = proposers(cfg, engine)
     if cfg.spec == "on":
         engine.decoder = fixed(cfg.arm, props[cfg.arm.kind])
         return None
     arms = [PLAIN, *NGRAM_ARMS, *(DRAFTER_ARMS if "drafter" in props else ())]
+    arms = [a for a in arms if not exact or a.topk <= 1]
     tuner = Tuner(arms, tuner_cfg or TunerConfig(), seed=seed)
     if tuner_state is not None:
         tuner.load_state_dict(tuner_state)
