@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tailrl.engine import Engine, EngineConfig, EngineStats, Request, SpecStats
-from tailrl.rl.progress import RolloutProgress
+from tailrl.rl.progress import RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
 from tailrl.loading import load_model
@@ -313,6 +313,11 @@ def test_killing_a_worker_stops_the_run_resumably(straight_fp32, tmp_path, char_
     import multiprocessing
 
     def kill_worker_1_in_step_3(event):
+        # Stopped once step 2 is done, killed when step 3's rollout reports progress: so it is
+        # surely mid-rollout (killed at the first progress alone, it sometimes had its shard done).
+        if isinstance(event, StepDone) and event.metrics["step"] == 2:
+            (worker,) = [p for p in multiprocessing.active_children() if p.name == "tailrl-worker-1"]
+            os.kill(worker.pid, signal.SIGSTOP)
         if isinstance(event, RolloutProgress) and event.step == 3:
             (worker,) = [p for p in multiprocessing.active_children() if p.name == "tailrl-worker-1"]
             os.kill(worker.pid, signal.SIGKILL)

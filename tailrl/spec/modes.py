@@ -47,7 +47,7 @@ class SpecConfig:
     spec: str = field(default="off", metadata={"help": "speculative decoding: off, on (every step) or auto (tuned)", "choices": SPEC_MODES})
     drafter: str | None = field(default=None, metadata={"help": "learned drafter directory (default: n-gram drafter only)"})
     num_steps: int = field(default=6, metadata={"help": "--spec on: draft depth"})
-    topk: int = field(default=1, metadata={"help": "--spec on: children expanded per draft node"})
+    topk: int = field(default=1, metadata={"help": "--spec on: children expanded per draft node (1 with --exact: chains)"})
     num_draft_tokens: int = field(default=6, metadata={"help": "--spec on: draft nodes verified per step"})
 
     def __post_init__(self) -> None:
