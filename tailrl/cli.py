@@ -47,14 +47,14 @@ GENERATE_SECTIONS = {
     "generate": "tailrl.generate:GenerateConfig",
     "sampling": SamplingParams,
     "engine": EngineConfig,
-    "spec": "tailrl.spec.modes:SpecConfig",
+    "speculation": "tailrl.speculative.modes:SpeculationConfig",
     "tuner": "tailrl.tuner:TunerConfig",
 }
 
 
-def _sections(spec: dict) -> dict[str, type]:
+def _sections(paths: dict) -> dict[str, type]:
     out = {}
-    for name, cls in spec.items():
+    for name, cls in paths.items():
         if isinstance(cls, str):
             mod, attr = cls.split(":")
             cls = getattr(__import__(mod, fromlist=[attr]), attr)
@@ -77,7 +77,7 @@ def _run_generate(args: argparse.Namespace) -> None:
     from tailrl.engine import Engine
     from tailrl.generate import completion_text, encode_prompt, load_prompts, make_requests, stop_checker
     from tailrl.loading import load_model, load_tokenizer
-    from tailrl.spec.modes import install
+    from tailrl.speculative.modes import install
 
     toml = cfglib.read_toml(args.config) if args.config else None
     c = cfglib.resolve(_sections(GENERATE_SECTIONS), args, toml)
@@ -90,7 +90,7 @@ def _run_generate(args: argparse.Namespace) -> None:
     ids = [encode_prompt(tok, p, gen.chat) for p in prompts]
     requests = make_requests(ids, gen.n, gen.seed)
     engine = Engine(model, c["engine"])
-    install(engine, c["spec"], c["tuner"], seed=gen.seed)
+    install(engine, c["speculation"], c["tuner"], seed=gen.seed)
     out = engine.generate(
         requests, sampling, gen.max_new_tokens, stop=stop_checker(tok, args.stop),
         on_progress=None if args.json else progress_printer(),
@@ -107,7 +107,7 @@ def _run_generate(args: argparse.Namespace) -> None:
             print(f"--- prompt {req.group} sample {k % gen.n} ({len(comp.token_ids)} tokens, {comp.finish_reason})")
             print(text)
     summary = {"tokens": stats.tokens, "seconds": round(stats.seconds, 4), "tokens_per_s": round(stats.tokens_per_s, 2)}
-    if c["spec"].spec != "off":
+    if c["speculation"].spec != "off":
         sp = stats.spec
         summary.update(accept_len=round(sp.accept_len, 3), proposed=sp.proposed, accepted=sp.accepted,
                        verify_steps=sp.verify_steps, accept_hist=sp.accept_hist)
@@ -162,7 +162,7 @@ def _add_drafter(sub) -> None:
     w = d.add_parser("warmup", help="sample from the target, train a drafter, write it to --out")
     w.add_argument("--out", metavar="DIR", required=True, help="drafter directory to write")
     w.add_argument("--config", metavar="FILE.toml", help="TOML file with a [warmup] table")
-    cfglib.add_arguments(w, _sections({"warmup": "tailrl.spec.warmup:WarmupConfig"}))
+    cfglib.add_arguments(w, _sections({"warmup": "tailrl.speculative.drafter.warmup:WarmupConfig"}))
     w.set_defaults(run=_run_warmup)
     e = d.add_parser("export", help="write a drafter as an EAGLE checkpoint for serving engines")
     e.add_argument("drafter_dir", metavar="DRAFTER_DIR")
@@ -171,10 +171,10 @@ def _add_drafter(sub) -> None:
 
 
 def _run_warmup(args: argparse.Namespace) -> None:
-    from tailrl.spec.warmup import warmup
+    from tailrl.speculative.drafter.warmup import warmup
 
     toml = cfglib.read_toml(args.config) if args.config else None
-    cfg = cfglib.resolve(_sections({"warmup": "tailrl.spec.warmup:WarmupConfig"}), args, toml)["warmup"]
+    cfg = cfglib.resolve(_sections({"warmup": "tailrl.speculative.drafter.warmup:WarmupConfig"}), args, toml)["warmup"]
 
     def show(p) -> None:
         total = f"/{p.total}" if p.total else ""
@@ -188,7 +188,7 @@ def _run_warmup(args: argparse.Namespace) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> None:
-    from tailrl.spec.export import export
+    from tailrl.speculative.drafter.export import export
 
     out = export(args.drafter_dir, args.out)
     print(f"tailrl: EAGLE checkpoint written to {out}", file=sys.stderr)
@@ -227,7 +227,7 @@ def _run_bench_generate(args: argparse.Namespace) -> None:
 
 
 def _run_bench_spec(args: argparse.Namespace) -> None:
-    from tailrl.bench import spec as bench
+    from tailrl.bench import speculative as bench
 
     report = bench.report(_bench_config(args), log=(lambda *_: None) if args.json else print)
     if args.json:
@@ -256,7 +256,7 @@ def _run_bench_drafter(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"accept_ratio {result['accept_ratio']:.3f} (adaptive over static, last {bench.LAST} steps), "
+        print(f"accept_ratio {result['accept_ratio']:.3f} (adaptive over frozen, last {bench.LAST} steps), "
               f"overhead {result['overhead']:.3f}, preempt share {result['preempt_share']:.4f}; plot {result['png']}")
 
 

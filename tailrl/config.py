@@ -73,6 +73,15 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported field type {tp}")
 
 
+# Renamed fields: the old name (flag or TOML key) is refused with a message naming the new one.
+RENAMED = {"num_steps": "draft_depth"}
+
+
+class _Renamed(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was renamed {_flag(RENAMED[self.dest])}")
+
+
 def add_arguments(parser: argparse.ArgumentParser, sections: dict[str, type]) -> None:
     """One flag per field of every section; unset flags stay absent from the namespace."""
     seen: dict[str, str] = {}
@@ -97,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser, sections: dict[str, type]) ->
                     metavar=None if choices else base.__name__.upper() if isinstance(base, type) else "VALUE",
                     help=helptext,
                 )
+    for old, new in RENAMED.items():
+        if new in seen:
+            parser.add_argument(_flag(old), dest=old, action=_Renamed, nargs="?", help=argparse.SUPPRESS)
 
 
 def read_toml(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -117,6 +129,8 @@ def resolve(
     """Build each section's dataclass from defaults, then TOML tables, then flags."""
     toml = dict(toml or {})
     unknown_sections = set(toml) - set(sections)
+    if "spec" in unknown_sections and "speculation" in sections:
+        raise ConfigError("config section [spec] was renamed [speculation]")
     if unknown_sections:
         raise ConfigError(f"unknown config section(s) {sorted(unknown_sections)}; valid: {sorted(sections)}")
     given = vars(args) if args is not None else {}
@@ -125,6 +139,9 @@ def resolve(
         table = dict(toml.get(section, {}))
         names = {f.name for f, _ in _fields(cls)}
         extra = set(table) - names
+        renamed = sorted(k for k in extra if RENAMED.get(k) in names)
+        if renamed:
+            raise ConfigError(f"[{section}] {renamed[0]} was renamed {RENAMED[renamed[0]]}")
         if extra:
             raise ConfigError(f"[{section}] has unknown key(s) {sorted(extra)}; valid: {sorted(names)}")
         kwargs = {}

@@ -2,7 +2,7 @@
 
 An arm is one way to decode a step: plain (one target forward, one token per sequence), or
 speculative decoding with the learned drafter or the n-gram drafter and a draft-tree shape
-(num_steps, topk, num_draft_tokens). The reward of a step is the tokens it emitted per wall
+(draft_depth, topk, num_draft_tokens). The reward of a step is the tokens it emitted per wall
 second per running sequence. (TLT rewards tokens per second; but a bucket spans batch sizes up to
 2x apart and a rollout walks through it from the top, so the arms tried first would get the
 larger batches' higher throughput: on SmolLM2 at 17-32 running sequences, plain decoding, tried
@@ -58,27 +58,27 @@ class Arm:
     """One way to decode a step. Plain has no draft tree; drafter/ngram carry its shape."""
 
     kind: str  # "plain" | "drafter" | "ngram"
-    num_steps: int = 0  # draft depth
+    draft_depth: int = 0  # draft depth
     topk: int = 0  # children expanded per node
     num_draft_tokens: int = 0  # tree nodes kept for verification
 
     def __post_init__(self) -> None:
         if self.kind not in ARM_KINDS:
             raise ValueError(f"arm kind must be one of {ARM_KINDS}, got {self.kind!r}")
-        shape = (self.num_steps, self.topk, self.num_draft_tokens)
+        shape = (self.draft_depth, self.topk, self.num_draft_tokens)
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in shape):
-            raise ValueError(f"num_steps, topk and num_draft_tokens must be ints, got {shape}")
+            raise ValueError(f"draft_depth, topk and num_draft_tokens must be ints, got {shape}")
         if self.kind == "plain":
             if shape != (0, 0, 0):
                 raise ValueError(f"a plain arm has no draft tree: its shape must be (0, 0, 0), got {shape}")
             return
         if min(shape) < 1:
-            raise ValueError(f"a {self.kind} arm needs num_steps, topk, num_draft_tokens >= 1, got {shape}")
-        max_nodes = sum(self.topk**d for d in range(1, self.num_steps + 1))
+            raise ValueError(f"a {self.kind} arm needs draft_depth, topk, num_draft_tokens >= 1, got {shape}")
+        max_nodes = sum(self.topk**d for d in range(1, self.draft_depth + 1))
         if self.num_draft_tokens > max_nodes:
             raise ValueError(
                 f"num_draft_tokens {self.num_draft_tokens} exceeds the {max_nodes} nodes a tree of "
-                f"depth {self.num_steps} and width {self.topk} can hold"
+                f"depth {self.draft_depth} and width {self.topk} can hold"
             )
 
     @property
@@ -86,7 +86,7 @@ class Arm:
         """Short name for plots and metrics, e.g. "plain" or "drafter(3,4,8)"."""
         if self.kind == "plain":
             return "plain"
-        return f"{self.kind}({self.num_steps},{self.topk},{self.num_draft_tokens})"
+        return f"{self.kind}({self.draft_depth},{self.topk},{self.num_draft_tokens})"
 
 
 PLAIN = Arm("plain")

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tailrl.sampling import SamplingParams, derive_seed, hash_ints, process_logits, sample
-from tailrl.spec.accept import accept_walk
-from tailrl.spec.tree import DraftTree, Frontier, build_tree, chain, positions_offsets, tree_mask
+from tailrl.speculative.accept import accept_walk
+from tailrl.speculative.tree import DraftTree, Frontier, build_tree, chain, positions_offsets, tree_mask
 
 PARAMS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -179,10 +179,10 @@ def test_build_tree_rejects_impossible_arm():
         build_tree(lambda fr: None, torch.zeros(1, 1), 2, 2, 7)  # only 2 + 4 nodes exist
 
 
-@pytest.mark.parametrize("num_steps, topk, n", [(1, 3, 2), (4, 3, 10), (4, 3, 30), (3, 2, 10)])
-def test_build_tree_is_closed_and_keeps_best_nodes_under_ties_and_bad_scores(num_steps, topk, n):
+@pytest.mark.parametrize("draft_depth, topk, n", [(1, 3, 2), (4, 3, 10), (4, 3, 30), (3, 2, 10)])
+def test_build_tree_is_closed_and_keeps_best_nodes_under_ties_and_bad_scores(draft_depth, topk, n):
     """Scores full of ties, certain children (0), -inf, NaN and positive values (invalid)."""
-    gen = torch.Generator().manual_seed(num_steps * 100 + n)
+    gen = torch.Generator().manual_seed(draft_depth * 100 + n)
     values = torch.tensor([0.0, -0.5, -1.0, -2.0, float("-inf"), float("nan"), 0.25])
     b = 3
     score: list[dict[int, float]] = [{0: 0.0} for _ in range(b)]  # token -> reference cumulative score
@@ -209,7 +209,7 @@ def test_build_tree_is_closed_and_keeps_best_nodes_under_ties_and_bad_scores(num
         return lp, ids
 
     roots = torch.zeros(b, dtype=torch.long)
-    tree = build_tree(expand, torch.zeros(b, 1), num_steps, topk, n, root_tokens=roots)
+    tree = build_tree(expand, torch.zeros(b, 1), draft_depth, topk, n, root_tokens=roots)
     for r in range(b):
         ranked = sorted(parent_tok[r], key=lambda t: (-score[r][t], t))
         assert sorted(tree.tokens[r].tolist()) == sorted(ranked[:n])
@@ -217,7 +217,7 @@ def test_build_tree_is_closed_and_keeps_best_nodes_under_ties_and_bad_scores(num
         for i, p in enumerate(tree.parents[r].tolist()):
             assert p < i
             assert (toks[p] if p >= 0 else 0) == parent_tok[r][toks[i]]  # closed: the real parent is kept
-    assert int(tree.depths.max()) <= num_steps
+    assert int(tree.depths.max()) <= draft_depth
 
 
 # ---- acceptance equals plain decoding ----------------------------------------------------------

@@ -39,14 +39,14 @@ def tiny_chat_dir(smollm2_dir, tmp_path_factory):
 def test_trl_tokenizes_prompts_as_tailrl_does(smollm2_dir):
     from tailrl.loading import load_tokenizer
     from tailrl.rl.tasks import format_prompt
-    from tailrl.rl.train import encode_prompt
+    from tailrl.rl.train import encode_question
 
     tok = load_tokenizer(smollm2_dir)
     question = "What is 3 + 4?"
     # TRL's _tokenize_prompts: the chat template applied with tokenize=True.
     trl_ids = tok.apply_chat_template(format_prompt(question), add_generation_prompt=True, tokenize=True,
                                       return_dict=True)["input_ids"]
-    assert list(trl_ids) == list(encode_prompt(tok, question))
+    assert list(trl_ids) == list(encode_question(tok, question))
 
 
 def test_both_sides_run_the_same_steps_and_batch1(tiny_chat_dir, capsys):
@@ -57,7 +57,7 @@ def test_both_sides_run_the_same_steps_and_batch1(tiny_chat_dir, capsys):
     result = json.loads(capsys.readouterr().out)  # stdout holds only the JSON object
     for side in ("tailrl", "trl"):
         r = result[side]
-        assert len(r["steps"]) == 2 and r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+        assert len(r["steps"]) == 2
         assert 0 < r["tokens_generated"] <= 2 * 2 * 2 * 4
         assert all(s["rollout_s"] > 0 and s["train_s"] >= 0 for s in r["steps"])
         assert r["threads_after"] == 1

@@ -18,8 +18,6 @@ def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_dir, tmp
     assert report["speedup"]["off"] == 1.0 and report["ideal_seconds"] > 0
     tokens = {m["tokens"] for m in report["modes"].values()}
     assert len(tokens) == 1 and all(m["differing_sequences"] == 0 for m in report["modes"].values())
-    for m in report["modes"].values():
-        assert m["seconds_min"] <= m["seconds_median"] <= m["seconds_max"]
     assert report["modes"]["ngram"]["accept_len"] >= 1.0 and report["modes"]["ngram"]["sd_fraction"] == 1.0
     rows = [line for line in _rollout(report) if line.startswith("| ")][1:]  # the README's rendering
     assert [line.split(" | ")[0] for line in rows] == ["| off", "| ngram", "| auto"]

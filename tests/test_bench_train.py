@@ -9,7 +9,7 @@ from tailrl.bench.suite import _drafter, _train
 from tailrl.bench.train import compare
 from tailrl.cli import main
 from tailrl.loading import load_model
-from tailrl.spec.drafter import Drafter, save_drafter
+from tailrl.speculative.drafter.model import Drafter, save_drafter
 from test_train import char_model_dir, no_plots, task_file  # noqa: F401 - fixtures
 
 REWARD = "test_train:high_chars_reward"
@@ -65,15 +65,15 @@ def test_bench_drafter_compares_adaptive_and_frozen_drafters_step_by_step(char_m
                  "--group-size", "4", "--max-new-tokens", "16", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(report["accept_len_adaptive"]) == len(report["accept_len_static"]) == 2
+    assert len(report["accept_len_adaptive"]) == len(report["accept_len_frozen"]) == 2
     # Step 1 drafts with the same version 0 in both runs, so the same drafts are verified.
-    assert report["accept_len_adaptive"][0] == report["accept_len_static"][0] >= 1.0
+    assert report["accept_len_adaptive"][0] == report["accept_len_frozen"][0] >= 1.0
     assert report["overhead"] > 0 and len(report["drafter_micro_steps"]) == 2
     adaptive = [json.loads(line) for line in (out / "adaptive" / "metrics.jsonl").read_text().splitlines()]
-    static = [json.loads(line) for line in (out / "static" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["tokens_sha256"] for r in adaptive] == [r["tokens_sha256"] for r in static]
+    frozen = [json.loads(line) for line in (out / "frozen" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens_sha256"] for r in adaptive] == [r["tokens_sha256"] for r in frozen]
     # Same tokens from the same target logits: the same ceiling, whichever drafter drafted.
-    assert report["accept_len_ceiling"] == [r["accept_len_ceiling"] for r in static]
+    assert report["accept_len_ceiling"] == [r["accept_len_ceiling"] for r in frozen]
     assert all(x >= 1.0 for x in report["accept_len_ceiling"])
     assert sum(line.startswith("| ceiling") for line in _drafter(report)) == 1  # the README's rendering
-    assert all(r["drafter_version"] == 0 for r in static)
+    assert all(r["drafter_version"] == 0 for r in frozen)

@@ -83,3 +83,19 @@ def test_duplicate_field_names_rejected():
 
     with pytest.raises(cfglib.ConfigError, match="both"):
         cfglib.add_arguments(argparse.ArgumentParser(), {"a": A, "c": C})
+
+
+def test_renamed_fields_are_refused_with_the_new_name(capsys):
+    @dataclass
+    class Arm:
+        draft_depth: int = 4
+
+    parser = argparse.ArgumentParser(prog="tailrl x")
+    cfglib.add_arguments(parser, {"speculation": Arm})
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--num-steps", "3"])
+    assert e.value.code == 2 and "--num-steps was renamed --draft-depth" in capsys.readouterr().err
+    with pytest.raises(cfglib.ConfigError, match=r"^\[speculation\] num_steps was renamed draft_depth$"):
+        cfglib.resolve({"speculation": Arm}, toml={"speculation": {"num_steps": 3}})
+    with pytest.raises(cfglib.ConfigError, match=r"^config section \[spec\] was renamed \[speculation\]$"):
+        cfglib.resolve({"speculation": Arm}, toml={"spec": {"draft_depth": 3}})

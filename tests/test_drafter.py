@@ -17,9 +17,9 @@ from conftest import build_hf
 from tailrl.engine import Engine, EngineConfig, Request
 from tailrl.loading import load_model
 from tailrl.sampling import SamplingParams
-from tailrl.spec.drafter import Drafter, DrafterError, DrafterProposer, load_drafter, save_drafter
-from tailrl.spec.drafter_train import (
-    TrainConfig,
+from tailrl.speculative.drafter.model import Drafter, DrafterError, DrafterProposer, load_drafter, save_drafter
+from tailrl.speculative.drafter.training import (
+    DrafterTrainConfig,
     TrainSeq,
     _advance,
     _start,
@@ -27,9 +27,9 @@ from tailrl.spec.drafter_train import (
     evaluate_loss,
     pack,
     simulate_accept,
-    train,
+    train_drafter,
 )
-from tailrl.spec.export import export, load_exported
+from tailrl.speculative.drafter.export import export, load_exported
 from tailrl.tuner import Arm
 
 VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in
@@ -276,19 +276,19 @@ def test_catch_up_equals_drafting_from_the_start(target, seqs, arm):
         ref = trees[0]
         assert ref.tokens.shape == (len(seqs) - (step >= 5), arm.num_draft_tokens)
         assert set(ref.tokens.flatten().tolist()) <= allowed
-        assert bool((ref.depths <= arm.num_steps).all())
+        assert bool((ref.depths <= arm.draft_depth).all())
         for t in trees[1:]:
             if t is not None:
                 assert torch.equal(t.tokens, ref.tokens) and torch.equal(t.parents, ref.parents)
 
 
 def test_simulated_accept_counts_match_a_hand_walk(target, seqs):
-    """accept_len of the replay: every verify emits between 1 and num_steps + 1 tokens and the
+    """accept_len of the replay: every verify emits between 1 and draft_depth + 1 tokens and the
     emitted tokens add up to the responses' lengths (the first token comes from prefill)."""
     arm = Arm("drafter", 3, 2, 6)
     stats = simulate_accept(_drafter(target), seqs, arm, max_batch=4)
     total = sum(s.tokens.shape[0] - s.prompt_len - 1 for s in seqs)
-    assert stats.emitted == total and 1.0 <= stats.accept_len <= arm.num_steps + 1
+    assert stats.emitted == total and 1.0 <= stats.accept_len <= arm.draft_depth + 1
     assert sum(stats.accept_hist) == stats.verify_steps
 
 
@@ -300,7 +300,7 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(target, seqs):
     batches = pack(seqs, 64)
     head = target.lm_head.weight.detach()[d.d2t]
     before = evaluate_loss(d, batches, head)
-    train(d, batches, head, TrainConfig(lr=3e-3, warmup_steps=5), should_stop=lambda step: step >= 60)
+    train_drafter(d, batches, head, DrafterTrainConfig(lr=3e-3, warmup_steps=5), should_stop=lambda step: step >= 60)
     after = evaluate_loss(d, batches, head)
     assert after.loss < 0.7 * before.loss and after.smooth_l1 < before.smooth_l1  # measured: 0.52x
 
@@ -327,7 +327,7 @@ def test_export_round_trip_reproduces_the_drafter(tmp_path, target, seqs):
 
 @pytest.mark.slow
 def test_warmup_on_smollm2_writes_a_drafter_and_its_curves(tmp_path, smollm2_dir):
-    from tailrl.spec.warmup import WarmupConfig, warmup
+    from tailrl.speculative.drafter.warmup import WarmupConfig, warmup
 
     cfg = WarmupConfig(model=str(smollm2_dir), num_prompts=6, holdout_prompts=2, group_size=2, max_new_tokens=32,
                        seconds=0, steps=15, batch_tokens=512, draft_vocab_size=512)

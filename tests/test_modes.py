@@ -7,8 +7,8 @@ import pytest
 from tailrl.engine import Engine, EngineConfig, Request
 from tailrl.loading import load_model
 from tailrl.sampling import SamplingParams
-from tailrl.spec.drafter import Drafter, save_drafter
-from tailrl.spec.modes import SpecConfig, install
+from tailrl.speculative.drafter.model import Drafter, save_drafter
+from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.tuner import TunerConfig
 
 
@@ -29,7 +29,7 @@ def test_modes_emit_identical_tokens(tiny, params):
     outputs = {}
     for mode in ("off", "on", "auto"):
         engine = Engine(tiny, EngineConfig(max_batch=5))
-        tuner = install(engine, SpecConfig(spec=mode, num_steps=4, topk=1, num_draft_tokens=4),
+        tuner = install(engine, SpeculationConfig(spec=mode, draft_depth=4, topk=1, num_draft_tokens=4),
                         TunerConfig(switch_patience=0), seed=1)
         outputs[mode] = [c.token_ids for c in engine.generate(reqs, params, 40)]
         if mode == "on":
@@ -42,19 +42,19 @@ def test_modes_emit_identical_tokens(tiny, params):
 
 def test_bad_spec_config():
     with pytest.raises(ValueError, match="spec must be one of"):
-        SpecConfig(spec="maybe")
+        SpeculationConfig(spec="maybe")
     with pytest.raises(ValueError, match="can hold"):
-        SpecConfig(spec="on", num_steps=2, topk=1, num_draft_tokens=3)
+        SpeculationConfig(spec="on", draft_depth=2, topk=1, num_draft_tokens=3)
 
 
 def test_exact_mode_drafts_chains_only(tiny, tmp_path):
     """Trees are not exact on every CPU (modes.EXACT_CHAINS): exact mode refuses --spec on with a
     tree and leaves trees out of the tuner's arms; without exact mode they stay."""
     with pytest.raises(ValueError, match="chains only"):
-        install(Engine(tiny, EngineConfig(exact=True)), SpecConfig(spec="on", num_steps=3, topk=2, num_draft_tokens=6))
+        install(Engine(tiny, EngineConfig(exact=True)), SpeculationConfig(spec="on", draft_depth=3, topk=2, num_draft_tokens=6))
     drafter = save_drafter(Drafter.from_target(tiny, list(range(1, 96, 2)), "tiny"), tmp_path / "drafter")
     for exact in (True, False):
-        tuner = install(Engine(tiny, EngineConfig(exact=exact)), SpecConfig(spec="auto", drafter=str(drafter)), TunerConfig())
+        tuner = install(Engine(tiny, EngineConfig(exact=exact)), SpeculationConfig(spec="auto", drafter=str(drafter)), TunerConfig())
         assert any(a.topk > 1 for a in tuner.arms) is not exact
         assert any(a.kind == "ngram" for a in tuner.arms)
 
@@ -64,7 +64,7 @@ def test_every_rollout_starts_with_the_gate_closed(tiny):
     # epsilon 1 makes an open gate explore; the first patience - 1 steps of the second rollout
     # must still decode plain.
     engine = Engine(tiny, EngineConfig(max_batch=12))
-    install(engine, SpecConfig(spec="auto"), TunerConfig(switch_patience=5, epsilon=1.0), seed=1)
+    install(engine, SpeculationConfig(spec="auto"), TunerConfig(switch_patience=5, epsilon=1.0), seed=1)
     for _ in range(2):
         engine.generate(_requests(), SamplingParams(temperature=1.0), 30)
         arms = [r.arm for r in engine.stats.timeline]

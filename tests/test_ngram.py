@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from tailrl.spec.ngram import NgramConfig, NgramIndex, propose_tree
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.ngram import NgramConfig, NgramIndex, propose_tree
+from tailrl.speculative.tree import DraftTree
 
 
 def depths(parents: list[int]) -> list[int]:
@@ -24,7 +24,7 @@ def test_repeated_phrase_in_prompt_is_proposed_exactly():
     index = NgramIndex()
     index.add(prompt)
     # The last "5 6 7" is the context's own end (nothing after it yet); the first one continues.
-    assert index.propose(prompt, num_steps=4, topk=1, num_draft_tokens=4) == ([8, 9, 1, 2], [-1, 0, 1, 2])
+    assert index.propose(prompt, draft_depth=4, topk=1, num_draft_tokens=4) == ([8, 9, 1, 2], [-1, 0, 1, 2])
 
 
 def test_sibling_continuation_is_proposed_and_branches_rank_by_frequency():
@@ -84,8 +84,8 @@ def test_incremental_appends_equal_one_bulk_add():
 def test_no_match_is_padded_to_a_valid_tree():
     index = NgramIndex()
     index.add([1, 2, 3])
-    tokens, parents = index.propose([7, 8, 9], num_steps=3, topk=2, num_draft_tokens=5)
-    # A chain repeating the last token up to num_steps, then duplicates under the root.
+    tokens, parents = index.propose([7, 8, 9], draft_depth=3, topk=2, num_draft_tokens=5)
+    # A chain repeating the last token up to draft_depth, then duplicates under the root.
     assert tokens == [9, 9, 9, 9, 9]
     assert parents == [-1, 0, 1, -1, -1]
     assert NgramIndex().propose([4], 2, 2, 0) == ([], [])
@@ -96,30 +96,30 @@ def test_no_match_is_padded_to_a_valid_tree():
 def test_short_continuation_is_padded_after_the_real_nodes():
     index = NgramIndex()
     index.add([1, 2, 3, 4])  # only "4" follows "3"
-    tokens, parents = index.propose([0, 2, 3], num_steps=4, topk=1, num_draft_tokens=4)
+    tokens, parents = index.propose([0, 2, 3], draft_depth=4, topk=1, num_draft_tokens=4)
     assert tokens == [4, 3, 3, 3]
     assert parents == [-1, -1, 1, 2]  # the padding chain hangs from the root, beside the real node
 
 
-@pytest.mark.parametrize("num_steps, topk, n", [(1, 1, 3), (3, 2, 6), (5, 3, 16), (4, 1, 4)])
-def test_random_proposals_are_valid_trees(num_steps, topk, n):
-    rng = random.Random(num_steps * 10 + n)
+@pytest.mark.parametrize("draft_depth, topk, n", [(1, 1, 3), (3, 2, 6), (5, 3, 16), (4, 1, 4)])
+def test_random_proposals_are_valid_trees(draft_depth, topk, n):
+    rng = random.Random(draft_depth * 10 + n)
     index = NgramIndex()
     for _ in range(4):
         index.add([rng.randrange(8) for _ in range(rng.randint(0, 80))])
     for _ in range(50):
         ctx = [rng.randrange(10) for _ in range(rng.randint(1, 8))]
-        tokens, parents = index.propose(ctx, num_steps, topk, n)
+        tokens, parents = index.propose(ctx, draft_depth, topk, n)
         assert len(tokens) == len(parents) == n
         assert all(-1 <= p < i for i, p in enumerate(parents))
-        assert max(depths(parents), default=0) <= num_steps
+        assert max(depths(parents), default=0) <= draft_depth
 
 
 def test_propose_tree_batches_rows_from_their_own_groups():
     a, b = NgramIndex(), NgramIndex()
     a.add([1, 2, 3, 4, 5])
     b.add([1, 2, 3, 9, 9])
-    tree = propose_tree([a, b, a], [[1, 2, 3], [1, 2, 3], [7]], num_steps=2, topk=1, num_draft_tokens=3)
+    tree = propose_tree([a, b, a], [[1, 2, 3], [1, 2, 3], [7]], draft_depth=2, topk=1, num_draft_tokens=3)
     assert isinstance(tree, DraftTree)
     assert tree.tokens.dtype == torch.long and tree.tokens.shape == (3, 3)
     assert tree.tokens.tolist() == [[4, 5, 3], [9, 9, 3], [7, 7, 7]]

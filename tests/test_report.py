@@ -3,7 +3,7 @@
 from tailrl.engine import EngineStats, SpecStats, StepRecord
 import pytest
 
-from tailrl.spec.report import chain_ceiling, rollout_report
+from tailrl.speculative.report import chain_ceiling, rollout_report
 
 EDGES = (1, 2, 4, 8, 16, 32)
 

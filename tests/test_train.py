@@ -34,7 +34,7 @@ from tailrl.rl.train import (
     policy_weights,
     train,
 )
-from tailrl.spec.modes import SpecConfig
+from tailrl.speculative.modes import SpeculationConfig
 
 # Metrics that are wall-clock measurements, so differ between runs of the same computation.
 TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_tok_s",
@@ -228,7 +228,6 @@ def test_metrics_config_and_plots(straight_run, char_model_dir, task_file):
         assert r["response_len_max"] == max(r["response_lens"]) <= 12
         assert r["groups_skipped"] == 0 and r["grad_norm"] > 0  # every group had reward spread
         assert (r["reward_failures"], r["reward_timeouts"]) == (0, 0)
-        assert r["step_s"] >= r["rollout_s"] + r["reward_s"] + r["train_s"] - 1e-9
     assert [e.metrics["step"] for e in events if isinstance(e, StepDone)] == [1, 2, 3]
     assert any(isinstance(e, RolloutProgress) for e in events)
     # Off a terminal the printer writes the notices, one rollout line (it is rate-limited) and a
@@ -317,7 +316,7 @@ def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_f
     runs = {}
     for mode in ("off", "on"):
         configs = tiny_configs(char_model_dir, task_file, dtype="fp32", steps=2)
-        configs["spec"] = SpecConfig(spec=mode, num_steps=3, num_draft_tokens=3)
+        configs["speculation"] = SpeculationConfig(spec=mode, draft_depth=3, num_draft_tokens=3)
         configs["engine"] = EngineConfig(max_batch=8, exact=True)
         train(configs, tmp_path / mode)
         runs[mode] = RunDir(tmp_path / mode).read_metrics()
@@ -402,6 +401,22 @@ def test_bad_configs_and_directories_fail_clearly(straight_run, tmp_path, char_m
     changed["grpo"] = dataclasses.replace(changed["grpo"], lr=1e-3)
     with pytest.raises(ConfigError, match=r"grpo\.lr: 0\.03 -> 0\.001$"):
         train(changed, out, resume=True)
+
+
+def test_the_first_rollout_line_prints_on_a_machine_just_booted(monkeypatch):
+    # monotonic() counts from boot on Linux: a printer that assumed a clock origin printed no
+    # progress for the first every_s seconds after boot.
+    from tailrl.engine import Progress
+    from tailrl.rl import progress as progress_mod
+
+    clock = iter([0.5, 0.6, 30.4, 30.6])
+    monkeypatch.setattr(progress_mod.time, "monotonic", lambda: next(clock))
+    stream = io.StringIO()
+    printer = ConsolePrinter(stream, every_s=30)
+    for k in range(4):
+        printer(RolloutProgress(1, 2, Progress(k, 4, 4 - k, 10 * k, 1.0)))
+    lines = stream.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["step 1/2 rollout: 0/4 done", "step 1/2 rollout: 3/4 done"]
 
 
 def test_sigint_is_held_until_the_block_ends():

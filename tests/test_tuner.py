@@ -264,7 +264,7 @@ def test_state_round_trip_gives_identical_choices():
 def test_the_tuned_decoder_rewards_tokens_per_second_per_running_sequence():
     # 12 tokens in 2 s from 3 running sequences: 2 tokens/s each, whether the step ran at the top
     # or the bottom of its bucket.
-    from tailrl.spec.decoder import StepReport, tuned
+    from tailrl.speculative.decoder import StepReport, tuned
 
     tuner = Tuner([PLAIN], TunerConfig(switch_patience=0))
     decoder = tuned(tuner, {})

@@ -20,9 +20,9 @@ from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
 from tailrl.loading import load_model
 from tailrl.sampling import SamplingParams, derive_seed
-from tailrl.spec.drafter import Drafter, save_drafter
-from tailrl.spec.drafter_train import TrainSeq
-from tailrl.spec.modes import SpecConfig
+from tailrl.speculative.drafter.model import Drafter, save_drafter
+from tailrl.speculative.drafter.training import TrainSeq
+from tailrl.speculative.modes import SpeculationConfig
 from tailrl.tuner import TunerConfig
 from tailrl.workers.buffer import DataBuffer, train_seq
 from tailrl.workers.pool import WorkerConfig, merge_stats, shard_indices, start_pool
@@ -55,8 +55,8 @@ def reference(target, reqs, max_new_tokens=20):
     return Engine(target, EngineConfig()).generate(reqs, PARAMS, max_new_tokens)
 
 
-def setup(spec: SpecConfig = SpecConfig()) -> dict:
-    return dict(engine=EngineConfig(max_batch=8), spec=spec, tuner=TunerConfig(), seed=0)
+def setup(spec: SpeculationConfig = SpeculationConfig()) -> dict:
+    return dict(engine=EngineConfig(max_batch=8), speculation=spec, tuner=TunerConfig(), seed=0)
 
 
 # ---- pieces -----------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_a_job_without_state_trains_on_from_what_the_worker_holds(target, drafte
     seqs = [train_seq(c) for c in out]
     start = DrafterState(0, {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny").state_dict().items()})
     cfg = SpotConfig(drafter_batch_tokens=64)
-    spec = SpecConfig(spec="on", drafter=str(drafter_dir), num_steps=3, num_draft_tokens=3)
+    spec = SpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=3, num_draft_tokens=3)
     results = []
     for resend in (False, True):
         worker = RolloutWorker(0, target, WorkerSetup(EngineConfig(), spec, TunerConfig(), seed=0, collect=True))
@@ -189,7 +189,7 @@ def test_process_workers_give_the_in_process_tokens(target, tiny_dir):
 def test_worker_tuners_learn_from_each_others_rollouts(target):
     # Every decode step rewards its worker's tuner once; before its next rollout each worker
     # also counts the other's rewards, and a checkpoint keeps what is not delivered yet.
-    pool = start_pool(WorkerConfig(workers=2), SpotConfig(), target, setup(SpecConfig(spec="auto")))
+    pool = start_pool(WorkerConfig(workers=2), SpotConfig(), target, setup(SpeculationConfig(spec="auto")))
     try:
         pool.generate(1, requests(step=1), PARAMS, 20)
         first = pool.stats.steps
@@ -206,7 +206,7 @@ def test_worker_tuners_learn_from_each_others_rollouts(target):
 def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, drafter_dir):
     # Rank 0 is paused (SIGSTOP) so rank 1 finishes first and trains the drafter until rank 0,
     # resumed, finishes: a long tail made on purpose. Tokens stay those of plain decoding.
-    spec = SpecConfig(spec="on", drafter=str(drafter_dir), num_steps=3, num_draft_tokens=3)
+    spec = SpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=3, num_draft_tokens=3)
     pool = start_pool(WorkerConfig(workers=2), SpotConfig(drafter_batch_tokens=64), target, setup(spec))
     seen = threading.Event()
     on_beat = pool.runtime.on_beat
@@ -248,7 +248,7 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
 
 
 def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, drafter_dir):
-    spec = SpecConfig(spec="on", drafter=str(drafter_dir), num_steps=3, num_draft_tokens=3)
+    spec = SpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=3, num_draft_tokens=3)
     weights = {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny", seed=5).state_dict().items()}
     buffer = DataBuffer(1000, 0.5)
     buffer.add([_seq(5, 9, e=64)])
@@ -280,10 +280,12 @@ def test_a_killed_worker_is_reported_with_rank_and_step(target):
 
 
 def test_a_hung_worker_is_detected_by_timeout(target):
-    pool = start_pool(WorkerConfig(workers=2, worker_timeout_s=2), SpotConfig(), target, setup())
+    # The live worker must beat within the timeout even on a loaded machine (a decode step of the
+    # tiny model takes milliseconds), so 10 s leaves a wide margin; the stopped one never beats.
+    pool = start_pool(WorkerConfig(workers=2, worker_timeout_s=10), SpotConfig(), target, setup())
     try:
         os.kill(pool.runtime.pids[0], signal.SIGSTOP)
-        with pytest.raises(WorkerError, match=r"^worker 0 sent nothing for 2 s \(hung\) in step 3$"):
+        with pytest.raises(WorkerError, match=r"^worker 0 sent nothing for 10 s \(hung\) in step 3$"):
             pool.generate(3, requests(), PARAMS, 20)
     finally:
         pool.close()  # kills the stopped process

@@ -8,7 +8,7 @@ the same tokens and train the same policy (bit for bit in exact mode, the defaul
 differ only in how well the drafter keeps up with the policy, which is what accept_len (tokens
 per verify of the learned drafter's arms, bonus included) shows per step.
 
-Reported: accept_len per step of both runs, accept_ratio (adaptive over static, mean of the
+Reported: accept_len per step of both runs, accept_ratio (adaptive over frozen, mean of the
 last 5 steps), the ceiling per step (accept_len_ceiling: the target itself as a chain drafter of
 the `--spec on` depth, on the same responses; ceiling_ratio is about the most accept_ratio could
 be), overhead (mean step time with spot training over without; this includes the adaptive
@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from tailrl.bench.train import TwoRunsConfig
 from tailrl.engine import EngineConfig
-from tailrl.spec.modes import RolloutSpecConfig
+from tailrl.speculative.modes import RolloutSpeculationConfig
 from tailrl.workers.pool import WorkerConfig
 from tailrl.workers.spot import SpotConfig
 
@@ -55,7 +55,7 @@ def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool, steps: int) 
     return {
         "train": train,
         "engine": EngineConfig(exact=cfg.exact),
-        "spec": RolloutSpecConfig(spec=cfg.spec, drafter=drafter),
+        "speculation": RolloutSpeculationConfig(spec=cfg.spec, drafter=drafter),
         "workers": WorkerConfig(workers=cfg.workers),
         "spot": SpotConfig(spot_train=adaptive),
     }
@@ -72,18 +72,18 @@ def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str
     out = Path(cfg.out or f"runs/bench-drafter-{time.strftime('%Y%m%d-%H%M%S')}")
     drafter = warm_drafter(cfg, out, log)
     runs = {name: (lambda step, adaptive=adaptive: _configs(cfg, drafter, adaptive, step))
-            for name, adaptive in (("adaptive", True), ("static", False))}
+            for name, adaptive in (("adaptive", True), ("frozen", False))}
     records = interleaved(out, runs, cfg.steps, lambda m: (
         f"accept_len {m['drafter_accept_len']} step {m['step_s']:.1f}s micro-steps {m['drafter_micro_steps']} "
         f"version {m['drafter_version']}"), log)
-    a, s = records["adaptive"], records["static"]
+    a, s = records["adaptive"], records["frozen"]
     acc_a = [r["drafter_accept_len"] for r in a]
     acc_s = [r["drafter_accept_len"] for r in s]
     ceiling = [r["accept_len_ceiling"] for r in a]
     step_a, step_s = _mean([r["step_s"] for r in a]), _mean([r["step_s"] for r in s])
     result = {
         "accept_len_adaptive": acc_a,
-        "accept_len_static": acc_s,
+        "accept_len_frozen": acc_s,
         "accept_len_ceiling": ceiling,
         "accept_ratio": _mean(acc_a[-LAST:]) / _mean(acc_s[-LAST:]),
         "ceiling_ratio": _mean(ceiling[-LAST:]) / _mean(acc_s[-LAST:]),
@@ -91,7 +91,7 @@ def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str
         "overhead_median": statistics.median(ra["step_s"] / rs["step_s"] for ra, rs in zip(a, s)),
         "preempt_share": sum(r["preempt_latency_s"] for r in a) / sum(r["step_s"] for r in a),
         "step_s_adaptive": step_a,
-        "step_s_static": step_s,
+        "step_s_frozen": step_s,
         "drafter_micro_steps": [r["drafter_micro_steps"] for r in a],
         "idle_seconds_harvested": [r["idle_seconds_harvested"] for r in a],
         "idle_seconds_left": [r["idle_seconds_left"] for r in a],
@@ -101,7 +101,7 @@ def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str
     return result
 
 
-def plot(adaptive: list[float | None], static: list[float | None], ceiling: list[float | None], path: Path) -> Path:
+def plot(adaptive: list[float | None], frozen: list[float | None], ceiling: list[float | None], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,7 +111,7 @@ def plot(adaptive: list[float | None], static: list[float | None], ceiling: list
     nan = lambda xs: [math.nan if x is None else x for x in xs]  # noqa: E731 - a step without drafter verifies
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(steps, nan(adaptive), "o-", label="adaptive (spot-trained)")
-    ax.plot(steps, nan(static), "s--", label="static (frozen warm-up)")
+    ax.plot(steps, nan(frozen), "s--", label="frozen (warm-up, not trained in RL)")
     ax.plot(steps, nan(ceiling), ":", color="gray", label="ceiling (the target's own chain)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("accept_len (tokens per verify)")

@@ -52,7 +52,7 @@ SPEC_MODES = ("off", "auto", "on")
 @dataclass(frozen=True)
 class BenchPeersConfig:
     model: str | None = field(default=None, metadata={"help": "model directory (default: SmolLM2-135M-Instruct)"})
-    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym spec or .jsonl file"})
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym name or .jsonl file"})
     num_prompts: int = field(default=4, metadata={"help": "prompts per step"})
     group_size: int = field(default=4, metadata={"help": "responses per prompt"})
     max_new_tokens: int = field(default=128, metadata={"help": "longest response"})
@@ -112,7 +112,7 @@ def run_tailrl(cfg: BenchPeersConfig, out: Path) -> dict[str, Any]:
     from tailrl.rl.grpo import GRPOConfig
     from tailrl.rl.run_dir import RunDir
     from tailrl.rl.train import TrainConfig, train
-    from tailrl.spec.modes import RolloutSpecConfig
+    from tailrl.speculative.modes import RolloutSpeculationConfig
 
     configs = {
         # fp32 as on the TRL side; one checkpoint at the end (its save is not in step_s anyway).
@@ -120,7 +120,7 @@ def run_tailrl(cfg: BenchPeersConfig, out: Path) -> dict[str, Any]:
                              group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=1.0, top_p=1.0,
                              steps=cfg.total_steps, seed=cfg.seed, checkpoint_every=cfg.total_steps),
         "grpo": GRPOConfig(lr=cfg.lr, micro_batch=cfg.micro_batch, clip_low=0.2, grad_clip=1.0, kl_coef=0.0),
-        "spec": RolloutSpecConfig(spec=cfg.spec, drafter=cfg.drafter),
+        "speculation": RolloutSpeculationConfig(spec=cfg.spec, drafter=cfg.drafter),
     }
     train(configs, out)
     records = RunDir(out).read_metrics()[cfg.warmup:]
@@ -237,10 +237,10 @@ def _tailrl_batch1(cfg: BenchPeersConfig, model_dir: Path, prompts: list[tuple[i
     from tailrl.generate import make_requests
     from tailrl.loading import load_model
     from tailrl.sampling import SamplingParams
-    from tailrl.spec.decoder import fixed
-    from tailrl.spec.modes import SpecConfig, proposers
+    from tailrl.speculative.decoder import fixed
+    from tailrl.speculative.modes import SpeculationConfig, proposers
 
-    spec = SpecConfig(spec="on")  # `--spec on`'s n-gram chain
+    spec = SpeculationConfig(spec="on")  # `--spec on`'s n-gram chain
     engine = Engine(load_model(model_dir, dtype="fp32"), EngineConfig(max_batch=1))
     params = SamplingParams(temperature=1.0, top_p=1.0)
     requests = make_requests(prompts, 1, cfg.seed)
@@ -252,7 +252,7 @@ def _tailrl_batch1(cfg: BenchPeersConfig, model_dir: Path, prompts: list[tuple[i
         for req in requests:
             tokens += len(engine.generate([req], params, cfg.max_new_tokens)[0].token_ids)
         out[name] = {"tokens": tokens, "tok_s": tokens / (time.perf_counter() - t)}
-    out["ngram"]["draft_tokens"] = spec.num_steps
+    out["ngram"]["draft_tokens"] = spec.draft_depth
     return out
 
 
@@ -260,9 +260,9 @@ def _hf_batch1(cfg: BenchPeersConfig, model_dir: Path, prompts: list[tuple[int, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tailrl.spec.modes import SpecConfig
+    from tailrl.speculative.modes import SpeculationConfig
 
-    draft = SpecConfig(spec="on").num_steps  # as many proposed tokens per verify as tailrl's chain
+    draft = SpeculationConfig(spec="on").draft_depth  # as many proposed tokens per verify as tailrl's chain
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad)
 
@@ -290,12 +290,12 @@ def run_batch1(cfg: BenchPeersConfig) -> dict[str, Any]:
     each side. Tokens differ between sides (own random numbers): compare tokens/s."""
     from tailrl.loading import load_tokenizer, resolve_model_dir
     from tailrl.rl.tasks import make_task
-    from tailrl.rl.train import encode_prompt
+    from tailrl.rl.train import encode_question
 
     model_dir = resolve_model_dir(cfg.model)
     tok = load_tokenizer(model_dir)
     task = make_task(cfg.task)
-    prompts = [encode_prompt(tok, task.sample(cfg.seed, i).question) for i in range(cfg.num_prompts)]
+    prompts = [encode_question(tok, task.sample(cfg.seed, i).question) for i in range(cfg.num_prompts)]
     out = {"tailrl": _tailrl_batch1(cfg, model_dir, prompts),
            "transformers": _hf_batch1(cfg, model_dir, prompts, tok.pad_token_id)}
     out["ngram_over_lookup"] = out["tailrl"]["ngram"]["tok_s"] / out["transformers"]["lookup"]["tok_s"]

@@ -15,7 +15,7 @@ The long-tail picture: the running batch size over time per mode, and the ideal 
 off run's prefill plus all its decode tokens at the throughput of its full-batch steps: what the
 rollout would take if no sequence were longer than the others.
 
-Knows: how to build a step's requests (tailrl.rl.train) and install a mode (tailrl.spec.modes).
+Knows: how to build a step's requests (tailrl.rl.train) and install a mode (tailrl.speculative.modes).
 Does not know: rewards, training.
 """
 
@@ -33,8 +33,8 @@ from tailrl.rl.run_dir import atomic_file
 from tailrl.rl.tasks import DEFAULT_TASK, make_task
 from tailrl.rl.train import TrainConfig, rollout_requests
 from tailrl.sampling import SamplingParams
-from tailrl.spec.modes import SpecConfig, install
-from tailrl.spec.report import rollout_report
+from tailrl.speculative.modes import SpeculationConfig, install
+from tailrl.speculative.report import rollout_report
 from tailrl.tuner import TunerConfig
 
 MODES = ("off", "ngram", "drafter", "auto")
@@ -45,7 +45,7 @@ class BenchRolloutConfig:
     model: str | None = field(default=None, metadata={"help": "target model directory (default: SmolLM2-135M-Instruct)"})
     dtype: str = field(default="auto", metadata={"help": "rollout dtype", "choices": ["auto", "bf16", "fp32"]})
     drafter: str | None = field(default=None, metadata={"help": "learned drafter directory (adds the drafter mode; auto uses it too)"})
-    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym spec or .jsonl file"})
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym name or .jsonl file"})
     num_prompts: int = field(default=8, metadata={"help": "prompts in the batch"})
     group_size: int = field(default=8, metadata={"help": "samples per prompt"})
     max_new_tokens: int = field(default=512, metadata={"help": "longest response"})
@@ -87,14 +87,14 @@ class ModeResult:
         }
 
 
-def _spec_config(mode: str, drafter: str | None) -> SpecConfig:
+def _spec_config(mode: str, drafter: str | None) -> SpeculationConfig:
     if mode == "off":
-        return SpecConfig(spec="off")
+        return SpeculationConfig(spec="off")
     if mode == "ngram":
-        return SpecConfig(spec="on")
+        return SpeculationConfig(spec="on")
     if mode == "drafter":
-        return SpecConfig(spec="on", drafter=drafter)
-    return SpecConfig(spec="auto", drafter=drafter)
+        return SpeculationConfig(spec="on", drafter=drafter)
+    return SpeculationConfig(spec="auto", drafter=drafter)
 
 
 def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -40,7 +40,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {
     "generate": ("engine tokens/s vs transformers generate",
                  "tailrl.bench.generate:BenchGenerateConfig", "tailrl.bench.generate:report"),
     "spec": ("plain vs speculative tokens/s per batch size and arm",
-             "tailrl.bench.spec:BenchSpecConfig", "tailrl.bench.spec:report"),
+             "tailrl.bench.speculative:BenchSpeculativeConfig", "tailrl.bench.speculative:report"),
     "rollout": ("one long-tailed GRPO rollout batch: SD off, n-gram, drafter, auto",
                 "tailrl.bench.rollout:BenchRolloutConfig", "tailrl.bench.rollout:run"),
     "train": ("K RL steps: full TLT vs SD off, step times and identical work",
@@ -109,7 +109,7 @@ def run(cfg: BenchAllConfig, configs: dict[str, Any], log: Callable[[str], None]
     names = list(cfg.only or BENCHES)
     drafter = cfg.drafter
     if drafter is None and any("drafter" in _field_names(configs[n]) for n in names):
-        from tailrl.spec.warmup import WarmupConfig, warmup
+        from tailrl.speculative.drafter.warmup import WarmupConfig, warmup
 
         drafter = str(out / "drafter")
         log(f"warming up a drafter into {drafter} (give --drafter DIR to reuse one)")
@@ -238,7 +238,7 @@ def _drafter(r: dict[str, Any]) -> list[str]:
             f"the trainer {r['preempt_share']:.2%} of step time.", "",
             "| step | " + " | ".join(map(str, steps)) + " |", "|---|" + "---|" * len(steps),
             f"| adaptive accept_len | {row(r['accept_len_adaptive'])} |",
-            f"| frozen accept_len | {row(r['accept_len_static'])} |",
+            f"| frozen accept_len | {row(r['accept_len_frozen'])} |",
             f"| ceiling (target's own chain) | {row(r['accept_len_ceiling'])} |",
             "| spot micro-steps | " + " | ".join(map(str, r["drafter_micro_steps"])) + " |",
             f"| idle s harvested | {row(r['idle_seconds_harvested'])} |"]

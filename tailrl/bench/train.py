@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from tailrl.engine import EngineConfig
 from tailrl.rl.tasks import DEFAULT_TASK
-from tailrl.spec.modes import RolloutSpecConfig
+from tailrl.speculative.modes import RolloutSpeculationConfig
 from tailrl.workers.pool import WorkerConfig
 from tailrl.workers.spot import SpotConfig
 
@@ -44,7 +44,7 @@ class TwoRunsConfig:
     """Two GRPO runs of the same model, task and seeds on the same workers (bench train, bench drafter)."""
 
     model: str | None = field(default=None, metadata={"help": "model directory (default: SmolLM2-135M-Instruct)"})
-    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym spec 'name(key=value)' or a .jsonl file"})
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym name 'name(key=value)' or a .jsonl file"})
     reward: str | None = field(default=None, metadata={"help": "user reward 'module:function' (default: the task's)"})
     steps: int = field(default=5, metadata={"help": "RL steps per run"})
     drafter: str | None = field(
@@ -79,7 +79,7 @@ def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) ->
     return {
         "train": train,
         "engine": EngineConfig(exact=cfg.exact),
-        "spec": RolloutSpecConfig(spec="auto", drafter=drafter) if tlt else RolloutSpecConfig(spec="off"),
+        "speculation": RolloutSpeculationConfig(spec="auto", drafter=drafter) if tlt else RolloutSpeculationConfig(spec="off"),
         "workers": WorkerConfig(workers=cfg.workers),
         "spot": SpotConfig(spot_train=tlt),
     }
@@ -118,7 +118,7 @@ def warm_drafter(cfg: Any, out: Path, log: Callable[[str], None]) -> str:
     """cfg.drafter, or a drafter warmed up for cfg's model and task into out/warm-drafter."""
     if cfg.drafter is not None:
         return cfg.drafter
-    from tailrl.spec.warmup import WarmupConfig, warmup
+    from tailrl.speculative.drafter.warmup import WarmupConfig, warmup
 
     drafter = str(out / "warm-drafter")
     log(f"warming up a drafter into {drafter}")

@@ -13,7 +13,7 @@ Uses matplotlib's object API with the Agg canvas (no pyplot, no global backend, 
 Files are replaced atomically, so an image viewer never reads a half-written PNG.
 
 Knows: the metrics record fields (step, reward_mean, format_rate, response_lens,
-max_new_tokens, rollout_s, reward_s, train_s, step_s; tailrl.spec.report's fields). Does not
+max_new_tokens, rollout_s, reward_s, train_s, step_s; tailrl.speculative.report's fields). Does not
 know: how they were measured.
 """
 
@@ -168,7 +168,7 @@ def write_plots(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     plots = [("rewards", plot_rewards), ("lengths", plot_lengths), ("times", plot_times)]
-    if all("batch_timeline" in r for r in records):  # runs from before tailrl.spec.report lack it
+    if all("batch_timeline" in r for r in records):  # runs from before tailrl.speculative.report lack it
         plots.append(("decoding", plot_decoding))
     for name, draw in plots:
         path = out_dir / f"{name}.png"

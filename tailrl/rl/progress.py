@@ -60,13 +60,14 @@ class ConsolePrinter:
         self.stream = stream
         self.live = stream.isatty()
         self.every_s = every_s
-        self._last = 0.0
+        self._last: float | None = None  # when the last live line was written; None: never
 
     def __call__(self, event: Any) -> None:
         if isinstance(event, RolloutProgress):
             p = event.progress
             now = time.monotonic()
-            if not self.live and now - self._last < self.every_s:
+            # No clock origin is assumed: monotonic() may be near zero on a machine just booted.
+            if not self.live and self._last is not None and now - self._last < self.every_s:
                 return
             self._last = now
             rate = p.tokens / p.seconds if p.seconds else 0.0

@@ -257,7 +257,7 @@ class JsonlTask:
 
 
 # ---------------------------------------------------------------------------------------------
-# Task specs
+# Task names
 
 
 def _unknown_task_message(name: str, valid: list[str]) -> str:
@@ -270,34 +270,34 @@ def _unknown_task_message(name: str, valid: list[str]) -> str:
     )
 
 
-def _parse_rg_spec(spec: str) -> tuple[str, dict[str, Any]]:
+def _parse_rg_name(text: str) -> tuple[str, dict[str, Any]]:
     """'name' or 'name(key=literal, ...)' -> (name, settings)."""
     try:
-        node = ast.parse(spec.strip(), mode="eval").body
+        node = ast.parse(text.strip(), mode="eval").body
     except SyntaxError as e:
-        raise ValueError(f"cannot parse task spec {spec!r}; expected name or name(key=value, ...)") from e
+        raise ValueError(f"cannot parse task name {text!r}; expected name or name(key=value, ...)") from e
     if isinstance(node, ast.Name):
         return node.id, {}
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
         try:
             settings = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
         except ValueError as e:
-            raise ValueError(f"task settings in {spec!r} must be Python literals") from e
+            raise ValueError(f"task settings in {text!r} must be Python literals") from e
         return node.func.id, settings
-    raise ValueError(f"cannot parse task spec {spec!r}; expected name or name(key=value, ...)")
+    raise ValueError(f"cannot parse task name {text!r}; expected name or name(key=value, ...)")
 
 
-def make_task(spec: str, **difficulty: Any) -> Task:
-    """A task from a spec string.
+def make_task(name: str, **difficulty: Any) -> Task:
+    """A task from its name.
 
     "rg:chain_sum", "chain_sum" or "rg:chain_sum(max_terms=3, max_digits=1)" name a
-    reasoning-gym dataset and its settings (keyword arguments here override the spec's);
+    reasoning-gym dataset and its settings (keyword arguments here override the name's);
     a path ending in .jsonl names a JsonlTask.
     """
-    spec = spec.strip()
-    if spec.endswith(".jsonl"):
+    name = name.strip()
+    if name.endswith(".jsonl"):
         if difficulty:
             raise ValueError(f"JSONL tasks take no settings, got {sorted(difficulty)}")
-        return JsonlTask(spec)
-    name, settings = _parse_rg_spec(spec.removeprefix("rg:"))
-    return ReasoningGymTask(name, **{**settings, **difficulty})
+        return JsonlTask(name)
+    dataset, settings = _parse_rg_name(name.removeprefix("rg:"))
+    return ReasoningGymTask(dataset, **{**settings, **difficulty})

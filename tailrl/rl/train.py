@@ -24,7 +24,7 @@ Skipped groups. A group whose rewards are all equal has zero advantages; it is l
 update (neither computed nor counted in the token mean, as DAPO's dynamic sampling drops it) but
 counts in the reward metrics.
 
-Speculative rollouts ([spec] section, tailrl.spec.modes) are lossless: they change speed, not
+Speculative rollouts ([speculation] section, tailrl.speculative.modes) are lossless: they change speed, not
 the distribution of tokens. With `exact` (engine option) the model's cached forwards are
 row-invariant (tailrl.model), a verify computes a one-token step's logits bit for bit and the
 tokens are identical too; without it a near-tie flips ~1 token in 1,000 at temperature 1. In
@@ -59,8 +59,8 @@ from tailrl.rl.rewards import from_reward_fn, load_reward, safe_rewards, task_re
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, extract_answer, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
-from tailrl.spec.modes import RolloutSpecConfig
-from tailrl.spec.report import chain_ceiling, rollout_report
+from tailrl.speculative.modes import RolloutSpeculationConfig
+from tailrl.speculative.report import chain_ceiling, rollout_report
 from tailrl.tuner import TunerConfig
 from tailrl.workers.pool import WorkerConfig, WorkerPool, start_pool
 from tailrl.workers.runtimes import WorkerError
@@ -83,7 +83,7 @@ class TrainConfig:
     train_dtype: str = field(
         default="fp32", metadata={"help": "policy (master weights) dtype for the update", "choices": tuple(DTYPES)}
     )
-    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym spec 'name(key=value)' or a .jsonl file"})
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym name 'name(key=value)' or a .jsonl file"})
     reward: str | None = field(
         default=None, metadata={"help": "user reward 'module:function' (prompt, completion, answer) -> float"}
     )
@@ -122,7 +122,7 @@ class TrainConfig:
 
 
 CONFIG_SECTIONS: dict[str, type] = {
-    "train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig, "spec": RolloutSpecConfig, "tuner": TunerConfig,
+    "train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig, "speculation": RolloutSpeculationConfig, "tuner": TunerConfig,
     "workers": WorkerConfig, "spot": SpotConfig,
 }
 
@@ -255,7 +255,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def encode_prompt(tokenizer: Any, question: str) -> tuple[int, ...]:
+def encode_question(tokenizer: Any, question: str) -> tuple[int, ...]:
     """The chat prompt of a question (tailrl.rl.tasks.format_prompt), ending where the answer starts."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model's tokenizer has no chat template; tailrl prompts are chat messages")
@@ -268,7 +268,7 @@ def rollout_requests(task: Task, tokenizer: Any, tc: TrainConfig, step: int, dat
     """The problems of a step (the task's seeded stream at the data cursor) and group_size
     requests per problem, each seeded by (run seed, step, prompt, sample)."""
     problems = [task.sample(tc.seed, data_cursor + i) for i in range(tc.num_prompts)]
-    prompts = [encode_prompt(tokenizer, p.question) for p in problems]
+    prompts = [encode_question(tokenizer, p.question) for p in problems]
     _check_context(prompts, data_cursor, tc.max_new_tokens, context)
     G = tc.group_size
     requests = [Request(prompts[i], derive_seed(tc.seed, step, i, j), group=i) for i in range(len(prompts)) for j in range(G)]
@@ -385,7 +385,7 @@ def train(
     else:
         torch.manual_seed(tc.seed)
         emit(Notice(f"run directory {run.path}"))
-    setup = dict(engine=configs["engine"], spec=configs["spec"], tuner=configs["tuner"], seed=tc.seed)
+    setup = dict(engine=configs["engine"], speculation=configs["speculation"], tuner=configs["tuner"], seed=tc.seed)
     pool = start_pool(configs["workers"], configs["spot"], rollout_model, setup, state.extra.get("workers"))
     where = "on the policy" if rollout_model is policy else f"on a {dtype} copy"
     emit(Notice(f"policy in {tc.train_dtype} on {device}; rollouts {where}"))
@@ -456,7 +456,7 @@ def train(
                 }
                 metrics = step_metrics(step, tc, completions, texts, rewards, informative.count(False),
                                        stats, grad_norm, times, pool, gc.lr, configs["tuner"].bucket_edges,
-                                       configs["spec"].num_steps)
+                                       configs["speculation"].draft_depth)
                 run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     save()

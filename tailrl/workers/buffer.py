@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tailrl.engine import Completion
-from tailrl.spec.drafter_train import TrainSeq
+from tailrl.speculative.drafter.training import TrainSeq
 
 
 def train_seq(c: Completion) -> TrainSeq:

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from tailrl.engine import Completion, EngineStats, Progress, Request
 from tailrl.model import Transformer
 from tailrl.sampling import SamplingParams
-from tailrl.spec.drafter import WEIGHTS_FILE
+from tailrl.speculative.drafter.model import WEIGHTS_FILE
 from tailrl.workers.buffer import DataBuffer
 from tailrl.workers.runtimes import InProcessRuntime, ProcessRuntime, WorkerError
 from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, SpotResult
@@ -270,10 +270,10 @@ def start_pool(cfg: WorkerConfig, spot: SpotConfig, model: Transformer, setup_kw
     """Workers as configured, drafting with `model` (the rollout model) and resuming `state`
     (a WorkerPool.state_dict() from a checkpoint, or None). setup_kw: WorkerSetup's engine,
     spec, tuner, seed."""
-    spec = setup_kw["spec"]
+    speculation = setup_kw["speculation"]
     drafter = None
-    if spec.drafter and spec.spec != "off":
-        weights = load_file(Path(spec.drafter) / WEIGHTS_FILE)  # fp32, as saved
+    if speculation.drafter and speculation.spec != "off":
+        weights = load_file(Path(speculation.drafter) / WEIGHTS_FILE)  # fp32, as saved
         drafter = DrafterState(0, weights)
     collect = drafter is not None and spot.spot_train and cfg.workers >= 2
     tuners = (state or {}).get("tuners")

@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from tailrl.spec.drafter import Drafter
-from tailrl.spec.drafter_train import TrainSeq, drafter_loss, pack
+from tailrl.speculative.drafter.model import Drafter
+from tailrl.speculative.drafter.training import TrainSeq, drafter_loss, pack
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ import torch
 from tailrl.engine import Completion, Engine, EngineConfig, EngineStats, Progress, Request
 from tailrl.model import Transformer
 from tailrl.sampling import SamplingParams
-from tailrl.spec.decoder import SpecDecoder, StepReport
-from tailrl.spec.drafter import Drafter
-from tailrl.spec.drafter_train import TrainSeq
-from tailrl.spec.modes import SpecConfig, install
+from tailrl.speculative.decoder import SpecDecoder, StepReport
+from tailrl.speculative.drafter.model import Drafter
+from tailrl.speculative.drafter.training import TrainSeq
+from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.tuner import TunerConfig
 from tailrl.workers.buffer import train_seq
 from tailrl.workers.spot import DrafterState, SpotJob, SpotResult, run_spot
@@ -41,7 +41,7 @@ class WorkerSetup:
     """What every worker is built from (besides its model)."""
 
     engine: EngineConfig
-    spec: SpecConfig
+    speculation: SpeculationConfig
     tuner: TunerConfig
     seed: int
     collect: bool  # keep hidden states and return TrainSeqs for the drafter's buffer
@@ -82,7 +82,7 @@ class RolloutWorker:
         self.rank, self.model, self.setup = rank, model, setup
         cfg = dataclasses.replace(setup.engine, capture_hidden=setup.engine.capture_hidden or setup.collect)
         self.engine = Engine(model, cfg)
-        self.tuner = install(self.engine, setup.spec, setup.tuner, seed=setup.seed + rank, tuner_state=tuner_state)
+        self.tuner = install(self.engine, setup.speculation, setup.tuner, seed=setup.seed + rank, tuner_state=tuner_state)
         self.beat: Callable[[Any], None] = lambda payload: None
         self.preempted: Callable[[], int] = lambda: 0
         self.drafter_version = 0

@@ -46,7 +46,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tailrl.model import Transformer
-from tailrl.spec.drafter import WEIGHTS_FILE, Drafter, DrafterConfig, DrafterError, check_target, read_drafter_config
+from tailrl.speculative.drafter.model import WEIGHTS_FILE, Drafter, DrafterConfig, DrafterError, check_target, read_drafter_config
 
 ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
 _LAYER = "layers.0."

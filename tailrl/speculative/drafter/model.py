@@ -26,7 +26,7 @@ Cost measured on SmolLM2 at batch 1 (one thread, draft vocab 4096): a chain of 4
 tree of 16 nodes ~22-25 ms, against ~55 ms for one target decode step.
 
 Knows: its layer, the draft vocabulary, the cache layout of its own entries, how a tree is grown
-from its scores (via tailrl.spec.tree.build_tree). Does not know: acceptance, sampling, the tuner.
+from its scores (via tailrl.speculative.tree.build_tree). Does not know: acceptance, sampling, the tuner.
 
 Shapes: B rows, T entries per row in a forward, S attended keys, E hidden size, K draft vocab
 size, F frontier nodes, V target vocabulary.
@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tailrl.model import CacheView, DecoderLayer, KVCache, ModelConfig, Transformer, rope_inv_freq
-from tailrl.spec.tree import DraftTree, Expansion, Frontier, build_tree
+from tailrl.speculative.tree import DraftTree, Expansion, Frontier, build_tree
 
 FORMAT = 1
 CONFIG_FILE = "drafter.json"
@@ -334,7 +334,7 @@ class DrafterProposer:
             if self.owner[i] is not s:  # a new sequence in this slot: its entries start over
                 self.owner[i], self.covered[i] = s, 0
         lengths = [s.length for s in running]
-        scratch = max(1, (arm.num_steps - 1) * arm.topk)
+        scratch = max(1, (arm.draft_depth - 1) * arm.topk)
         self._ensure_cache(b, max(lengths) + scratch)
         device = d.fc.weight.device
         lens = torch.tensor(lengths, device=device)  # (B,) root position L_b
@@ -347,7 +347,7 @@ class DrafterProposer:
 
         root_state = first.hidden[torch.arange(b, device=device), first.root]  # (B, E) h_{L-1}
         pending = torch.tensor([s.pending for s in running], device=device)
-        tree = build_tree(expand, root_state, arm.num_steps, arm.topk, arm.num_draft_tokens, root_tokens=pending)
+        tree = build_tree(expand, root_state, arm.draft_depth, arm.topk, arm.num_draft_tokens, root_tokens=pending)
         self.covered[:b] = lengths
         return tree
 

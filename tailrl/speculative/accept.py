@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from tailrl.sampling import SamplingParams, inverse_cdf, is_top1, process_logits, token_logprobs, uniforms
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.tree import DraftTree
 
 
 @dataclass

@@ -23,9 +23,9 @@ import torch
 from tailrl.engine import Engine, EngineConfig, Request, Seq
 from tailrl.loading import load_model
 from tailrl.sampling import SamplingParams
-from tailrl.spec import decoder as decoder_mod
-from tailrl.spec.decoder import NgramProposer, SpecDecoder, fixed, tuned
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative import decoder as decoder_mod
+from tailrl.speculative.decoder import NgramProposer, SpecDecoder, fixed, tuned
+from tailrl.speculative.tree import DraftTree
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
 ATOL = 1e-5
@@ -80,7 +80,7 @@ class Oracle:
 
     def _row(self, seq: Seq, arm: Arm) -> tuple[list[int], list[int]]:
         done = len(seq.tokens)
-        truth = self.reference[seq.req_index][done : done + arm.num_steps] if self.reference else []
+        truth = self.reference[seq.req_index][done : done + arm.draft_depth] if self.reference else []
         n = arm.num_draft_tokens
         if self.scramble:
             # Random shape; a node is right (the truth at its depth) with probability 1 - scramble.
@@ -112,7 +112,7 @@ def random_proposer(seed: int = 0) -> Oracle:
 
 def reference(model, reqs, params, arm):
     """What plain decoding emits per request, EOS ignored, far enough for any draft."""
-    outs, _ = run(model, reqs, params, max_new=MAX_NEW + arm.num_steps + 1, eos=False)
+    outs, _ = run(model, reqs, params, max_new=MAX_NEW + arm.draft_depth + 1, eos=False)
     return [c.token_ids for c in outs]
 
 
@@ -140,7 +140,7 @@ def assert_stats_consistent(stats, completions, arm):
     assert sp.spec_steps + sp.plain_steps == stats.steps
 
 
-ARM = Arm("drafter", num_steps=5, topk=2, num_draft_tokens=10)
+ARM = Arm("drafter", draft_depth=5, topk=2, num_draft_tokens=10)
 
 
 @pytest.mark.parametrize("name", list(PARAMS))
@@ -174,7 +174,7 @@ def test_compaction_is_what_makes_long_paths_right(model, monkeypatch):
 def test_scrambled_and_random_trees_equal_plain(model, name):
     params, reqs = PARAMS[name], requests(2)
     plain, _ = run(model, reqs, params, capture=True)
-    arm = Arm("drafter", num_steps=4, topk=3, num_draft_tokens=12)
+    arm = Arm("drafter", draft_depth=4, topk=3, num_draft_tokens=12)
     ref = reference(model, reqs, params, arm)
     for proposer in (Oracle(ref, scramble=0.5, seed=3), random_proposer(seed=4)):
         spec, stats = run(model, reqs, params, fixed(arm, proposer), capture=True)
@@ -198,7 +198,7 @@ def test_max_new_tokens_one_and_two(model):
 def test_ngram_proposer_and_tuner_equal_plain(model):
     params, reqs = PARAMS["t1_top_p_top_k"], requests(4)
     plain, _ = run(model, reqs, params)
-    arm = Arm("ngram", num_steps=4, topk=2, num_draft_tokens=8)
+    arm = Arm("ngram", draft_depth=4, topk=2, num_draft_tokens=8)
     proposer = NgramProposer()
     spec, stats = run(model, reqs, params, fixed(arm, proposer))
     assert_same(plain, spec)
@@ -222,7 +222,7 @@ def test_ngram_proposer_drafts_from_siblings_and_history():
     class Stub:
         device = torch.device("cpu")
 
-    prompt, arm = (5, 6, 7), Arm("ngram", num_steps=2, topk=1, num_draft_tokens=2)
+    prompt, arm = (5, 6, 7), Arm("ngram", draft_depth=2, topk=1, num_draft_tokens=2)
 
     def seq(i, tokens, finish=None):
         return Seq(i, Request(prompt, seed=i), length=len(prompt) + len(tokens) - 1, pending=tokens[-1],
@@ -242,10 +242,10 @@ def test_ngram_proposer_drafts_from_siblings_and_history():
 
 
 def test_decoder_rejects_unknown_arms(model):
-    arm = Arm("drafter", num_steps=2, topk=1, num_draft_tokens=2)
+    arm = Arm("drafter", draft_depth=2, topk=1, num_draft_tokens=2)
     with pytest.raises(ValueError, match="needs a 'drafter' proposer"):
         SpecDecoder({}, lambda running: arm, [arm])
-    other = Arm("drafter", num_steps=3, topk=1, num_draft_tokens=3)
+    other = Arm("drafter", draft_depth=3, topk=1, num_draft_tokens=3)
     dec = SpecDecoder({"drafter": random_proposer()}, lambda running: other, [arm])
     with pytest.raises(ValueError, match="not one of the decoder's arms"):
         run(model, requests(0), PARAMS["greedy"], dec)
@@ -261,7 +261,7 @@ def test_smollm2_ngram_sd_equals_plain(smollm2_dir):
     tok = load_tokenizer(smollm2_dir)
     model = load_model(smollm2_dir, dtype="fp32")
     reqs = [Request(encode_prompt(tok, c), seed=i, group=i) for i, c in enumerate(CHATS)]
-    arm = Arm("ngram", num_steps=4, topk=2, num_draft_tokens=8)
+    arm = Arm("ngram", draft_depth=4, topk=2, num_draft_tokens=8)
     params = SamplingParams(temperature=0.0)
     plain, _ = run(model, reqs, params, max_new=32)
     spec, stats = run(model, reqs, params, fixed(arm, NgramProposer()), max_new=32)

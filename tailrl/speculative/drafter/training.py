@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tailrl.engine import Request, Seq
-from tailrl.spec.drafter import Drafter, DrafterProposer
+from tailrl.speculative.drafter.model import Drafter, DrafterProposer
 
 
 @dataclass
@@ -235,7 +235,7 @@ def evaluate_loss(
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class DrafterTrainConfig:
     """Optimiser and loss settings of `train` (warm-up and spot training set them)."""
 
     lr: float = 1e-3
@@ -247,11 +247,11 @@ class TrainConfig:
     warmup_steps: int = 20  # linear learning-rate ramp: the first steps' large gradients overshoot
 
 
-def train(
+def train_drafter(
     drafter: Drafter,
     batches: list[Packed],
     target_head: torch.Tensor,
-    cfg: TrainConfig,
+    cfg: DrafterTrainConfig,
     should_stop: Callable[[int], bool],
     on_step: Callable[[int, LossStats], None] | None = None,
     seed: int = 0,
@@ -321,7 +321,7 @@ def simulate_accept(drafter: Drafter, seqs: list[TrainSeq], arm: Any, max_batch:
     """
     proposer = DrafterProposer(drafter)
     proposer.begin()
-    stats = AcceptStats(0, 0, [0] * (arm.num_steps + 2))
+    stats = AcceptStats(0, 0, [0] * (arm.draft_depth + 2))
     waiting = list(range(len(seqs)))
     running: list[Seq] = []
     while waiting or running:

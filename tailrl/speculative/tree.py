@@ -144,21 +144,21 @@ class Expansion(NamedTuple):
     state: Tensor | None = None  # (B, F, *)
 
 
-def max_tree_nodes(num_steps: int, topk: int) -> int:
+def max_tree_nodes(draft_depth: int, topk: int) -> int:
     """How many nodes build_tree generates: K at step 0, K*K per later step."""
-    return topk + (num_steps - 1) * topk * topk
+    return topk + (draft_depth - 1) * topk * topk
 
 
 def build_tree(
     expand: Callable[[Frontier], Expansion | tuple],
     root_state: Tensor,
-    num_steps: int,
+    draft_depth: int,
     topk: int,
     num_draft_tokens: int,
     *,
     root_tokens: Tensor | None = None,
 ) -> DraftTree:
-    """Best-first draft tree: num_steps calls to expand, then the best num_draft_tokens nodes.
+    """Best-first draft tree: draft_depth calls to expand, then the best num_draft_tokens nodes.
 
     Step 0 expands the root into K children. Each later step expands the K best nodes of the
     last generated layer (by cumulative draft log-prob) into K children each. Finally the
@@ -176,11 +176,11 @@ def build_tree(
       returns  (top-K draft log-probs, their target token ids, the output hidden state), each
                (B, F, ...); the hidden state comes back as its children's parent_state.
     """
-    if num_steps < 1 or topk < 1:
-        raise ValueError(f"num_steps and topk must be >= 1, got {num_steps} and {topk}")
-    if not 1 <= num_draft_tokens <= max_tree_nodes(num_steps, topk):
+    if draft_depth < 1 or topk < 1:
+        raise ValueError(f"draft_depth and topk must be >= 1, got {draft_depth} and {topk}")
+    if not 1 <= num_draft_tokens <= max_tree_nodes(draft_depth, topk):
         raise ValueError(
-            f"num_draft_tokens must be in [1, {max_tree_nodes(num_steps, topk)}] for num_steps={num_steps}, "
+            f"num_draft_tokens must be in [1, {max_tree_nodes(draft_depth, topk)}] for draft_depth={draft_depth}, "
             f"topk={topk}, got {num_draft_tokens}"
         )
     b, device = root_state.shape[0], root_state.device
@@ -190,7 +190,7 @@ def build_tree(
     frontier = Frontier(0, root, none, none, root_state[:, None], ones)
     frontier_scores = torch.zeros(b, 1, device=device)  # (B, F)
     scores, tokens, parents = [], [], []  # per step: (B, F*K)
-    for step in range(num_steps):
+    for step in range(draft_depth):
         exp = Expansion(*expand(frontier))
         log_probs = _checked_log_probs(exp, frontier, topk)  # (B, F, K)
         step_scores = (frontier_scores[:, :, None] + log_probs).flatten(1)  # (B, F*K)
@@ -200,7 +200,7 @@ def build_tree(
         scores.append(step_scores)
         tokens.append(step_tokens)
         parents.append(step_parents)
-        if step + 1 < num_steps:
+        if step + 1 < draft_depth:
             best = _best(step_scores, topk)  # (B, K) candidate index = slot * K + child
             frontier = _next_frontier(frontier, exp.state, best, step_tokens, step_parents, first_id, topk)
             frontier_scores = step_scores.gather(1, best)

@@ -19,13 +19,13 @@ from tailrl.generate import encode_prompt, make_requests
 from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
 from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task
 from tailrl.sampling import SamplingParams
-from tailrl.spec.decoder import fixed
-from tailrl.spec.modes import SpecConfig, proposers
+from tailrl.speculative.decoder import fixed
+from tailrl.speculative.modes import SpeculationConfig, proposers
 from tailrl.tuner import Arm
 
 
 @dataclass
-class BenchSpecConfig:
+class BenchSpeculativeConfig:
     model: str | None = field(default=None, metadata={"help": "target model directory (default: SmolLM2-135M-Instruct)"})
     dtype: str = field(default="auto", metadata={"help": "target dtype", "choices": ["auto", "bf16", "fp32"]})
     drafter: str | None = field(default=None, metadata={"help": "learned drafter directory (none: n-gram arms only)"})
@@ -51,12 +51,12 @@ def arms_for(has_drafter: bool) -> list[Arm]:
     return (learned if has_drafter else []) + ngram
 
 
-def run(cfg: BenchSpecConfig, log=print) -> list[SpecRow]:
+def run(cfg: BenchSpeculativeConfig, log=print) -> list[SpecRow]:
     path = resolve_model_dir(cfg.model)
     tok = load_tokenizer(path)
     model = load_model(path, dtype=cfg.dtype)
     engine = Engine(model, EngineConfig(max_batch=max(cfg.batch_sizes)))
-    props = proposers(SpecConfig(drafter=cfg.drafter), engine)
+    props = proposers(SpeculationConfig(drafter=cfg.drafter), engine)
     task = make_task(DEFAULT_TASK)
     params = SamplingParams(temperature=cfg.temperature)
     rows = []
@@ -79,6 +79,6 @@ def run(cfg: BenchSpecConfig, log=print) -> list[SpecRow]:
     return rows
 
 
-def report(cfg: BenchSpecConfig, log=print) -> dict[str, Any]:
+def report(cfg: BenchSpeculativeConfig, log=print) -> dict[str, Any]:
     """`run` as the JSON object of `--json`; "identical" per row: the arm's tokens are plain decoding's."""
     return {"results": [asdict(r) for r in run(cfg, log)]}

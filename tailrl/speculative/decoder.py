@@ -8,7 +8,7 @@ length .. length + N, each node attending the prefix and its ancestors), walks t
 `accept_walk` and compacts the accepted path's K/V to consecutive positions. The walk uses the
 uniform plain decoding would use at each position, so SD and plain emit the same tokens.
 
-NgramProposer adapts tailrl.spec.ngram to the Proposer protocol: one NgramIndex per prompt, holding
+NgramProposer adapts tailrl.speculative.ngram to the Proposer protocol: one NgramIndex per prompt, holding
 the prompt, this call's sibling responses and earlier calls' responses to the same prompt.
 
 Knows: the Proposer protocol, verify-forward plumbing (positions, masks, cache writes and
@@ -31,9 +31,9 @@ import torch
 
 from tailrl.engine import Engine, Seq
 from tailrl.model import CacheView, KVCache
-from tailrl.spec.accept import accept_walk
-from tailrl.spec.ngram import NgramConfig, NgramIndex, propose_tree
-from tailrl.spec.tree import DraftTree, positions_offsets, tree_mask
+from tailrl.speculative.accept import accept_walk
+from tailrl.speculative.ngram import NgramConfig, NgramIndex, propose_tree
+from tailrl.speculative.tree import DraftTree, positions_offsets, tree_mask
 from tailrl.tuner import Arm, Tuner
 
 
@@ -259,7 +259,7 @@ class NgramProposer:
         n = self.ngram.max_n
         # Only the last max_n tokens of prompt + response are matched; the last one is the root.
         contexts = [(list(s.req.prompt_ids[-n:]) + s.tokens[-n:])[-n:] for s in running]
-        return propose_tree(indexes, contexts, arm.num_steps, arm.topk, arm.num_draft_tokens, engine.device)
+        return propose_tree(indexes, contexts, arm.draft_depth, arm.topk, arm.num_draft_tokens, engine.device)
 
     def finished(self, seq: Seq) -> None:
         """Keep the response for later calls and, if its group is being drafted, for its siblings.

@@ -8,8 +8,8 @@ places it ended is updated as tokens arrive, so proposing never rescans.
 A proposal matches the context's last tokens, longest n first, gathers what followed each match
 (most recent first, up to max_matches), merges those continuations into a trie and keeps nodes
 best-first: longer match, then more occurrences, then more recent; at most topk children per
-node and depth at most num_steps. The tree is then padded to exactly num_draft_tokens nodes: a
-chain repeating the last token (depth <= num_steps), then copies of it under the root (extra
+node and depth at most draft_depth. The tree is then padded to exactly num_draft_tokens nodes: a
+chain repeating the last token (depth <= draft_depth), then copies of it under the root (extra
 root children, harmless: the target verifies every node). Output uses DraftTree's format
 (parents[i] < i, -1 = root).
 
@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class NgramIndex:
                 self._table.setdefault(tuple(seq[end - n :]), []).append(stamp)
 
     def propose(
-        self, context: Sequence[int], num_steps: int, topk: int, num_draft_tokens: int
+        self, context: Sequence[int], draft_depth: int, topk: int, num_draft_tokens: int
     ) -> tuple[list[int], list[int]]:
         """A draft tree (tokens, parents) of exactly num_draft_tokens nodes after context[-1].
 
@@ -84,19 +84,19 @@ class NgramIndex:
         """
         if not context:
             raise ValueError("context must hold at least the root token")
-        if num_steps < 1 or topk < 1 or num_draft_tokens < 0:
+        if draft_depth < 1 or topk < 1 or num_draft_tokens < 0:
             raise ValueError(
-                f"need num_steps >= 1, topk >= 1, num_draft_tokens >= 0, "
-                f"got {num_steps}, {topk}, {num_draft_tokens}"
+                f"need draft_depth >= 1, topk >= 1, num_draft_tokens >= 0, "
+                f"got {draft_depth}, {topk}, {num_draft_tokens}"
             )
         trie = _Trie()
-        for n, stamp, cont in self._matches(context, num_steps):
+        for n, stamp, cont in self._matches(context, draft_depth):
             trie.insert(cont, n, stamp)
         tokens, parents = trie.best(topk, num_draft_tokens)
-        _pad(tokens, parents, int(context[-1]), num_steps, num_draft_tokens)
+        _pad(tokens, parents, int(context[-1]), draft_depth, num_draft_tokens)
         return tokens, parents
 
-    def _matches(self, context: Sequence[int], num_steps: int):
+    def _matches(self, context: Sequence[int], draft_depth: int):
         """(match length, stamp, continuation) of the most recent matches, longest n first."""
         cfg, seen, found = self.config, set(), 0
         tail = [int(t) for t in context[-cfg.max_n :]]
@@ -107,7 +107,7 @@ class NgramIndex:
                 seen.add(stamp)
                 seq_id, end = self._where[stamp]
                 # A match at a sequence's current end (e.g. the row itself) has nothing after it yet.
-                cont = self._seqs[seq_id][end : end + num_steps]
+                cont = self._seqs[seq_id][end : end + draft_depth]
                 if cont:
                     yield n, stamp, cont
                     found += 1
@@ -172,17 +172,17 @@ class _Trie:
         return tokens, parents
 
 
-def _pad(tokens: list[int], parents: list[int], last: int, num_steps: int, size: int) -> None:
+def _pad(tokens: list[int], parents: list[int], last: int, draft_depth: int, size: int) -> None:
     """Fill up to size nodes: a chain repeating the last token under the root, then root duplicates."""
     for k in range(size - len(tokens)):
-        parents.append(len(tokens) - 1 if 0 < k < num_steps else -1)
+        parents.append(len(tokens) - 1 if 0 < k < draft_depth else -1)
         tokens.append(last)
 
 
 def propose_tree(
     indexes: Sequence[NgramIndex],
     contexts: Sequence[Sequence[int]],
-    num_steps: int,
+    draft_depth: int,
     topk: int,
     num_draft_tokens: int,
     device: torch.device | str = "cpu",
@@ -190,7 +190,7 @@ def propose_tree(
     """One n-gram draft per row (row b drafts from indexes[b], its prompt group's index)."""
     if len(indexes) != len(contexts):
         raise ValueError(f"need one index per context, got {len(indexes)} and {len(contexts)}")
-    drafts = [ix.propose(ctx, num_steps, topk, num_draft_tokens) for ix, ctx in zip(indexes, contexts)]
+    drafts = [ix.propose(ctx, draft_depth, topk, num_draft_tokens) for ix, ctx in zip(indexes, contexts)]
     tokens = torch.tensor([t for t, _ in drafts], dtype=torch.long).reshape(len(drafts), num_draft_tokens)
     parents = torch.tensor([p for _, p in drafts], dtype=torch.long).reshape(len(drafts), num_draft_tokens)
     return DraftTree(tokens.to(device), parents.to(device))

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tailrl.engine import Engine, PlainDecoder
-from tailrl.spec.tree import max_tree_nodes
-from tailrl.spec.decoder import NgramProposer, Proposer, SpecDecoder, fixed, tuned
+from tailrl.speculative.tree import max_tree_nodes
+from tailrl.speculative.decoder import NgramProposer, Proposer, SpecDecoder, fixed, tuned
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
 SPEC_MODES = ("off", "on", "auto")
@@ -41,49 +41,49 @@ DRAFTER_ARMS = (Arm("drafter", 2, 1, 2), Arm("drafter", 4, 1, 4), Arm("drafter",
 
 
 @dataclass(frozen=True)
-class SpecConfig:
+class SpeculationConfig:
     """Speculative decoding of rollouts."""
 
     spec: str = field(default="off", metadata={"help": "speculative decoding: off, on (every step) or auto (tuned)", "choices": SPEC_MODES})
     drafter: str | None = field(default=None, metadata={"help": "learned drafter directory (default: n-gram drafter only)"})
-    num_steps: int = field(default=6, metadata={"help": "--spec on: draft depth"})
+    draft_depth: int = field(default=6, metadata={"help": "--spec on: draft depth"})
     topk: int = field(default=1, metadata={"help": "--spec on: children expanded per draft node (1 with --exact: chains)"})
     num_draft_tokens: int = field(default=6, metadata={"help": "--spec on: draft nodes verified per step"})
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_MODES:
             raise ValueError(f"spec must be one of {', '.join(SPEC_MODES)}, got {self.spec!r}")
-        if min(self.num_steps, self.topk, self.num_draft_tokens) < 1:
-            raise ValueError("num_steps, topk and num_draft_tokens must be >= 1")
-        if self.num_draft_tokens > max_tree_nodes(self.num_steps, self.topk):
+        if min(self.draft_depth, self.topk, self.num_draft_tokens) < 1:
+            raise ValueError("draft_depth, topk and num_draft_tokens must be >= 1")
+        if self.num_draft_tokens > max_tree_nodes(self.draft_depth, self.topk):
             raise ValueError(
-                f"num_draft_tokens {self.num_draft_tokens} is more than a tree of depth {self.num_steps} "
+                f"num_draft_tokens {self.num_draft_tokens} is more than a tree of depth {self.draft_depth} "
                 f"and top-{self.topk} expansions can hold"
             )
 
     @property
     def arm(self) -> Arm:
-        return Arm("drafter" if self.drafter else "ngram", self.num_steps, self.topk, self.num_draft_tokens)
+        return Arm("drafter" if self.drafter else "ngram", self.draft_depth, self.topk, self.num_draft_tokens)
 
 
 @dataclass(frozen=True)
-class RolloutSpecConfig(SpecConfig):
+class RolloutSpeculationConfig(SpeculationConfig):
     """Speculative decoding of RL rollouts: adaptive by default, as in TLT."""
 
     spec: str = field(default="auto", metadata={"help": "speculative decoding: auto (tuned, default), off (baseline) or on (every step)", "choices": SPEC_MODES})
 
 
-def proposers(cfg: SpecConfig, engine: Engine) -> dict[str, Proposer]:
+def proposers(cfg: SpeculationConfig, engine: Engine) -> dict[str, Proposer]:
     """The n-gram proposer always; the learned one when a drafter directory is given."""
     out: dict[str, Proposer] = {"ngram": NgramProposer()}
     if cfg.drafter:
-        from tailrl.spec.drafter import DrafterProposer, load_drafter
+        from tailrl.speculative.drafter.model import DrafterProposer, load_drafter
 
         out["drafter"] = DrafterProposer(load_drafter(cfg.drafter, engine.model))
     return out
 
 
-def install(engine: Engine, cfg: SpecConfig, tuner_cfg: TunerConfig | None = None, seed: int = 0,
+def install(engine: Engine, cfg: SpeculationConfig, tuner_cfg: TunerConfig | None = None, seed: int = 0,
             tuner_state: dict[str, Any] | None = None) -> Tuner | None:
     """Set the engine's step decoder for the mode; returns the tuner in auto mode (its state is
     the caller's to checkpoint), else None."""

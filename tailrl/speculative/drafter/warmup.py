@@ -6,7 +6,7 @@ TLT trains its drafter offline before RL starts; this is that step, sized for mi
    The last `holdout_prompts` prompts' responses are held out.
 2. Draft vocabulary: the draft_vocab_size most frequent response tokens (EOS always in), topped
    up with the lowest unused ids (BPE ids roughly follow corpus frequency).
-3. Training (tailrl.spec.drafter_train) under a time and/or step budget; held-out loss is
+3. Training (tailrl.speculative.drafter.training) under a time and/or step budget; held-out loss is
    measured as it goes.
 4. Report on the held-out prompts: loss, top-1 agreement, vocabulary coverage, and accept_len
    of speculative decoding replayed with the real proposer (drafter_train.simulate_accept) on
@@ -33,16 +33,16 @@ from tailrl.engine import Engine, EngineConfig, Request
 from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
 from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
-from tailrl.spec.drafter import Drafter, load_drafter, save_drafter
-from tailrl.spec.drafter_train import (
+from tailrl.speculative.drafter.model import Drafter, load_drafter, save_drafter
+from tailrl.speculative.drafter.training import (
     AcceptStats,
     LossStats,
-    TrainConfig,
+    DrafterTrainConfig,
     TrainSeq,
     evaluate_loss,
     pack,
     simulate_accept,
-    train,
+    train_drafter,
 )
 from tailrl.tuner import Arm
 
@@ -71,7 +71,7 @@ class WarmupConfig:
     train_head: bool = field(default=True, metadata={"help": "train the head (else keep the target's LM-head rows)"})
     unroll: bool = field(default=False, metadata={"help": "also train one draft step deeper (~3.5x cost per step)"})
     seed: int = field(default=0, metadata={"help": "seed of prompts, sampling and training"})
-    eval_num_steps: int = field(default=4, metadata={"help": "draft depth of the held-out accept_len replay"})
+    eval_draft_depth: int = field(default=4, metadata={"help": "draft depth of the held-out accept_len replay"})
     eval_topk: int = field(default=4, metadata={"help": "tree width of the held-out accept_len replay"})
     eval_num_draft_tokens: int = field(default=16, metadata={"help": "tree nodes of the held-out accept_len replay"})
     eval_greedy: bool = field(default=True, metadata={"help": "also replay greedy responses to the held-out prompts"})
@@ -220,8 +220,8 @@ def _train(drafter: Drafter, target, train_seqs: list[TrainSeq], held: list[Trai
         if on_progress is not None:
             on_progress(WarmupProgress("train", step, cfg.steps, time.perf_counter() - t1, s.loss))
 
-    tc = TrainConfig(cfg.lr, ce_weight=cfg.ce_weight, noise=cfg.noise, train_head=cfg.train_head, unroll=cfg.unroll)
-    history = train(drafter, batches, target_head, tc, stop, on_step, seed=cfg.seed)
+    tc = DrafterTrainConfig(cfg.lr, ce_weight=cfg.ce_weight, noise=cfg.noise, train_head=cfg.train_head, unroll=cfg.unroll)
+    history = train_drafter(drafter, batches, target_head, tc, stop, on_step, seed=cfg.seed)
     after = evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight)
     curve.append((len(history), after.loss))
     return history, curve, {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after)}
@@ -229,8 +229,8 @@ def _train(drafter: Drafter, target, train_seqs: list[TrainSeq], held: list[Trai
 
 def evaluate_accept(drafter: Drafter, held: list[TrainSeq], cfg: WarmupConfig) -> dict:
     """accept_len on the held-out responses for a chain and for the configured tree."""
-    arms = [Arm("drafter", cfg.eval_num_steps, 1, cfg.eval_num_steps)]
-    arms.append(Arm("drafter", cfg.eval_num_steps, cfg.eval_topk, cfg.eval_num_draft_tokens))
+    arms = [Arm("drafter", cfg.eval_draft_depth, 1, cfg.eval_draft_depth)]
+    arms.append(Arm("drafter", cfg.eval_draft_depth, cfg.eval_topk, cfg.eval_num_draft_tokens))
     result = {}
     for arm in arms:
         s: AcceptStats = simulate_accept(drafter, held, arm)
