@@ -207,7 +207,7 @@ def _add_bench(sub) -> None:
         b.add_argument("--json", action="store_true", help="print one JSON object")
         cfglib.add_arguments(b, _sections({"bench": config}))
         b.set_defaults(run=runners[name])
-    a = bench.add_parser("all", help="every bench: a JSON file and PNG each, and the README's results section")
+    a = bench.add_parser("all", help="every bench: a JSON file and PNG each, and the results page (docs/results.md)")
     a.add_argument("--config", metavar="FILE.toml", help="one table per bench ([rollout], [train], ...) and [all]")
     a.add_argument("--json", action="store_true", help="print one JSON object: bench -> result file or why skipped")
     cfglib.add_arguments(a, _sections({"all": "tailrl.bench.suite:BenchAllConfig"}))

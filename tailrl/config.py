@@ -74,7 +74,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 
 
 # Renamed fields: the old name (flag or TOML key) is refused with a message naming the new one.
-RENAMED = {"num_steps": "draft_depth"}
+RENAMED = {"num_steps": "draft_depth", "readme": "results_md"}
 
 
 class _Renamed(argparse.Action):

@@ -23,7 +23,7 @@ mode every cached-path matmul runs on blocks of exactly `row_block(dtype)` rows,
 in fixed-size key chunks (`chunked_qk`, `chunked_pv`) and the softmax normaliser is summed in fp64 (a
 tree's accepted path sits at non-consecutive keys). It is off by default because it costs speed
 (fixed blocks are padded work, and past one block the weights are read once per block); the
-costs measured are in the README ("Lossless; bit for bit with --exact"). Without it,
+costs measured are in docs/lossless.md. Without it,
 speculative decoding is lossless in distribution (every token is an exact sample of the
 target's logits as one kernel or the other computed them) but not bit-reproducible.
 
@@ -299,7 +299,7 @@ class Attention(nn.Module):
         keys = ck[:, :, : view.kv_len]  # (B, K, S, D)
         g = self.h // self.k
         # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
-        # copies for GQA, and on CPU it beats SDPA for bf16 decode (DESIGN.md section 9).
+        # copies for GQA, and on CPU it beats SDPA for bf16 decode.
         n = g * t
         if not self.exact:
             scores = (q.reshape(b, self.k, n, d) @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)

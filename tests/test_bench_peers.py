@@ -67,4 +67,4 @@ def test_both_sides_run_the_same_steps_and_batch1(tiny_chat_dir, capsys):
     for side, arms in (("tailrl", ("plain", "ngram")), ("transformers", ("plain", "lookup"))):
         assert all(0 < b[side][a]["tokens"] <= 2 * 4 and b[side][a]["tok_s"] > 0 for a in arms)
     rows = [line for line in _peers(result) if line.startswith("| TRL") or line.startswith("| tailrl")]
-    assert len(rows) == 2  # the README's rendering of the report
+    assert len(rows) == 2  # the results page's rendering of the report

@@ -19,6 +19,6 @@ def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_dir, tmp
     tokens = {m["tokens"] for m in report["modes"].values()}
     assert len(tokens) == 1 and all(m["differing_sequences"] == 0 for m in report["modes"].values())
     assert report["modes"]["ngram"]["accept_len"] >= 1.0 and report["modes"]["ngram"]["sd_fraction"] == 1.0
-    rows = [line for line in _rollout(report) if line.startswith("| ")][1:]  # the README's rendering
+    rows = [line for line in _rollout(report) if line.startswith("| ")][1:]  # the results page's rendering
     assert [line.split(" | ")[0] for line in rows] == ["| off", "| ngram", "| auto"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

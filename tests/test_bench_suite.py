@@ -1,29 +1,29 @@
 """`tailrl bench all`: runs the selected benches, keeps their JSON, and rewrites exactly the
-README's results section (text around it stays), refusing a README without markers."""
+results page's generated section (text around it stays), refusing a page without markers."""
 
 import json
 
 import pytest
 
-from tailrl.bench.suite import END, START, update_readme
+from tailrl.bench.suite import END, START, BenchAllConfig, update_results_md
 from tailrl.cli import main
 
 
 def test_bench_all_writes_json_and_rewrites_only_the_results_section(smollm2_dir, tmp_path, capsys):
     config = tmp_path / "bench.toml"
     config.write_text(f'[generate]\nmodel = "{smollm2_dir}"\ndtype = "fp32"\nbatch_sizes = [1, 2]\nmax_new_tokens = 3\n')
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n\nbefore\n{START}\nold numbers\n{END}\nafter\n")
+    page = tmp_path / "results.md"
+    page.write_text(f"# title\n\nbefore\n{START}\nold numbers\n{END}\nafter\n")
     results = tmp_path / "results"
     args = ["bench", "all", "--config", str(config), "--only", "generate", "--results", str(results),
-            "--readme", str(readme), "--json"]
+            "--results-md", str(page), "--json"]
     for _ in range(2):  # a second run replaces the section, never appends
         assert main(args) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"generate": str(results / "generate.json")}
     record = json.loads((results / "generate.json").read_text())
     assert record["config"]["batch_sizes"] == [1, 2] and record["meta"]["cores"] >= 1
     assert [r["batch_size"] for r in record["report"]["results"]] == [1, 2]
-    text = readme.read_text()
+    text = page.read_text()
     assert text.startswith("# title\n\nbefore\n" + START) and text.endswith(END + "\nafter\n")
     assert text.count(START) == 1 and "old numbers" not in text
     section = text.split(START)[1].split(END)[0]
@@ -32,11 +32,18 @@ def test_bench_all_writes_json_and_rewrites_only_the_results_section(smollm2_dir
     assert len(rows) == 2 and all(line.endswith("x |") for line in rows)
 
 
-def test_bench_all_refuses_a_readme_without_markers_and_unknown_benches(tmp_path, capsys):
-    readme = tmp_path / "README.md"
-    readme.write_text("# no markers\n")
-    assert main(["bench", "all", "--only", "nosuch", "--readme", str(readme)]) == 2
+def test_bench_all_refuses_a_page_without_markers_and_unknown_benches(tmp_path, capsys):
+    page = tmp_path / "results.md"
+    page.write_text("# no markers\n")
+    assert main(["bench", "all", "--only", "nosuch", "--results-md", str(page)]) == 2
     assert "unknown bench(es) nosuch" in capsys.readouterr().err
     with pytest.raises(ValueError, match="has no results markers"):
-        update_readme(readme, "x")
-    assert readme.read_text() == "# no markers\n"
+        update_results_md(page, "x")
+    assert page.read_text() == "# no markers\n"
+
+
+def test_bench_all_writes_docs_results_md_by_default_and_refuses_the_old_flag(capsys):
+    assert BenchAllConfig().results_md == "docs/results.md"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "all", "--readme", "README.md"])
+    assert exit_info.value.code == 2 and "--readme was renamed --results-md" in capsys.readouterr().err

@@ -50,7 +50,7 @@ def test_bench_train_runs_tlt_and_baseline_on_identical_tokens(char_model_dir, t
     assert all(r["sd_fraction"] == 0 for r in base) and any(r["sd_fraction"] > 0 for r in tlt)
     assert [r["loss"] for r in tlt] == [r["loss"] for r in base]
     table = [line for line in _train(report) if line.startswith("| 1 |") or line.startswith("| 2 |")]
-    assert len(table) == 2  # the README's rendering of the report
+    assert len(table) == 2  # the results page's rendering of the report
     assert (out / "bench-train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -75,5 +75,5 @@ def test_bench_drafter_compares_adaptive_and_frozen_drafters_step_by_step(char_m
     # Same tokens from the same target logits: the same ceiling, whichever drafter drafted.
     assert report["accept_len_ceiling"] == [r["accept_len_ceiling"] for r in frozen]
     assert all(x >= 1.0 for x in report["accept_len_ceiling"])
-    assert sum(line.startswith("| ceiling") for line in _drafter(report)) == 1  # the README's rendering
+    assert sum(line.startswith("| ceiling") for line in _drafter(report)) == 1  # the results page's rendering
     assert all(r["drafter_version"] == 0 for r in frozen)

@@ -278,7 +278,7 @@ def test_smollm2_speculation_gives_plain_tokens_exactly(smollm2_dir, dtype):
     row-invariant forwards (tailrl.model) a verify rounded differently from a one-token step and
     ~1 token in 1,000 flipped at this temperature in fp32, so this run of 512 tokens would catch
     that with p ~ 0.4; in bf16 without exact mode all 16 sequences of a run like this one flipped
-    within their first 4 tokens (README, "Lossless"), so it is caught surely (the deterministic
+    within their first 4 tokens (docs/lossless.md), so it is caught surely (the deterministic
     guard is test_model.py::test_token_logits_do_not_depend_on_the_forward_shape)."""
     target = load_model(smollm2_dir, dtype=dtype)
     prompts = [tuple(range(1000 + 50 * i, 1000 + 50 * i + 20 + 7 * i)) for i in range(4)]

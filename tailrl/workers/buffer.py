@@ -1,6 +1,6 @@
 """The drafter's data buffer: finished responses with the target hidden states that produced them.
 
-What it holds (DESIGN.md section 5, TLT's "one-step offset"): the current step's finished
+What it holds (TLT's "one-step offset", docs/architecture.md): the current step's finished
 responses, in the order they arrived, and the longest responses of the previous step. The long
 ones are kept because the current step's long responses finish last, often after the spot
 trainer has stopped, so without them the drafter would rarely see the long tail it is meant to

@@ -45,8 +45,8 @@ class SpotConfig:
         default=True, metadata={"help": "train the learned drafter on idle workers (needs --workers >= 2 and --drafter)"}
     )
     # 1e-4, not 3e-4: a 20-step `bench drafter` run with 3e-4 (and one sequence per packed slot)
-    # ended below the frozen drafter (accept_ratio 0.92); replayed offline (README, "Spot
-    # training"), 1e-4 was as good or better after 5, 20 and 60 micro-steps, and steadier.
+    # ended below the frozen drafter (accept_ratio 0.92); replayed offline (docs/workers.md,
+    # "Packing"), 1e-4 was as good or better after 5, 20 and 60 micro-steps, and steadier.
     drafter_lr: float = field(default=1e-4, metadata={"help": "spot training AdamW learning rate"})
     drafter_batch_tokens: int = field(
         default=512, metadata={"help": "drafter entries per micro-step (bounds the preemption latency)"}

@@ -4,7 +4,7 @@ Data. A TrainSeq is a token sequence with the target's hidden state at every pos
 last, exactly what the engine keeps (Seq.prompt_hidden + Seq.hidden, or a prompt forward plus
 Completion.hidden): tokens x_0..x_{T-1}, hidden h_0..h_{T-2} (h_q produced x_{q+1}).
 
-The offset (DESIGN.md section 5). Entry i = 0..T-3 reads (h_i, embed(x_{i+1})) at position i and
+The offset (docs/architecture.md). Entry i = 0..T-3 reads (h_i, embed(x_{i+1})) at position i and
 is trained to predict h_{i+1}: SmoothL1 against h_{i+1}, plus ce_weight x cross-entropy of the
 drafter's draft-vocabulary distribution against the target's distribution of x_{i+2},
 softmax(lm_head(h_{i+1})) restricted to the draft vocabulary and renormalised. The soft target (not
