@@ -120,14 +120,14 @@ class WorkerPool:
         self._on_progress: Callable[[Progress], None] | None = None
         self._on_finished: Callable[[int, Completion], None] | None = None
         self._shards: list[range] = []
+        self._reported: set[int] = set()  # request indices passed to _on_finished this call
 
     # ---- calls ----------------------------------------------------------------------------
 
     def _on_beat(self, rank: int, payload: Any) -> None:
         self._heard[rank] = time.monotonic()
         if isinstance(payload, Finished):
-            if self._on_finished is not None:
-                self._on_finished(self._shards[rank][payload.index], payload.completion)
+            self._report(self._shards[rank][payload.index], payload.completion)
         elif isinstance(payload, Progress):
             self._progress[rank] = payload
             if self._on_progress is not None:
@@ -135,6 +135,13 @@ class WorkerPool:
                 self._on_progress(Progress(sum(p.done for p in ps), sum(p.total for p in ps),
                                            sum(p.running for p in ps), sum(p.tokens for p in ps),
                                            max(p.seconds for p in ps)))
+
+    def _report(self, index: int, completion: Completion) -> None:
+        """on_finished once per request: from its Finished beat, or from its shard's result when
+        the runtime delivered the beat late or not at all (Ray polls beats)."""
+        if self._on_finished is not None and index not in self._reported:
+            self._reported.add(index)
+            self._on_finished(index, completion)
 
     def _start(self, rank: int, method: str, *args: Any) -> None:
         self._heard[rank] = time.monotonic()
@@ -189,6 +196,7 @@ class WorkerPool:
         self._on_progress, self._progress = on_progress, {}
         t0 = time.monotonic()
         shards = self._shards = shard_indices(len(requests), self.runtime.size)
+        self._reported = set()
         busy = set()
         for rank, idx in enumerate(shards):
             if idx:
@@ -214,6 +222,8 @@ class WorkerPool:
                         if other != rank:
                             self.tuner_pending[other].extend(reply.tuner_new)
                     self.buffer.add(reply.train_seqs)
+                    for i, c in zip(shards[rank], reply.completions):
+                        self._report(i, c)
                 else:
                     spot, stopped_at = reply, time.monotonic()
                     self._spot_done(trainer, reply)
