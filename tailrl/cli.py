@@ -268,10 +268,12 @@ def _run_bench_train(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(report))
     else:
-        lo, hi = report["speedup_step_range"]
-        print(f"speedup_e2e {report['speedup_e2e']:.3f} (per step {lo:.2f}-{hi:.2f}), speedup_rollout "
-              f"{report['speedup_rollout']:.3f}; identical tokens {report['identical_tokens']}, rewards "
-              f"{report['identical_rewards']}; plot {report['png']}")
+        for name, r in report["runs"].items():
+            lo, hi = r["speedup_step_range"]
+            print(f"{name:12s} speedup_e2e {r['speedup_e2e']:.3f} (per step {lo:.2f}-{hi:.2f}), speedup_rollout "
+                  f"{r['speedup_rollout']:.3f}; idle s/step: policy {r['idle_policy_s']:.1f}, drafter "
+                  f"{r['idle_drafter_s']:.1f}, unused {r['idle_unused_s']:.1f}")
+        print(f"identical tokens {report['identical_tokens']}, rewards {report['identical_rewards']}; plot {report['png']}")
 
 
 def _run_bench_all(args: argparse.Namespace) -> None:

@@ -216,8 +216,12 @@ class Engine:
         max_new_tokens: int,
         stop: Callable[[list[int]], bool] | None = None,
         on_progress: Callable[[Progress], None] | None = None,
+        on_finished: Callable[[int, Completion], None] | None = None,
     ) -> list[Completion]:
-        """Run all requests to completion; stats of the call are left in `self.stats`."""
+        """Run all requests to completion; stats of the call are left in `self.stats`.
+
+        on_progress(Progress) is called after every decode step; on_finished(request index,
+        completion) as each sequence finishes, before the call returns them all."""
         capacity = self.check_requests(requests, max_new_tokens, extra=getattr(self.decoder, "max_tree", 0) + 1)
         self._ensure_cache(capacity, len(requests))
         self.stats = EngineStats()
@@ -234,7 +238,7 @@ class Engine:
         with torch.inference_mode():
             while waiting or running:
                 self._admit(waiting, running)
-                self._retire(running, results)  # a first token can already end a sequence
+                self._retire(running, results, on_finished)  # a first token can already end a sequence
                 if not running:
                     continue
                 t0, tokens0 = time.perf_counter(), self.stats.tokens
@@ -242,7 +246,7 @@ class Engine:
                 t1 = time.perf_counter()
                 self.stats.steps += 1
                 self.stats.timeline.append(StepRecord(t1 - start, len(running), label, self.stats.tokens - tokens0, t1 - t0))
-                self._retire(running, results)
+                self._retire(running, results, on_finished)
                 if on_progress is not None:
                     done = sum(r is not None for r in results)
                     now = time.perf_counter() - start
@@ -334,7 +338,8 @@ class Engine:
             if seq.finish:
                 return
 
-    def _retire(self, running: list[Seq], results: list[Completion | None]) -> None:
+    def _retire(self, running: list[Seq], results: list[Completion | None],
+                on_finished: Callable[[int, Completion], None] | None) -> None:
         """Move finished sequences out; refill their slots from the end of the batch."""
         i = 0
         while i < len(running):
@@ -348,6 +353,8 @@ class Engine:
                 seq.req.prompt_ids, seq.tokens, seq.logprobs, seq.finish, seq.req.seed, seq.req.group, hidden,
                 prompt_hidden, seq.top1,
             )
+            if on_finished is not None:
+                on_finished(seq.req_index, results[seq.req_index])
             last = running.pop()
             if last is not seq:
                 self.cache.copy_slot(len(running), i, last.length)

@@ -15,19 +15,26 @@ from test_train import char_model_dir, no_plots, task_file  # noqa: F401 - fixtu
 REWARD = "test_train:high_chars_reward"
 
 
-def record(step: int, digest: str, rewards: list[float], step_s: float) -> dict:
-    return {"step": step, "step_s": step_s, "rollout_s": step_s / 2, "train_s": step_s / 2, "tokens_generated": 10,
-            "reward_mean": sum(rewards) / len(rewards), "tokens_sha256": digest, "rewards": rewards}
+def record(step: int, digest: str, rewards: list[float], step_s: float, rollout_s: float | None = None,
+           in_rollout: float = 0.0) -> dict:
+    rollout_s = step_s / 2 if rollout_s is None else rollout_s
+    return {"step": step, "step_s": step_s, "rollout_s": rollout_s, "train_s": step_s - rollout_s, "tokens_generated": 10,
+            "reward_mean": sum(rewards) / len(rewards), "tokens_sha256": digest, "rewards": rewards,
+            "update_in_rollout_s": in_rollout}
 
 
 def test_compare_sums_step_times_and_flags_the_first_difference():
     base = [record(1, "a", [0.0, 1.0], 4.0), record(2, "b", [1.0, 1.0], 6.0)]
+    overlap = [record(1, "a", [0.0, 1.0], 3.0, 2.0, in_rollout=1.0), record(2, "b", [1.0, 1.0], 4.0, 3.0, in_rollout=2.0)]
     tlt = [record(1, "a", [0.0, 1.0], 2.0), record(2, "c", [1.0, 0.5], 3.0)]
-    report = compare(base, tlt)
+    report = compare({"baseline": base, "overlap_only": overlap, "tlt": tlt})
     assert report["speedup_e2e"] == 10.0 / 5.0 and report["speedup_rollout"] == 5.0 / 2.5
     assert report["speedup_step_range"] == [2.0, 2.0]
-    assert [r["identical_tokens"] for r in report["steps"]] == [True, False]
-    assert [r["identical_rewards"] for r in report["steps"]] == [True, False]
+    o = report["runs"]["overlap_only"]
+    assert o["speedup_e2e"] == 10.0 / 7.0 and o["speedup_step_range"] == [4.0 / 3.0, 6.0 / 4.0]
+    assert o["identical"] and o["idle_policy_s"] == 1.5 and o["idle_drafter_s"] == 0.0
+    assert [r["tlt_identical"] for r in report["steps"]] == [True, False]
+    assert not report["runs"]["tlt"]["identical"]
     assert not report["identical_tokens"] and not report["identical_rewards"]
 
 
@@ -44,11 +51,15 @@ def test_bench_train_runs_tlt_and_baseline_on_identical_tokens(char_model_dir, t
     assert [r["step"] for r in report["steps"]] == [1, 2]
     assert report["identical_tokens"] and report["identical_rewards"]
     assert report["speedup_e2e"] > 0 and report["speedup_rollout"] > 0
-    tlt = [json.loads(line) for line in (out / "tlt" / "metrics.jsonl").read_text().splitlines()]
-    base = [json.loads(line) for line in (out / "baseline" / "metrics.jsonl").read_text().splitlines()]
-    # The runs differ in what TLT adds: speculation and the drafter, never in the samples.
-    assert all(r["sd_fraction"] == 0 for r in base) and any(r["sd_fraction"] > 0 for r in tlt)
-    assert [r["loss"] for r in tlt] == [r["loss"] for r in base]
+    runs = {name: [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("baseline", "sd_only", "overlap_only", "tlt")}
+    # The runs differ in what TLT adds: speculation, the drafter and the overlapped update, never
+    # in the samples or the update's bits.
+    assert all(r["sd_fraction"] == 0 for name in ("baseline", "overlap_only") for r in runs[name])
+    assert all(any(r["sd_fraction"] > 0 for r in runs[name]) for name in ("sd_only", "tlt"))
+    assert all(r["groups_in_rollout"] == 0 for name in ("baseline", "sd_only") for r in runs[name])
+    assert all([r["loss"] for r in runs[name]] == [r["loss"] for r in runs["baseline"]] for name in runs)
+    assert all([r["grad_norm"] for r in runs[name]] == [r["grad_norm"] for r in runs["baseline"]] for name in runs)
     table = [line for line in _train(report) if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(table) == 2  # the results page's rendering of the report
     assert (out / "bench-train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

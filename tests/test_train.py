@@ -25,20 +25,14 @@ from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir, RunDirError, TrainState
-from tailrl.rl.train import (
-    CONFIG_SECTIONS,
-    Sample,
-    TrainConfig,
-    accumulate_gradients,
-    packed_logprobs,
-    policy_weights,
-    train,
-)
+from tailrl.rl.packing import Sample, packed_logprobs
+from tailrl.rl.stream import accumulate_gradients
+from tailrl.rl.train import CONFIG_SECTIONS, TrainConfig, policy_weights, train
 from tailrl.speculative.modes import SpeculationConfig
 
 # Metrics that are wall-clock measurements, so differ between runs of the same computation.
 TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_tok_s",
-          "plain_s", "draft_s", "verify_s", "by_bucket", "batch_timeline"}
+          "plain_s", "draft_s", "verify_s", "by_bucket", "batch_timeline", "update_in_rollout_s", "groups_in_rollout"}
 # How the rollout decoded: with --spec auto (the default) the tuner picks arms by measured
 # speed, so these differ between runs that emit the same tokens.
 DECODE_PATH = {"decode_steps", "spec_verify_steps", "spec_accept_len", "sd_fraction", "accept_hist", "arm_by_bucket"}
@@ -453,3 +447,19 @@ def test_update_gradients_are_the_same_bits_call_after_call(smollm2_dir):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_the_overlapped_update_gives_the_synchronous_run(straight_run, tmp_path, char_model_dir, task_file):
+    # straight_run computes each group's gradient in the rollout's tail when it can (overlap_batch
+    # 8 >= the 8 running slots, so always); with overlap_batch 0 the update waits for the whole
+    # rollout. Same tokens, rewards, losses and gradient norms; same weights and optimizer bits.
+    straight, _ = straight_run
+    out = tmp_path / "sync"
+    train(tiny_configs(char_model_dir, task_file, overlap_batch=0), out)
+    a, b = RunDir(out).read_metrics(), RunDir(straight).read_metrics()
+    assert comparable(a) == comparable(b)
+    assert all(r["groups_in_rollout"] == 0 for r in a)
+    (wa, oa), (wb, ob) = final_state(out), final_state(straight)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    for x, y in zip(oa["state"].values(), ob["state"].values()):
+        assert all(torch.equal(x[k], y[k]) for k in x)

@@ -177,10 +177,13 @@ def test_process_workers_give_the_in_process_tokens(target, tiny_dir):
     want = reference(target, reqs)
     for workers in (1, 2, 3):
         pool = start_pool(WorkerConfig(workers=workers), SpotConfig(), target, setup())
+        finished: list = []
         try:
-            got = pool.generate(1, reqs, PARAMS, 20)
+            got = pool.generate(1, reqs, PARAMS, 20, on_finished=lambda i, c: finished.append((i, c.token_ids)))
         finally:
             pool.close()
+        # Each sequence is reported once, as it finishes, with the tokens generate returns.
+        assert sorted(finished) == [(i, c.token_ids) for i, c in enumerate(got)]
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         assert [c.seed for c in got] == [r.seed for r in reqs]
         assert pool.stats.tokens == sum(len(c.token_ids) for c in want)

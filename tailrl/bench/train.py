@@ -1,10 +1,15 @@
 """`tailrl bench train`: K RL steps of the full TLT configuration against the same run with SD off.
 
-Two GRPO runs from the same start (the default model, the same seed, data and settings):
-- baseline: speculative decoding off, no drafter training;
-- tlt: `--spec auto` with a warmed-up learned drafter and the n-gram drafter, the drafter
-  spot-trained on idle workers (needs >= 2 workers), drafter versions published every step.
-Both use the same workers, so the difference is what TLT adds. The runs are interleaved step by
+Four GRPO runs from the same start (the default model, the same seed, data and settings):
+- baseline: speculative decoding off, no drafter training, the update after the whole rollout
+  (what veRL and TRL do);
+- sd_only: `--spec auto` with a warmed-up learned drafter and the n-gram drafter, the drafter
+  spot-trained on idle workers (needs >= 2 workers), drafter versions published every step;
+  the update still after the rollout;
+- overlap_only: SD off, finished groups' gradients computed in the rollout's tail
+  (tailrl.rl.phases);
+- tlt: both.
+All use the same workers, so the differences are what each part adds. The runs are interleaved step by
 step (step k of one, then step k of the other, each continuing its run directory through
 resume, which reproduces an uninterrupted run), so the drift of a shared machine hits both
 alike; the per-step ratios show the spread.
@@ -15,9 +20,11 @@ rewards, the same updates and the same policies. Every step's tokens digest and 
 compared; without exact mode a near-tie may flip a token (~1 in 1,000 at temperature 1) and the
 runs drift apart from there, which the report then shows as not identical.
 
-Reported: per step both runs' step / rollout / train seconds, tokens, reward_mean and whether
-tokens and rewards agree; speedup_e2e (sum of baseline step times over TLT's), speedup_rollout
-(same for the rollout phase), the per-step ratios' range; a PNG.
+Reported: per step every run's step / rollout / train seconds, tokens, reward_mean and whether
+tokens and rewards agree with the baseline's; per run its speedup over the baseline end to end
+(sum of step times), of the rollout phase, the per-step ratios' range, and how the idle time of
+the rollout's tail was spent (policy gradient, drafter training, unused); speedup_e2e /
+speedup_rollout / speedup_step_range are the tlt run's; a PNG.
 
 Knows: how to configure the two runs and read their metrics. Does not know: how either runs.
 """
@@ -36,7 +43,9 @@ from tailrl.speculative.modes import RolloutSpeculationConfig
 from tailrl.workers.pool import WorkerConfig
 from tailrl.workers.spot import SpotConfig
 
-RUNS = ("baseline", "tlt")
+RUNS = ("baseline", "sd_only", "overlap_only", "tlt")
+SPECULATE = {"sd_only", "tlt"}
+OVERLAP = {"overlap_only", "tlt"}
 
 
 @dataclass(frozen=True)
@@ -73,43 +82,61 @@ def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) ->
     """The train() sections of one run, stopping after `steps` steps."""
     from tailrl.rl.train import TrainConfig
 
-    tlt = run == "tlt"
-    train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                        steps=steps, seed=cfg.seed)
+    sd = run in SPECULATE
+    train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts,
+                        group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, steps=steps, seed=cfg.seed,
+                        overlap_batch=TrainConfig.overlap_batch if run in OVERLAP else 0)
     return {
         "train": train,
         "engine": EngineConfig(exact=cfg.exact),
-        "speculation": RolloutSpeculationConfig(spec="auto", drafter=drafter) if tlt else RolloutSpeculationConfig(spec="off"),
+        "speculation": RolloutSpeculationConfig(spec="auto", drafter=drafter) if sd else RolloutSpeculationConfig(spec="off"),
         "workers": WorkerConfig(workers=cfg.workers),
-        "spot": SpotConfig(spot_train=tlt),
+        "spot": SpotConfig(spot_train=sd),
     }
 
 
-def compare(baseline: list[dict[str, Any]], tlt: list[dict[str, Any]]) -> dict[str, Any]:
-    """The report of two runs' metrics records (one per step, in step order)."""
+def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The report of the runs' metrics records (one per step, in step order); records["baseline"]
+    is what every other run is compared with."""
+    base = records["baseline"]
+    others = [name for name in records if name != "baseline"]
     rows = []
-    for b, t in zip(baseline, tlt, strict=True):
-        rows.append({
-            "step": b["step"],
-            "baseline_step_s": b["step_s"], "tlt_step_s": t["step_s"],
-            "baseline_rollout_s": b["rollout_s"], "tlt_rollout_s": t["rollout_s"],
-            "baseline_train_s": b["train_s"], "tlt_train_s": t["train_s"],
-            "tokens": b["tokens_generated"],
-            "reward_mean": b["reward_mean"],
-            "speedup_step": b["step_s"] / t["step_s"],
-            "speedup_rollout": b["rollout_s"] / t["rollout_s"],
-            "tlt_sd_fraction": t.get("sd_fraction"),
-            "tlt_accept_len": t.get("spec_accept_len"),
-            "identical_tokens": b["tokens_sha256"] == t["tokens_sha256"],
-            "identical_rewards": b["rewards"] == t["rewards"],
-        })
-    total = lambda key: sum(r[key] for r in rows)  # noqa: E731
+    for k, b in enumerate(base):
+        row = {"step": b["step"], "tokens": b["tokens_generated"], "reward_mean": b["reward_mean"]}
+        for name, recs in records.items():
+            r = recs[k]
+            row |= {f"{name}_step_s": r["step_s"], f"{name}_rollout_s": r["rollout_s"], f"{name}_train_s": r["train_s"],
+                    f"{name}_sd_fraction": r.get("sd_fraction"), f"{name}_accept_len": r.get("spec_accept_len")}
+        for name in others:
+            r = records[name][k]
+            row |= {f"{name}_speedup_step": b["step_s"] / r["step_s"],
+                    f"{name}_identical": b["tokens_sha256"] == r["tokens_sha256"] and b["rewards"] == r["rewards"]}
+        rows.append(row)
+    runs = {}
+    for name in others:
+        recs = records[name]
+        ratios = [r[f"{name}_speedup_step"] for r in rows]
+        mean = lambda key: sum(r.get(key) or 0.0 for r in recs) / len(recs)  # noqa: E731
+        runs[name] = {
+            "speedup_e2e": sum(r["step_s"] for r in base) / sum(r["step_s"] for r in recs),
+            "speedup_rollout": sum(r["rollout_s"] for r in base) / sum(r["rollout_s"] for r in recs),
+            "speedup_step_range": [min(ratios), max(ratios)],
+            "identical": all(r[f"{name}_identical"] for r in rows),
+            # How the tail's idle time went, seconds per step: the policy's gradient (computed
+            # before the rollout ended), drafter training on idle workers, idle workers unused.
+            "idle_policy_s": mean("update_in_rollout_s"),
+            "idle_drafter_s": mean("idle_seconds_harvested"),
+            "idle_unused_s": mean("idle_seconds_left"),
+        }
+    tlt = runs.get("tlt") or runs[others[-1]]
     return {
-        "speedup_e2e": total("baseline_step_s") / total("tlt_step_s"),
-        "speedup_rollout": total("baseline_rollout_s") / total("tlt_rollout_s"),
-        "speedup_step_range": [min(r["speedup_step"] for r in rows), max(r["speedup_step"] for r in rows)],
-        "identical_tokens": all(r["identical_tokens"] for r in rows),
-        "identical_rewards": all(r["identical_rewards"] for r in rows),
+        "speedup_e2e": tlt["speedup_e2e"],
+        "speedup_rollout": tlt["speedup_rollout"],
+        "speedup_step_range": tlt["speedup_step_range"],
+        "identical_tokens": all(r["tokens_sha256"] == b["tokens_sha256"] for name in others
+                                for r, b in zip(records[name], base)),
+        "identical_rewards": all(r["rewards"] == b["rewards"] for name in others for r, b in zip(records[name], base)),
+        "runs": runs,
         "steps": rows,
     }
 
@@ -154,7 +181,7 @@ def run(cfg: BenchTrainConfig, log: Callable[[str], None] = print) -> dict[str, 
     records = interleaved(out, runs, cfg.steps, lambda m: (
         f"step {m['step_s']:6.1f} s (rollout {m['rollout_s']:6.1f} s, train {m['train_s']:5.1f} s), "
         f"{m['tokens_generated']} tokens, reward {m['reward_mean']:.3f}"), log)
-    report = compare(records["baseline"], records["tlt"])
+    report = compare(records)
     report["config"] = dataclasses.asdict(cfg) | {"drafter": drafter}
     report["png"] = str(plot(report["steps"], out / "bench-train.png"))
     return report
@@ -168,13 +195,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
 
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, style in (("baseline", "s--"), ("tlt", "o-")):
+    for name, style in (("baseline", "s--"), ("sd_only", "^:"), ("overlap_only", "v:"), ("tlt", "o-")):
+        if f"{name}_step_s" not in rows[0]:
+            continue
         ax.plot(steps, [r[f"{name}_step_s"] for r in rows], style, label=f"{name}: step")
         ax.plot(steps, [r[f"{name}_rollout_s"] for r in rows], style, alpha=0.4, label=f"{name}: rollout")
     ax.set_xlabel("RL step")
     ax.set_ylabel("seconds")
     ax.set_ylim(bottom=0)
-    ax.set_title("GRPO step time: TLT vs speculative decoding off")
+    ax.set_title("GRPO step time: TLT and its parts vs the baseline")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,10 @@ class GRPOConfig:
     kl_coef: float = field(
         default=0.0, metadata={"help": "weight of the k3 KL to the initial policy (0 = no reference model)"}
     )
+    autocast: bool = field(
+        default=False, metadata={"help": "the update's forward and backward in bf16 autocast (fp32 master weights "
+                                         "and optimizer); faster where bf16 matmuls are native, other numerics"}
+    )
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

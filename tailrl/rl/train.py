@@ -51,12 +51,14 @@ import torch
 from tailrl.engine import EngineConfig, Request
 from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
 from tailrl.model import Transformer
-from tailrl.rl.grpo import GRPOConfig, group_advantages, policy_loss, sequence_logprobs
+from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
-from tailrl.rl.rewards import from_reward_fn, load_reward, safe_rewards, task_reward
+from tailrl.rl.phases import StepInputs, run_step
+from tailrl.rl.rewards import from_reward_fn, load_reward, task_reward
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
+from tailrl.rl.stream import UpdateStats
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, extract_answer, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
 from tailrl.speculative.modes import RolloutSpeculationConfig
@@ -101,12 +103,17 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "run seed: data order and every sampling seed"})
     checkpoint_every: int = field(default=1, metadata={"help": "save a checkpoint every N steps (and at the end)"})
     keep_checkpoints: int = field(default=1, metadata={"help": "checkpoints kept on disk (the newest)"})
+    overlap_batch: int = field(
+        default=8, metadata={"help": "compute finished groups' gradients while at most this many sequences decode "
+                                     "(the rollout's tail); 0 = the update waits for the whole rollout"})
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2: GRPO normalises rewards within a group, got {self.group_size}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (greedy makes a group's responses identical), got {self.temperature}")
+        if self.overlap_batch < 0:
+            raise ValueError(f"overlap_batch must be >= 0, got {self.overlap_batch}")
         for name in ("num_prompts", "max_new_tokens", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -135,108 +142,6 @@ class TrainResult:
 
 
 # ---- the update's plumbing -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One response to train on."""
-
-    prompt_ids: tuple[int, ...]
-    token_ids: Sequence[int]
-    advantage: float
-
-
-def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: float) -> torch.Tensor:
-    """Each response token's log-prob under `model`, all samples packed in one row.  -> (1, N)
-
-    Consecutive samples with the same prompt share one copy of it: the row reads prompt,
-    response, response, ..., next prompt, .... A response token attends to its prompt and to
-    its own earlier tokens, and positions restart after the prompt, so every token sees what
-    it would see in a row of its own, while the prompt is computed once per pack instead of
-    once per response (it is most of the tokens when responses are short).
-    """
-    device = model.lm_head.weight.device
-    ids: list[int] = []
-    positions: list[int] = []
-    doc: list[int] = []  # which prompt a token belongs to
-    seg: list[int] = []  # which response a token belongs to; -1 for prompt tokens
-    pred: list[int] = []  # for each response token, the row index of the hidden state predicting it
-    targets: list[int] = []
-    prompt: tuple[int, ...] | None = None
-    for k, s in enumerate(samples):
-        if s.prompt_ids != prompt:
-            prompt = s.prompt_ids
-            ids += prompt
-            positions += range(len(prompt))
-            doc += [k] * len(prompt)
-            seg += [-1] * len(prompt)
-            prompt_last = len(ids) - 1
-        start, n = len(ids), len(s.token_ids)
-        pred += [prompt_last] + list(range(start, start + n - 1))
-        ids += s.token_ids
-        targets += s.token_ids
-        positions += range(len(prompt), len(prompt) + n)
-        doc += [doc[prompt_last]] * n
-        seg += [k] * n
-    row = torch.arange(len(ids), device=device)
-    d, g = torch.tensor(doc, device=device), torch.tensor(seg, device=device)
-    # (L, L): causal, within one prompt's block, and never into a sibling response.
-    mask = (row[None] <= row[:, None]) & (d[None] == d[:, None]) & ((g[None] == -1) | (g[None] == g[:, None]))
-    h = model.hidden(
-        torch.tensor([ids], device=device), torch.tensor([positions], device=device), mask=mask[None, None]
-    )  # (1, L, E)
-    logits = model.lm_head(h[:, torch.tensor(pred, device=device)])  # (1, N, V)
-    return sequence_logprobs(logits, torch.tensor([targets], device=device), temperature)
-
-
-@dataclass(frozen=True)
-class UpdateStats:
-    """Token means over the whole update batch (loss is the objective that was backpropagated)."""
-
-    loss: float = 0.0
-    pg_loss: float = 0.0
-    kl: float = 0.0
-    clip_fraction: float = 0.0
-    ratio_mean: float = 0.0
-    tokens: int = 0
-
-
-def accumulate_gradients(
-    policy: Transformer,
-    samples: Sequence[Sample],
-    cfg: GRPOConfig,
-    temperature: float,
-    ref: Transformer | None = None,
-) -> UpdateStats:
-    """Backpropagate the token-mean GRPO loss of `samples` into .grad, cfg.micro_batch
-    responses per forward/backward (packed with their prompts, see packed_logprobs).
-
-    Every micro-batch divides by the token count of the whole batch, so the accumulated gradient
-    is that of one big batch (a per-micro-batch mean would overweight short micro-batches).
-    Samples with the same prompt should be adjacent, so that packs share prompts.
-    """
-    total = sum(len(s.token_ids) for s in samples)
-    if total == 0:
-        return UpdateStats()
-    sums = dict(loss=0.0, pg_loss=0.0, kl=0.0, clip_fraction=0.0, ratio_mean=0.0)
-    for first in range(0, len(samples), cfg.micro_batch):
-        pack = samples[first : first + cfg.micro_batch]
-        logprobs = packed_logprobs(policy, pack, temperature)  # (1, N)
-        ref_logprobs = None
-        if ref is not None:
-            with torch.no_grad():
-                ref_logprobs = packed_logprobs(ref, pack, temperature)  # (1, N)
-        adv = torch.tensor([[s.advantage for s in pack for _ in s.token_ids]], dtype=torch.float64)  # (1, N)
-        out = policy_loss(
-            logprobs, logprobs.detach(), adv.to(logprobs.device), torch.ones_like(logprobs, dtype=torch.bool),
-            cfg.clip_low, cfg.clip_upper, ref_logprobs, cfg.kl_coef, num_tokens=total,
-        )
-        out.loss.backward()
-        share = logprobs.shape[1] / total  # the diagnostics are token means over this pack
-        sums["loss"] += out.loss.item()
-        for name in ("pg_loss", "kl", "clip_fraction", "ratio_mean"):
-            sums[name] += getattr(out, name) * share
-    return UpdateStats(tokens=total, **sums)
 
 
 def policy_weights(model: Transformer) -> dict[str, torch.Tensor]:
@@ -411,32 +316,15 @@ def train(
             #    prompt, sample), so the tokens do not depend on batching or on a resume.
             problems, requests = rollout_requests(task, tokenizer, tc, step, state.data_cursor,
                                                   rollout_model.cfg.max_position_embeddings)
-            completions = pool.generate(
-                step, requests, params, tc.max_new_tokens,
-                on_progress=lambda progress: emit(RolloutProgress(step, tc.steps, progress)),
-            )
-            t_rollout = time.perf_counter()
-
-            # 2. Rewards from the decoded text; a reward that raises or hangs scores 0 and is counted.
-            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            rewards = safe_rewards(score, [(problems[k // G], texts[k]) for k in range(P * G)], tc.reward_timeout_s)
-            t_reward = time.perf_counter()
-
-            # 3. Group advantages; groups without reward spread carry no signal and sit out the update.
-            reward_table = torch.tensor(rewards.rewards, dtype=torch.float64).view(P, G)  # (P, G)
-            advantages = group_advantages(reward_table)  # (P, G)
-            informative = (reward_table.max(dim=1).values > reward_table.min(dim=1).values).tolist()  # (P,)
-            samples = [
-                Sample(c.prompt_ids, c.token_ids, float(advantages[k // G, k % G]))
-                for k, c in enumerate(completions)
-                if informative[k // G]
-            ]
-
-            # 4. Update: one optimizer step on the token-mean PPO-clip loss of the whole batch,
-            #    accumulated over micro-batches.
+            # 2-4. Rewards from the decoded text, group advantages (a group without reward spread
+            #      sits out), the gradient of the token-mean PPO-clip loss: computed group by group,
+            #      in the rollout's tail for groups already finished (tailrl.rl.phases).
+            inputs = StepInputs(problems, requests, params, tc.max_new_tokens, G, tokenizer, score, tc.reward_timeout_s)
             optimizer.zero_grad(set_to_none=True)
             with deterministic(device):
-                stats = accumulate_gradients(policy, samples, gc, tc.temperature, ref)
+                work = run_step(pool, step, inputs, policy, gc, tc.temperature, ref, tc.overlap_batch,
+                                lambda progress: emit(RolloutProgress(step, tc.steps, progress)))
+            samples = any(g.samples for g in work.groups)
             grad_norm = 0.0
             if samples:
                 max_norm = gc.grad_clip if gc.grad_clip > 0 else float("inf")
@@ -449,13 +337,15 @@ def train(
                 t_train = time.perf_counter()
                 state.step, state.data_cursor = step, state.data_cursor + P
                 times = {
-                    "rollout_s": t_rollout - t_start,
-                    "reward_s": t_reward - t_rollout,
-                    "train_s": t_train - t_reward,
+                    "rollout_s": work.times["rollout_s"],
+                    "reward_s": work.times["reward_s"],
+                    "train_s": t_train - t_start - work.times["rollout_s"] - work.times["reward_s"],
                     "step_s": t_train - t_start,
+                    "update_in_rollout_s": work.times["update_in_rollout_s"],
+                    "groups_in_rollout": work.times["groups_in_rollout"],
                 }
-                metrics = step_metrics(step, tc, completions, texts, rewards, informative.count(False),
-                                       stats, grad_norm, times, pool, gc.lr, configs["tuner"].bucket_edges,
+                metrics = step_metrics(step, tc, work.completions, work.texts, work.rewards, work.skipped,
+                                       work.stats, grad_norm, times, pool, gc.lr, configs["tuner"].bucket_edges,
                                        configs["speculation"].draft_depth)
                 run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:

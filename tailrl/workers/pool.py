@@ -34,7 +34,7 @@ from tailrl.speculative.drafter.model import WEIGHTS_FILE
 from tailrl.workers.buffer import DataBuffer
 from tailrl.workers.runtimes import InProcessRuntime, ProcessRuntime, WorkerError
 from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, SpotResult
-from tailrl.workers.worker import RolloutJob, ShardResult, SpotBeat, WorkerSetup
+from tailrl.workers.worker import Finished, RolloutJob, ShardResult, SpotBeat, WorkerSetup
 
 
 @dataclass(frozen=True)
@@ -118,18 +118,30 @@ class WorkerPool:
         self._heard: dict[int, float] = {}
         self._progress: dict[int, Progress] = {}
         self._on_progress: Callable[[Progress], None] | None = None
+        self._on_finished: Callable[[int, Completion], None] | None = None
+        self._shards: list[range] = []
+        self._reported: set[int] = set()  # request indices passed to _on_finished this call
 
     # ---- calls ----------------------------------------------------------------------------
 
     def _on_beat(self, rank: int, payload: Any) -> None:
         self._heard[rank] = time.monotonic()
-        if isinstance(payload, Progress):
+        if isinstance(payload, Finished):
+            self._report(self._shards[rank][payload.index], payload.completion)
+        elif isinstance(payload, Progress):
             self._progress[rank] = payload
             if self._on_progress is not None:
                 ps = self._progress.values()
                 self._on_progress(Progress(sum(p.done for p in ps), sum(p.total for p in ps),
                                            sum(p.running for p in ps), sum(p.tokens for p in ps),
                                            max(p.seconds for p in ps)))
+
+    def _report(self, index: int, completion: Completion) -> None:
+        """on_finished once per request: from its Finished beat, or from its shard's result when
+        the runtime delivered the beat late or not at all (Ray polls beats)."""
+        if self._on_finished is not None and index not in self._reported:
+            self._reported.add(index)
+            self._on_finished(index, completion)
 
     def _start(self, rank: int, method: str, *args: Any) -> None:
         self._heard[rank] = time.monotonic()
@@ -154,26 +166,42 @@ class WorkerPool:
             out.update(self._wait(set(range(self.runtime.size)) - set(out)))
         return [out[r] for r in range(self.runtime.size)]
 
+    @property
+    def in_process(self) -> bool:
+        """The engine decodes in the thread that calls generate (its torch thread count rules)."""
+        return self.runtime.in_process
+
     # ---- a step's rollout -----------------------------------------------------------------
 
     def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
-                 on_progress: Callable[[Progress], None] | None = None) -> list[Completion]:
+                 on_progress: Callable[[Progress], None] | None = None,
+                 on_finished: Callable[[int, Completion], None] | None = None,
+                 policy_busy: Callable[[], bool] = lambda: False) -> list[Completion]:
+        """The completions of `requests`, in order. on_progress(Progress) as the workers report
+        it; on_finished(request index, completion) as each sequence finishes (in the trainer's
+        thread that called generate). Idle time goes to the policy's update first: spot training
+        starts on an idle worker only while policy_busy() is False."""
+        self._on_finished = on_finished
         try:
-            return self._generate(requests, params, max_new_tokens, on_progress)
+            return self._generate(requests, params, max_new_tokens, on_progress, policy_busy)
         except WorkerError as e:
             raise WorkerError(e.rank, f"{e.reason} in step {step}") from None
+        finally:
+            self._on_finished = None
 
-    def _generate(self, requests, params, max_new_tokens, on_progress) -> list[Completion]:
+    def _generate(self, requests, params, max_new_tokens, on_progress, policy_busy) -> list[Completion]:
         if self.drafter is not None and self.drafter.version != self.published:
             self._call_all("set_drafter", self.drafter.version, self.drafter.weights)
             self.published = self.drafter.version
         self._on_progress, self._progress = on_progress, {}
         t0 = time.monotonic()
-        shards = shard_indices(len(requests), self.runtime.size)
+        shards = self._shards = shard_indices(len(requests), self.runtime.size)
+        self._reported = set()
         busy = set()
         for rank, idx in enumerate(shards):
             if idx:
-                job = RolloutJob([requests[i] for i in idx], params, max_new_tokens, self.tuner_pending[rank])
+                job = RolloutJob([requests[i] for i in idx], params, max_new_tokens, self.tuner_pending[rank],
+                                 report_finished=self._on_finished is not None)
                 self._start(rank, "rollout", job)
                 self.tuner_pending[rank] = []
                 busy.add(rank)
@@ -182,25 +210,29 @@ class WorkerPool:
         trainer: int | None = None
         spot: SpotResult | None = None
         preempt_at = stopped_at = None
+        idle: list[int] = []  # workers done with their shard, in the order they finished
         while busy or trainer is not None:
             for rank, reply in self._wait(busy | ({trainer} if trainer is not None else set())):
                 if isinstance(reply, ShardResult):
                     busy.discard(rank)
+                    idle.append(rank)
                     results[rank], done_at[rank] = reply, time.monotonic()
                     self.tuners[rank] = reply.tuner_state
                     for other in range(self.runtime.size):
                         if other != rank:
                             self.tuner_pending[other].extend(reply.tuner_new)
                     self.buffer.add(reply.train_seqs)
-                    if self.spot_on and busy and trainer is None and spot is None:
-                        trainer = rank
-                        self._job += 1
-                        state = None if rank in self._holders else self.drafter
-                        self._start(rank, "spot_train", SpotJob(self._job, state, self.buffer.training_order(), self.spot))
+                    for i, c in zip(shards[rank], reply.completions):
+                        self._report(i, c)
                 else:
                     spot, stopped_at = reply, time.monotonic()
                     self._spot_done(trainer, reply)
                     trainer = None
+            if self.spot_on and busy and idle and trainer is None and spot is None and not policy_busy():
+                trainer = idle[0]  # the first worker done: the longest idle
+                self._job += 1
+                state = None if trainer in self._holders else self.drafter
+                self._start(trainer, "spot_train", SpotJob(self._job, state, self.buffer.training_order(), self.spot))
             if not busy and trainer is not None and preempt_at is None:
                 preempt_at = time.monotonic()
                 self.runtime.preempt(trainer, self._job)

@@ -21,7 +21,7 @@ import torch
 
 from tailrl.model import ModelConfig, Transformer
 from tailrl.workers.runtimes import WorkerError
-from tailrl.workers.worker import RolloutWorker, WorkerSetup
+from tailrl.workers.worker import Finished, RolloutWorker, WorkerSetup
 
 try:
     import ray
@@ -72,13 +72,18 @@ class _Actor:
 
     def beats(self) -> list[Any]:
         out, self._beats = self._beats, []
-        return out[-1:] if out else []  # the latest says all the trainer needs
+        # Finished beats are data, each one kept; of the others the latest says all.
+        data = [b for b in out if isinstance(b, Finished)]
+        rest = [b for b in out if not isinstance(b, Finished)]
+        return data + rest[-1:]
 
     def preempt(self, job_id: int) -> None:
         self._preempted = job_id
 
 
 class RayRuntime:
+    in_process = False
+
     def __init__(self, size: int, address: str | None, model: Transformer, setup: WorkerSetup,
                  tuner_states: list | None = None, start_timeout_s: float = 300.0):
         if ray is None:

@@ -3,6 +3,7 @@
 A runtime starts calls on workers and hands back their replies; it knows nothing of what the
 calls mean. Interface (tailrl.workers.ray_runtime implements the same for Ray actors):
 
+    in_process                   True when worker 0's engine decodes in the caller's thread
     start(rank, method, *args)   begin worker[rank].method(*args)
     wait(timeout) -> [(rank, reply)]   replies that arrived; beats go to on_beat(rank, payload)
     preempt(rank, job_id)        ask worker[rank]'s spot job `job_id` to stop
@@ -31,7 +32,7 @@ import torch.multiprocessing as mp
 
 from tailrl.engine import Progress
 from tailrl.model import Transformer
-from tailrl.workers.worker import RolloutWorker, WorkerSetup
+from tailrl.workers.worker import Finished, RolloutWorker, WorkerSetup
 
 # Seconds between beats a process worker sends (liveness and the progress line); hang detection
 # waits far longer than this.
@@ -59,6 +60,7 @@ class InProcessRuntime:
     """One worker, called directly: today's single-engine rollout, beats delivered synchronously."""
 
     size = 1
+    in_process = True  # the engine decodes in the caller's thread
 
     def __init__(self, model: Transformer, setup: WorkerSetup, tuner_states: list | None = None):
         self.model = model
@@ -97,7 +99,9 @@ def _serve(rank: int, conn, preempted, model: Transformer, setup: WorkerSetup, t
     def beat(payload: Any) -> None:
         now = time.monotonic()
         final = isinstance(payload, Progress) and payload.done == payload.total
-        if final or now - last[0] >= BEAT_EVERY_S:
+        if isinstance(payload, Finished):  # not a liveness signal: every one is data
+            conn.send(("beat", payload))
+        elif final or now - last[0] >= BEAT_EVERY_S:
             last[0] = now
             conn.send(("beat", payload))
 
@@ -122,6 +126,8 @@ def _serve(rank: int, conn, preempted, model: Transformer, setup: WorkerSetup, t
 
 class ProcessRuntime:
     """`size` spawned processes, each a RolloutWorker on the shared rollout model."""
+
+    in_process = False
 
     def __init__(self, size: int, model: Transformer, setup: WorkerSetup, tuner_states: list | None = None,
                  start_timeout_s: float = 300.0):

@@ -55,6 +55,7 @@ class RolloutJob:
     max_new_tokens: int
     # Tuner rewards the other workers observed since this worker's last rollout (Tuner.absorb).
     tuner_records: list = field(default_factory=list)
+    report_finished: bool = False  # beat a Finished per sequence as it finishes
 
 
 @dataclass
@@ -66,6 +67,14 @@ class ShardResult:
     drafter_emitted: int = 0  # tokens they emitted
     tuner_state: dict | None = None  # the tuner's state after this rollout (--spec auto), for checkpoints
     tuner_new: list = field(default_factory=list)  # its rewards observed in this rollout (Tuner.take_new)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A beat: the shard's request `index` finished (hidden states dropped)."""
+
+    index: int
+    completion: Completion
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,11 @@ class RolloutWorker:
         self._verifies = self._emitted = 0
         if self.tuner is not None:
             self.tuner.absorb(job.tuner_records)
-        out = self.engine.generate(job.requests, job.params, job.max_new_tokens, on_progress=self.beat)
+        finished = None
+        if job.report_finished:
+            finished = lambda i, c: self.beat(Finished(i, dataclasses.replace(c, hidden=None, prompt_hidden=None)))  # noqa: E731
+        out = self.engine.generate(job.requests, job.params, job.max_new_tokens, on_progress=self.beat,
+                                   on_finished=finished)
         seqs = [train_seq(c) for c in out] if self.setup.collect else []
         for c in out:
             c.hidden = c.prompt_hidden = None

@@ -1,0 +1,71 @@
+"""The update's input: responses with their advantages, and their log-probs under a model with
+each group's prompt computed once.
+
+Knows: token ids, positions, attention masks, the model's forward. Does not know: losses,
+optimizers, how the responses were produced.
+
+Shapes: L tokens in a packed row (prompts + responses), N response tokens in it, E hidden size,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tailrl.model import Transformer
+from tailrl.rl.grpo import sequence_logprobs
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One response to train on."""
+
+    prompt_ids: tuple[int, ...]
+    token_ids: Sequence[int]
+    advantage: float
+
+
+def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: float) -> torch.Tensor:
+    """Each response token's log-prob under `model`, all samples packed in one row.  -> (1, N)
+
+    Consecutive samples with the same prompt share one copy of it: the row reads prompt,
+    response, response, ..., next prompt, .... A response token attends to its prompt and to
+    its own earlier tokens, and positions restart after the prompt, so every token sees what
+    it would see in a row of its own, while the prompt is computed once per pack instead of
+    once per response (it is most of the tokens when responses are short).
+    """
+    device = model.lm_head.weight.device
+    ids: list[int] = []
+    positions: list[int] = []
+    doc: list[int] = []  # which prompt a token belongs to
+    seg: list[int] = []  # which response a token belongs to; -1 for prompt tokens
+    pred: list[int] = []  # for each response token, the row index of the hidden state predicting it
+    targets: list[int] = []
+    prompt: tuple[int, ...] | None = None
+    for k, s in enumerate(samples):
+        if s.prompt_ids != prompt:
+            prompt = s.prompt_ids
+            ids += prompt
+            positions += range(len(prompt))
+            doc += [k] * len(prompt)
+            seg += [-1] * len(prompt)
+            prompt_last = len(ids) - 1
+        start, n = len(ids), len(s.token_ids)
+        pred += [prompt_last] + list(range(start, start + n - 1))
+        ids += s.token_ids
+        targets += s.token_ids
+        positions += range(len(prompt), len(prompt) + n)
+        doc += [doc[prompt_last]] * n
+        seg += [k] * n
+    row = torch.arange(len(ids), device=device)
+    d, g = torch.tensor(doc, device=device), torch.tensor(seg, device=device)
+    # (L, L): causal, within one prompt's block, and never into a sibling response.
+    mask = (row[None] <= row[:, None]) & (d[None] == d[:, None]) & ((g[None] == -1) | (g[None] == g[:, None]))
+    h = model.hidden(
+        torch.tensor([ids], device=device), torch.tensor([positions], device=device), mask=mask[None, None]
+    )  # (1, L, E)
+    logits = model.lm_head(h[:, torch.tensor(pred, device=device)])  # (1, N, V)
+    return sequence_logprobs(logits, torch.tensor([targets], device=device), temperature)

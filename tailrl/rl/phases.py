@@ -1,0 +1,166 @@
+"""One RL step's rollout, rewards and gradients, run one after another or overlapped.
+
+Synchronous (what veRL and TRL do): the rollout, then every group's rewards and advantages, then
+the gradient of the whole batch. Overlapped: a group is scored as soon as its last response
+finishes, and its share of the gradient is computed on a background thread while the rest of the
+batch still decodes (tailrl.rl.stream). Both feed the same GroupGradients, group by group, so the
+gradient has the same bits either way; only where the time goes differs.
+
+In the overlapped schedule the background thread computes only in the rollout's tail (at most
+`overlap_batch` sequences running): with fewer sequences than cores to keep busy, a core is
+better spent on the update than on decoding. When the engine runs in this process (one worker),
+it decodes on one torch thread less while the update has work, and on all of them otherwise.
+
+Knows: the order of a step's phases, groups, rewards, advantages, threads. Does not know: how the
+engine decodes, the loss (tailrl.rl.stream), the optimizer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tailrl.engine import Completion, Progress, Request
+from tailrl.model import Transformer
+from tailrl.rl.grpo import GRPOConfig, group_advantages
+from tailrl.rl.packing import Sample
+from tailrl.rl.rewards import RewardBatch, safe_rewards
+from tailrl.rl.stream import GroupGradients, OverlappedUpdate, UpdateStats
+from tailrl.rl.tasks import Problem
+from tailrl.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    texts: list[str]
+    rewards: RewardBatch
+    samples: list[Sample]  # empty when the group's rewards are all equal (no signal: it sits out)
+
+
+def score_group(problem: Problem, completions: Sequence[Completion], tokenizer: Any,
+                score: Callable[[Problem, str], float], timeout_s: float) -> ScoredGroup:
+    """Decode a group's responses, reward them (a reward that raises or hangs scores 0 and is
+    counted) and attach group-normalised advantages."""
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    rewards = safe_rewards(score, [(problem, t) for t in texts], timeout_s)
+    table = torch.tensor(rewards.rewards, dtype=torch.float64)[None]  # (1, G)
+    if not table.max() > table.min():
+        return ScoredGroup(texts, rewards, [])
+    adv = group_advantages(table)[0]  # (G,)
+    return ScoredGroup(texts, rewards, [Sample(c.prompt_ids, c.token_ids, float(a)) for c, a in zip(completions, adv)])
+
+
+@dataclass
+class StepWork:
+    """What one step's rollout and update produced, with where its time went."""
+
+    completions: list[Completion]
+    groups: list[ScoredGroup]
+    stats: UpdateStats
+    times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def texts(self) -> list[str]:
+        return [t for g in self.groups for t in g.texts]
+
+    @property
+    def rewards(self) -> RewardBatch:
+        return RewardBatch([r for g in self.groups for r in g.rewards.rewards],
+                           sum(g.rewards.failures for g in self.groups), sum(g.rewards.timeouts for g in self.groups))
+
+    @property
+    def skipped(self) -> int:
+        return sum(not g.samples for g in self.groups)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the phases need from the loop for one step."""
+
+    problems: list[Problem]
+    requests: list[Request]
+    params: SamplingParams
+    max_new_tokens: int
+    group_size: int
+    tokenizer: Any
+    score: Callable[[Problem, str], float]
+    reward_timeout_s: float
+
+
+def run_step(pool: Any, step: int, inputs: StepInputs, policy: Transformer, cfg: GRPOConfig, temperature: float,
+             ref: Transformer | None, overlap_batch: int, on_progress: Callable[[Progress], None]) -> StepWork:
+    """Rollout, rewards and the gradient (written into the policy's .grad); overlapped when
+    overlap_batch > 0, else synchronous."""
+    grads = GroupGradients(policy, cfg, temperature, len(inputs.problems), ref)
+    if overlap_batch > 0:
+        return _overlapped(pool, step, inputs, grads, overlap_batch, on_progress)
+    t0 = time.perf_counter()
+    completions = pool.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens, on_progress=on_progress)
+    t1 = time.perf_counter()
+    G = inputs.group_size
+    groups = [score_group(p, completions[g * G : (g + 1) * G], inputs.tokenizer, inputs.score, inputs.reward_timeout_s)
+              for g, p in enumerate(inputs.problems)]
+    t2 = time.perf_counter()
+    for g, group in enumerate(groups):
+        grads.add(g, group.samples)
+    stats = grads.finish()
+    t3 = time.perf_counter()
+    return StepWork(completions, groups, stats, {"rollout_s": t1 - t0, "reward_s": t2 - t1, "grad_s": t3 - t2,
+                                                 "update_in_rollout_s": 0.0, "groups_in_rollout": 0})
+
+
+def _overlapped(pool: Any, step: int, inputs: StepInputs, grads: GroupGradients, overlap_batch: int,
+                on_progress: Callable[[Progress], None]) -> StepWork:
+    G, P = inputs.group_size, len(inputs.problems)
+    finished: list[list[Completion | None]] = [[None] * G for _ in range(P)]
+    left = [G] * P
+    groups: list[ScoredGroup | None] = [None] * P
+    update = OverlappedUpdate(grads)
+    reward_s = 0.0
+    decode_threads = torch.get_num_threads()
+    in_process = pool.in_process
+
+    def on_finished(index: int, completion: Completion) -> None:
+        nonlocal reward_s
+        g = index // G
+        finished[g][index % G] = completion
+        left[g] -= 1
+        if left[g] == 0:
+            t = time.perf_counter()
+            groups[g] = score_group(inputs.problems[g], finished[g], inputs.tokenizer, inputs.score,
+                                    inputs.reward_timeout_s)
+            reward_s += time.perf_counter() - t
+            update.submit(g, groups[g].samples)
+
+    def progress(p: Progress) -> None:
+        on_progress(p)
+        tail = p.running <= overlap_batch and update.has_work
+        if tail:
+            update.open_gate()
+        else:
+            update.close_gate()
+        if in_process and decode_threads > 1:  # hand one core to the update, or take it back
+            torch.set_num_threads(decode_threads - 1 if tail else decode_threads)
+
+    t0 = time.perf_counter()
+    try:
+        completions = pool.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens,
+                                    on_progress=progress, on_finished=on_finished,
+                                    policy_busy=lambda: update.active)
+    except BaseException:
+        update.abort()
+        raise
+    finally:
+        torch.set_num_threads(decode_threads)
+    t1 = time.perf_counter()
+    in_rollout = update.seconds_so_far()
+    update.drain()
+    stats = grads.finish()
+    t2 = time.perf_counter()
+    return StepWork(completions, list(groups), stats, {  # type: ignore[arg-type]
+        "rollout_s": t1 - t0 - reward_s, "reward_s": reward_s, "grad_s": t2 - t1,
+        "update_in_rollout_s": in_rollout[0], "groups_in_rollout": in_rollout[1],
+    })

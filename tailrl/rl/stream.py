@@ -1,0 +1,302 @@
+"""The policy update one GRPO group at a time, so that it can start while the rollout's tail runs.
+
+A group whose responses are all finished has its rewards and advantages; its share of the update
+(trainer log-probs, loss, backward) needs nothing else. `GroupGradients` computes that share per
+group and combines the shares so the result does not depend on when, or on which thread, each
+group was computed:
+
+- A group's gradient is the gradient of its *unnormalised* loss (the sum over its tokens of the
+  per-token PPO-clip loss, tailrl.rl.grpo.policy_loss with num_tokens=1), taken with
+  torch.autograd.grad into a buffer of its own: nothing is accumulated into shared `.grad`.
+- Buffers are added in group order (a prefix fold: group g is added once groups 0..g-1 are).
+  Floating-point addition is not associative, so a fixed order is what makes the sum's bits
+  independent of the order groups finish in. Buffers of groups that finished early wait.
+- At the end the sum is divided by the batch's token count (known only then): the token-mean over
+  the whole batch, as DESIGN's "accumulate unnormalised sums, divide once".
+
+`OverlappedUpdate` runs `GroupGradients.add` on a background thread as groups arrive, with one
+torch thread, while the rollout decodes. It computes only while the rollout leaves a core to it
+(`open_gate` / `close_gate`, driven by the running batch size) and, once the rollout is over,
+does the rest on two threads, one group each. The synchronous update is the same object fed all
+groups after the rollout, so both give the same bits by construction.
+
+Knows: samples, the GRPO loss, autograd, threads. Does not know: how tokens were produced,
+rewards, workers, the optimizer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from tailrl.model import Transformer
+from tailrl.rl.grpo import GRPOConfig, policy_loss
+from tailrl.rl.packing import Sample, packed_logprobs
+
+STAT_NAMES = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean")
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """Token means over the whole update batch (loss is the objective that was backpropagated)."""
+
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    ratio_mean: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
+class _Share:
+    """One group's unnormalised share: gradient buffers and token-weighted stat sums."""
+
+    grads: list[torch.Tensor] | None  # one per trainable parameter; None: the group had no tokens
+    sums: dict[str, float]
+    tokens: int
+
+
+def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig, temperature: float,
+                ref: Transformer | None = None) -> _Share:
+    """The gradient of sum-over-tokens of the GRPO loss of `samples`, cfg.micro_batch responses
+    per forward/backward, micro-batches added in order."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    grads: list[torch.Tensor] | None = None
+    sums = dict.fromkeys(STAT_NAMES, 0.0)
+    tokens = 0
+    device_type = params[0].device.type
+    for first in range(0, len(samples), cfg.micro_batch):
+        pack = samples[first : first + cfg.micro_batch]
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast):
+            logprobs = packed_logprobs(policy, pack, temperature)  # (1, N)
+        ref_logprobs = None
+        if ref is not None:
+            with torch.no_grad():
+                ref_logprobs = packed_logprobs(ref, pack, temperature)  # (1, N)
+        adv = torch.tensor([[s.advantage for s in pack for _ in s.token_ids]], dtype=torch.float64)  # (1, N)
+        out = policy_loss(
+            logprobs, logprobs.detach(), adv.to(logprobs.device), torch.ones_like(logprobs, dtype=torch.bool),
+            cfg.clip_low, cfg.clip_upper, ref_logprobs, cfg.kl_coef, num_tokens=1,
+        )
+        g = torch.autograd.grad(out.loss, params, allow_unused=True)
+        g = [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
+        if grads is None:
+            grads = g
+        else:
+            for acc, x in zip(grads, g):
+                acc.add_(x)
+        n = logprobs.shape[1]
+        tokens += n
+        sums["loss"] += out.loss.item()  # already a sum over the pack's tokens
+        for name in STAT_NAMES[1:]:
+            sums[name] += getattr(out, name) * n  # token means over the pack -> sums
+    return _Share(grads, sums, tokens)
+
+
+class GroupGradients:
+    """Gradient shares of `num_groups` groups, folded into the policy's .grad in group order.
+
+    Groups may be added in any order, from any thread (one group at a time per thread), and a
+    group without samples (skipped: no reward spread) is added as empty. `finish` waits for
+    nothing: call it once every group is in.
+    """
+
+    def __init__(self, policy: Transformer, cfg: GRPOConfig, temperature: float, num_groups: int,
+                 ref: Transformer | None = None):
+        self.policy, self.cfg, self.temperature, self.ref = policy, cfg, temperature, ref
+        self.params = [p for p in policy.parameters() if p.requires_grad]
+        self.num_groups = num_groups
+        self._ready: dict[int, _Share] = {}
+        self._next = 0  # the first group not yet folded
+        self._sum: list[torch.Tensor] | None = None
+        self._sums = dict.fromkeys(STAT_NAMES, 0.0)
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def add(self, group: int, samples: Sequence[Sample]) -> None:
+        if not 0 <= group < self.num_groups:
+            raise ValueError(f"group {group} out of range for {self.num_groups} groups")
+        share = group_share(self.policy, samples, self.cfg, self.temperature, self.ref) if samples \
+            else _Share(None, dict.fromkeys(STAT_NAMES, 0.0), 0)
+        with self._lock:
+            if group in self._ready or group < self._next:
+                raise ValueError(f"group {group} was added twice")
+            self._ready[group] = share
+            while self._next in self._ready:
+                self._fold(self._ready.pop(self._next))
+                self._next += 1
+
+    def _fold(self, share: _Share) -> None:
+        for name in STAT_NAMES:
+            self._sums[name] += share.sums[name]
+        self._tokens += share.tokens
+        if share.grads is None:
+            return
+        if self._sum is None:
+            self._sum = share.grads  # 0 + x is x: taking the first buffer keeps the same bits
+        else:
+            for acc, g in zip(self._sum, share.grads):
+                acc.add_(g)
+
+    @property
+    def done(self) -> bool:
+        return self._next == self.num_groups
+
+    def finish(self) -> UpdateStats:
+        """Write the token-mean gradient into .grad (None when no group had tokens); the stats."""
+        if not self.done:
+            raise RuntimeError(f"finish() with groups {self._next}.. of {self.num_groups} not added")
+        if self._tokens == 0:
+            for p in self.params:
+                p.grad = None
+            return UpdateStats()
+        for p, g in zip(self.params, self._sum):
+            p.grad = g.div_(self._tokens)
+        self._sum = None
+        t = self._tokens
+        return UpdateStats(tokens=t, **{name: v / t for name, v in self._sums.items()})
+
+
+def by_prompt(samples: Sequence[Sample]) -> list[list[Sample]]:
+    """Runs of adjacent samples with one prompt: the groups of a batch whose siblings are adjacent."""
+    groups: list[list[Sample]] = []
+    for s in samples:
+        if groups and groups[-1][0].prompt_ids == s.prompt_ids:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+def accumulate_gradients(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig, temperature: float,
+                         ref: Transformer | None = None) -> UpdateStats:
+    """The synchronous update: write the token-mean GRPO gradient of `samples` into .grad, group
+    by group (adjacent samples with one prompt) in order, cfg.micro_batch responses per
+    forward/backward within a group."""
+    groups = by_prompt(samples)
+    grads = GroupGradients(policy, cfg, temperature, len(groups), ref)
+    for g, group in enumerate(groups):
+        grads.add(g, group)
+    return grads.finish()
+
+
+def _one_thread() -> None:
+    """Gradient threads run torch on one thread each (OpenMP thread counts are per thread)."""
+    torch.set_num_threads(1)
+
+
+class OverlappedUpdate:
+    """Feeds GroupGradients from a background thread while the rollout runs.
+
+    `submit` queues a finished group; the background thread computes queued groups while the
+    gate is open (the rollout decodes on fewer cores in its tail) and waits at the gate between
+    groups otherwise. `drain` (after the rollout) computes what is left on the calling thread
+    too, one group per thread, and returns once every group is added. Errors raised in the
+    background thread re-raise in `drain`.
+    """
+
+    def __init__(self, grads: GroupGradients, wrap: Callable[[Callable[[], None]], None] = lambda f: f()):
+        self.grads = grads
+        self._wrap = wrap  # context for each group's computation (e.g. deterministic kernels)
+        self._queue: deque[tuple[int, Sequence[Sample]]] = deque()
+        self._cond = threading.Condition()
+        self._gate = False
+        self._closed = False
+        self._busy = 0
+        self._seconds = 0.0  # compute time of the groups added so far
+        self._added = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tailrl-update", daemon=True)
+        self._thread.start()
+
+    def submit(self, group: int, samples: Sequence[Sample]) -> None:
+        with self._cond:
+            self._queue.append((group, samples))
+            self._cond.notify_all()
+
+    def open_gate(self) -> None:
+        with self._cond:
+            self._gate = True
+            self._cond.notify_all()
+
+    def close_gate(self) -> None:
+        with self._cond:
+            self._gate = False
+
+    @property
+    def has_work(self) -> bool:
+        """A group is queued or being computed."""
+        with self._cond:
+            return bool(self._queue) or self._busy > 0
+
+    @property
+    def active(self) -> bool:
+        """The gate is open and a group is queued or being computed: it is using a core."""
+        with self._cond:
+            return self._gate and (bool(self._queue) or self._busy > 0)
+
+    def seconds_so_far(self) -> tuple[float, int]:
+        """(compute seconds, groups) of the groups added so far."""
+        with self._cond:
+            return self._seconds, self._added
+
+    def abort(self) -> None:
+        """Drop queued groups and stop the background thread (after its current group)."""
+        with self._cond:
+            self._queue.clear()
+            self._gate = self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _take(self, wait_for_gate: bool) -> tuple[int, Sequence[Sample]] | None:
+        with self._cond:
+            while True:
+                if self._closed and not self._queue:
+                    return None
+                if self._queue and (self._gate or not wait_for_gate):
+                    self._busy += 1
+                    return self._queue.popleft()
+                if not wait_for_gate:
+                    return None
+                self._cond.wait()
+
+    def _compute(self, item: tuple[int, Sequence[Sample]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._wrap(lambda: self.grads.add(*item))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread in drain()
+            with self._cond:
+                self._error = self._error or e
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._seconds += time.perf_counter() - t0
+                self._added += 1
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        _one_thread()
+        while (item := self._take(wait_for_gate=True)) is not None:
+            self._compute(item)
+
+    def drain(self) -> None:
+        """Compute every queued group (this thread helps, on one torch thread), then stop."""
+        with self._cond:
+            self._gate = self._closed = True
+            self._cond.notify_all()
+        threads = torch.get_num_threads()
+        _one_thread()
+        try:
+            while (item := self._take(wait_for_gate=False)) is not None:
+                self._compute(item)
+        finally:
+            torch.set_num_threads(threads)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
