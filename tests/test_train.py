@@ -25,15 +25,8 @@ from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir, RunDirError, TrainState
-from tailrl.rl.train import (
-    CONFIG_SECTIONS,
-    Sample,
-    TrainConfig,
-    accumulate_gradients,
-    packed_logprobs,
-    policy_weights,
-    train,
-)
+from tailrl.rl.gradients import Sample, accumulate_gradients, packed_logprobs
+from tailrl.rl.train import CONFIG_SECTIONS, TrainConfig, policy_weights, train
 from tailrl.speculative.modes import SpeculationConfig
 
 # Metrics that are wall-clock measurements, so differ between runs of the same computation.

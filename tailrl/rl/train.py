@@ -1,8 +1,9 @@
 """The GRPO training loop: rollout -> rewards -> advantages -> update -> publish the weights.
 
-`train` runs one RL step per iteration of one loop, readable top to bottom. The helpers above
-it are the update's tensor plumbing (log-probs of responses, gradient accumulation). The rollout
-goes through tailrl.workers (`start_pool`): one engine in this process by default, or several
+`train` runs one RL step per iteration of one loop, readable top to bottom, each stage a call:
+`rollout`, `score` (rewards and advantages), `update` (the gradient of the finished samples),
+then the optimizer step, publishing the weights and the checkpoint (`save`). The update's tensor
+plumbing is tailrl.rl.gradients. The rollout goes through tailrl.workers (`start_pool`): one engine in this process by default, or several
 worker processes / Ray actors, whose idle time in the long tail trains the drafter.
 
 Weights. The policy trains in `train_dtype` (fp32 master weights: an AdamW update of lr ~1e-5
@@ -33,8 +34,7 @@ auto mode the tuner picks arms by measured speed; its state is checkpointed.
 Knows: tasks, rewards, the tokenizer, the rollout's interface, AdamW, the run directory.
 Does not know: how the engine produces tokens (plain or speculative), where workers run.
 
-Shapes: P prompts, G group_size, L tokens in a packed row (prompts + responses), N response
-tokens in it, E hidden size, V vocabulary.
+Shapes: P prompts, G group_size.
 """
 
 from __future__ import annotations
@@ -48,14 +48,15 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from tailrl.engine import EngineConfig, Request
+from tailrl.engine import Completion, EngineConfig, Request
 from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
 from tailrl.model import Transformer
-from tailrl.rl.grpo import GRPOConfig, group_advantages, policy_loss, sequence_logprobs
+from tailrl.rl.gradients import Sample, UpdateStats, accumulate_gradients
+from tailrl.rl.grpo import GRPOConfig, group_advantages
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
-from tailrl.rl.rewards import from_reward_fn, load_reward, safe_rewards, task_reward
+from tailrl.rl.rewards import ProblemReward, RewardBatch, from_reward_fn, load_reward, safe_rewards, task_reward
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, extract_answer, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
@@ -134,109 +135,7 @@ class TrainResult:
     interrupted: bool
 
 
-# ---- the update's plumbing -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One response to train on."""
-
-    prompt_ids: tuple[int, ...]
-    token_ids: Sequence[int]
-    advantage: float
-
-
-def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: float) -> torch.Tensor:
-    """Each response token's log-prob under `model`, all samples packed in one row.  -> (1, N)
-
-    Consecutive samples with the same prompt share one copy of it: the row reads prompt,
-    response, response, ..., next prompt, .... A response token attends to its prompt and to
-    its own earlier tokens, and positions restart after the prompt, so every token sees what
-    it would see in a row of its own, while the prompt is computed once per pack instead of
-    once per response (it is most of the tokens when responses are short).
-    """
-    device = model.lm_head.weight.device
-    ids: list[int] = []
-    positions: list[int] = []
-    doc: list[int] = []  # which prompt a token belongs to
-    seg: list[int] = []  # which response a token belongs to; -1 for prompt tokens
-    pred: list[int] = []  # for each response token, the row index of the hidden state predicting it
-    targets: list[int] = []
-    prompt: tuple[int, ...] | None = None
-    for k, s in enumerate(samples):
-        if s.prompt_ids != prompt:
-            prompt = s.prompt_ids
-            ids += prompt
-            positions += range(len(prompt))
-            doc += [k] * len(prompt)
-            seg += [-1] * len(prompt)
-            prompt_last = len(ids) - 1
-        start, n = len(ids), len(s.token_ids)
-        pred += [prompt_last] + list(range(start, start + n - 1))
-        ids += s.token_ids
-        targets += s.token_ids
-        positions += range(len(prompt), len(prompt) + n)
-        doc += [doc[prompt_last]] * n
-        seg += [k] * n
-    row = torch.arange(len(ids), device=device)
-    d, g = torch.tensor(doc, device=device), torch.tensor(seg, device=device)
-    # (L, L): causal, within one prompt's block, and never into a sibling response.
-    mask = (row[None] <= row[:, None]) & (d[None] == d[:, None]) & ((g[None] == -1) | (g[None] == g[:, None]))
-    h = model.hidden(
-        torch.tensor([ids], device=device), torch.tensor([positions], device=device), mask=mask[None, None]
-    )  # (1, L, E)
-    logits = model.lm_head(h[:, torch.tensor(pred, device=device)])  # (1, N, V)
-    return sequence_logprobs(logits, torch.tensor([targets], device=device), temperature)
-
-
-@dataclass(frozen=True)
-class UpdateStats:
-    """Token means over the whole update batch (loss is the objective that was backpropagated)."""
-
-    loss: float = 0.0
-    pg_loss: float = 0.0
-    kl: float = 0.0
-    clip_fraction: float = 0.0
-    ratio_mean: float = 0.0
-    tokens: int = 0
-
-
-def accumulate_gradients(
-    policy: Transformer,
-    samples: Sequence[Sample],
-    cfg: GRPOConfig,
-    temperature: float,
-    ref: Transformer | None = None,
-) -> UpdateStats:
-    """Backpropagate the token-mean GRPO loss of `samples` into .grad, cfg.micro_batch
-    responses per forward/backward (packed with their prompts, see packed_logprobs).
-
-    Every micro-batch divides by the token count of the whole batch, so the accumulated gradient
-    is that of one big batch (a per-micro-batch mean would overweight short micro-batches).
-    Samples with the same prompt should be adjacent, so that packs share prompts.
-    """
-    total = sum(len(s.token_ids) for s in samples)
-    if total == 0:
-        return UpdateStats()
-    sums = dict(loss=0.0, pg_loss=0.0, kl=0.0, clip_fraction=0.0, ratio_mean=0.0)
-    for first in range(0, len(samples), cfg.micro_batch):
-        pack = samples[first : first + cfg.micro_batch]
-        logprobs = packed_logprobs(policy, pack, temperature)  # (1, N)
-        ref_logprobs = None
-        if ref is not None:
-            with torch.no_grad():
-                ref_logprobs = packed_logprobs(ref, pack, temperature)  # (1, N)
-        adv = torch.tensor([[s.advantage for s in pack for _ in s.token_ids]], dtype=torch.float64)  # (1, N)
-        out = policy_loss(
-            logprobs, logprobs.detach(), adv.to(logprobs.device), torch.ones_like(logprobs, dtype=torch.bool),
-            cfg.clip_low, cfg.clip_upper, ref_logprobs, cfg.kl_coef, num_tokens=total,
-        )
-        out.loss.backward()
-        share = logprobs.shape[1] / total  # the diagnostics are token means over this pack
-        sums["loss"] += out.loss.item()
-        for name in ("pg_loss", "kl", "clip_fraction", "ratio_mean"):
-            sums[name] += getattr(out, name) * share
-    return UpdateStats(tokens=total, **sums)
+# ---- one run's steps ---------------------------------------------------------------------
 
 
 def policy_weights(model: Transformer) -> dict[str, torch.Tensor]:
@@ -342,22 +241,52 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
 # ---- the loop --------------------------------------------------------------------------------
 
 
-def train(
-    configs: dict[str, Any],
-    out_dir: str | Path | None = None,
-    resume: bool = False,
-    on_event: Callable[[Any], None] | None = None,
-) -> TrainResult:
-    """Run GRPO as configured: configs maps CONFIG_SECTIONS' names to their dataclasses.
+@dataclass
+class Trainer:
+    """The parts of one run that live from step to step (built by `start_run`)."""
 
-    A new run writes to `out_dir` (default runs/<timestamp>); `resume=True` continues the run
-    in `out_dir` from its last checkpoint and reproduces what an uninterrupted run computes.
-    Ctrl-C saves the last completed step and returns with `interrupted=True`.
-    """
-    # Sections left out run with their defaults (and are saved as such).
-    configs = {name: configs.get(name) or cls() for name, cls in CONFIG_SECTIONS.items()}
+    tc: TrainConfig
+    gc: GRPOConfig
+    configs: dict[str, Any]
+    run: RunDir
+    task: Task
+    reward_fn: ProblemReward
+    tokenizer: Any
+    model_dir: Path
+    device: torch.device
+    policy: Transformer  # trains, in tc.train_dtype
+    rollout_model: Transformer  # the policy itself, or a copy in the rollout dtype
+    ref: Transformer | None  # the frozen initial policy, for the KL term
+    optimizer: torch.optim.Optimizer
+    state: TrainState
+    pool: WorkerPool
+    emit: Callable[[Any], None]
+    saved_step: int  # the step of the newest checkpoint; -1 before the first
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One step's problems and their P * G completions, in request order."""
+
+    problems: list[Problem]
+    completions: list[Completion]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One step's rewards and the samples the update trains on."""
+
+    texts: list[str]
+    rewards: RewardBatch
+    samples: list[Sample]  # the responses of informative groups, in request order
+    skipped: int  # groups left out of the update (all rewards equal)
+
+
+def start_run(configs: dict[str, Any], out_dir: str | Path | None, resume: bool,
+              emit: Callable[[Any], None]) -> Trainer:
+    """Open the run directory, load the models (from the last checkpoint on a resume), restore
+    the optimizer and random state, start the rollout workers."""
     tc, gc = configs["train"], configs["grpo"]
-    emit = on_event or (lambda event: None)
     if resume:
         if out_dir is None:
             raise ValueError("resume needs the run directory")
@@ -365,7 +294,7 @@ def train(
     else:
         run = RunDir.create(out_dir if out_dir is not None else default_out_dir(), configs)
     task = make_task(tc.task)
-    score = task_reward(task, tc.format_weight) if tc.reward is None else from_reward_fn(load_reward(tc.reward))
+    reward_fn = task_reward(task, tc.format_weight) if tc.reward is None else from_reward_fn(load_reward(tc.reward))
     model_dir = resolve_model_dir(tc.model)
     tokenizer = load_tokenizer(model_dir)
     checkpoint = run.latest_checkpoint() if resume else None
@@ -373,7 +302,7 @@ def train(
     dtype = resolve_dtype(tc.dtype, device)
     policy = load_model(checkpoint or model_dir, tc.train_dtype, device).requires_grad_(True)
     rollout_model = policy if dtype == tc.train_dtype else load_model(checkpoint or model_dir, dtype, device)
-    ref = load_model(model_dir, tc.train_dtype, device) if gc.kl_coef > 0 else None  # frozen initial policy
+    ref = load_model(model_dir, tc.train_dtype, device) if gc.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
     state = TrainState()
     if checkpoint is not None:
@@ -389,94 +318,126 @@ def train(
     pool = start_pool(configs["workers"], configs["spot"], rollout_model, setup, state.extra.get("workers"))
     where = "on the policy" if rollout_model is policy else f"on a {dtype} copy"
     emit(Notice(f"policy in {tc.train_dtype} on {device}; rollouts {where}"))
-    params = SamplingParams(tc.temperature, tc.top_p, tc.top_k)
-    P, G = tc.num_prompts, tc.group_size
-    saved_step = state.step if checkpoint is not None else -1
+    return Trainer(tc, gc, configs, run, task, reward_fn, tokenizer, model_dir, device, policy, rollout_model, ref,
+                   optimizer, state, pool, emit, saved_step=state.step if checkpoint is not None else -1)
 
-    def save() -> None:
-        nonlocal saved_step
-        state.rng = capture_rng()
-        state.extra["workers"] = pool.state_dict()  # tuners, drafter version and optimizer, buffer
-        path = run.save_checkpoint(policy_weights(policy), optimizer.state_dict(), state, model_dir, tc.keep_checkpoints)
-        saved_step = state.step
-        emit(Notice(f"saved {path}"))
 
+def rollout(t: Trainer, step: int) -> Rollout:
+    """G responses per problem. Problems come from the task's seeded stream at the data cursor;
+    each response's sampling seed is keyed by (run seed, step, prompt, sample), so the tokens do
+    not depend on batching or on a resume."""
+    tc = t.tc
+    problems, requests = rollout_requests(t.task, t.tokenizer, tc, step, t.state.data_cursor,
+                                          t.rollout_model.cfg.max_position_embeddings)
+    completions = t.pool.generate(
+        step, requests, SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
+        on_progress=lambda progress: t.emit(RolloutProgress(step, tc.steps, progress)),
+    )
+    return Rollout(problems, completions)
+
+
+def score(t: Trainer, batch: Rollout) -> Scored:
+    """Rewards from the decoded text (a reward that raises or hangs scores 0 and is counted),
+    then group advantages; groups without reward spread carry no signal and sit out the update."""
+    P, G = t.tc.num_prompts, t.tc.group_size
+    texts = [t.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in batch.completions]
+    rewards = safe_rewards(t.reward_fn, [(batch.problems[k // G], texts[k]) for k in range(P * G)],
+                           t.tc.reward_timeout_s)
+    reward_table = torch.tensor(rewards.rewards, dtype=torch.float64).view(P, G)  # (P, G)
+    advantages = group_advantages(reward_table)  # (P, G)
+    informative = (reward_table.max(dim=1).values > reward_table.min(dim=1).values).tolist()  # (P,)
+    samples = [
+        Sample(c.prompt_ids, c.token_ids, float(advantages[k // G, k % G]))
+        for k, c in enumerate(batch.completions)
+        if informative[k // G]
+    ]
+    return Scored(texts, rewards, samples, informative.count(False))
+
+
+def update(t: Trainer, samples: Sequence[Sample]) -> tuple[UpdateStats, float]:
+    """The gradient of the token-mean PPO-clip loss of `samples`, accumulated over micro-batches
+    and clipped; returns its stats and norm. The optimizer step is the caller's (it belongs to
+    the all-or-nothing end of a step)."""
+    t.optimizer.zero_grad(set_to_none=True)
+    with deterministic(t.device):
+        stats = accumulate_gradients(t.policy, samples, t.gc, t.tc.temperature, t.ref)
+    if not samples:
+        return stats, 0.0
+    max_norm = t.gc.grad_clip if t.gc.grad_clip > 0 else float("inf")
+    return stats, float(torch.nn.utils.clip_grad_norm_(t.policy.parameters(), max_norm))
+
+
+def save(t: Trainer) -> None:
+    """Checkpoint the policy, optimizer, random state and the workers' state."""
+    t.state.rng = capture_rng()
+    t.state.extra["workers"] = t.pool.state_dict()  # tuners, drafter version and optimizer, buffer
+    path = t.run.save_checkpoint(policy_weights(t.policy), t.optimizer.state_dict(), t.state, t.model_dir,
+                                 t.tc.keep_checkpoints)
+    t.saved_step = t.state.step
+    t.emit(Notice(f"saved {path}"))
+
+
+def plot(t: Trainer) -> None:
+    """Redraw the run's plots; a plot must never stop training."""
+    try:
+        write_plots(t.run.read_metrics(), t.run.plots_dir)
+    except Exception as e:  # noqa: BLE001
+        t.emit(Notice(f"warning: plots not written: {e!r}"))
+
+
+def train(
+    configs: dict[str, Any],
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    on_event: Callable[[Any], None] | None = None,
+) -> TrainResult:
+    """Run GRPO as configured: configs maps CONFIG_SECTIONS' names to their dataclasses.
+
+    A new run writes to `out_dir` (default runs/<timestamp>); `resume=True` continues the run
+    in `out_dir` from its last checkpoint and reproduces what an uninterrupted run computes.
+    Ctrl-C saves the last completed step and returns with `interrupted=True`.
+    """
+    # Sections left out run with their defaults (and are saved as such).
+    configs = {name: configs.get(name) or cls() for name, cls in CONFIG_SECTIONS.items()}
+    t = start_run(configs, out_dir, resume, on_event or (lambda event: None))
+    tc, state = t.tc, t.state
     try:
         while state.step < tc.steps:
             step = state.step + 1
             t_start = time.perf_counter()
-
-            # 1. Rollout: G responses per problem. Problems come from the task's seeded stream at
-            #    the data cursor; each response's sampling seed is keyed by (run seed, step,
-            #    prompt, sample), so the tokens do not depend on batching or on a resume.
-            problems, requests = rollout_requests(task, tokenizer, tc, step, state.data_cursor,
-                                                  rollout_model.cfg.max_position_embeddings)
-            completions = pool.generate(
-                step, requests, params, tc.max_new_tokens,
-                on_progress=lambda progress: emit(RolloutProgress(step, tc.steps, progress)),
-            )
+            batch = rollout(t, step)  # 1. rollout
             t_rollout = time.perf_counter()
-
-            # 2. Rewards from the decoded text; a reward that raises or hangs scores 0 and is counted.
-            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            rewards = safe_rewards(score, [(problems[k // G], texts[k]) for k in range(P * G)], tc.reward_timeout_s)
+            scored = score(t, batch)  # 2. rewards and advantages
             t_reward = time.perf_counter()
-
-            # 3. Group advantages; groups without reward spread carry no signal and sit out the update.
-            reward_table = torch.tensor(rewards.rewards, dtype=torch.float64).view(P, G)  # (P, G)
-            advantages = group_advantages(reward_table)  # (P, G)
-            informative = (reward_table.max(dim=1).values > reward_table.min(dim=1).values).tolist()  # (P,)
-            samples = [
-                Sample(c.prompt_ids, c.token_ids, float(advantages[k // G, k % G]))
-                for k, c in enumerate(completions)
-                if informative[k // G]
-            ]
-
-            # 4. Update: one optimizer step on the token-mean PPO-clip loss of the whole batch,
-            #    accumulated over micro-batches.
-            optimizer.zero_grad(set_to_none=True)
-            with deterministic(device):
-                stats = accumulate_gradients(policy, samples, gc, tc.temperature, ref)
-            grad_norm = 0.0
-            if samples:
-                max_norm = gc.grad_clip if gc.grad_clip > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+            stats, grad_norm = update(t, scored.samples)  # 3. the gradient
             with sigint_deferred():  # from here to the checkpoint, all or nothing
-                if samples:
-                    optimizer.step()
-                # 5. Publish: the next rollout samples from the updated policy.
-                pool.publish_weights(policy)
+                if scored.samples:
+                    t.optimizer.step()
+                t.pool.publish_weights(t.policy)  # 4. the next rollout samples from the updated policy
                 t_train = time.perf_counter()
-                state.step, state.data_cursor = step, state.data_cursor + P
-                times = {
-                    "rollout_s": t_rollout - t_start,
-                    "reward_s": t_reward - t_rollout,
-                    "train_s": t_train - t_reward,
-                    "step_s": t_train - t_start,
-                }
-                metrics = step_metrics(step, tc, completions, texts, rewards, informative.count(False),
-                                       stats, grad_norm, times, pool, gc.lr, configs["tuner"].bucket_edges,
+                state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
+                times = {"rollout_s": t_rollout - t_start, "reward_s": t_reward - t_rollout,
+                         "train_s": t_train - t_reward, "step_s": t_train - t_start}
+                metrics = step_metrics(step, tc, batch.completions, scored.texts, scored.rewards, scored.skipped,
+                                       stats, grad_norm, times, t.pool, t.gc.lr, configs["tuner"].bucket_edges,
                                        configs["speculation"].draft_depth)
-                run.append_metrics(metrics)
+                t.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
-                    save()
-            try:
-                write_plots(run.read_metrics(), run.plots_dir)
-            except Exception as e:  # noqa: BLE001 - a plot must never stop training
-                emit(Notice(f"warning: plots not written: {e!r}"))
-            emit(StepDone(tc.steps, metrics))
+                    save(t)  # 5. checkpoint
+            plot(t)
+            t.emit(StepDone(tc.steps, metrics))
     except KeyboardInterrupt:
-        if saved_step != state.step:
-            save()
-        emit(Notice(f"interrupted; resume with --resume {run.path}"))
-        return TrainResult(run.path, state.step, interrupted=True)
+        if t.saved_step != state.step:
+            save(t)
+        t.emit(Notice(f"interrupted; resume with --resume {t.run.path}"))
+        return TrainResult(t.run.path, state.step, interrupted=True)
     except WorkerError as e:  # the failed step applied nothing; keep the completed ones
-        if saved_step != state.step:
-            save()
+        if t.saved_step != state.step:
+            save(t)
         raise WorkerError(e.rank, f"{e.reason}; the run stopped after step {state.step}, "
-                          f"resume with --resume {run.path}") from None
+                          f"resume with --resume {t.run.path}") from None
     finally:
-        pool.close()
-    if saved_step != state.step:  # a run of 0 steps still leaves its starting checkpoint
-        save()
-    return TrainResult(run.path, state.step, interrupted=False)
+        t.pool.close()
+    if t.saved_step != state.step:  # a run of 0 steps still leaves its starting checkpoint
+        save(t)
+    return TrainResult(t.run.path, state.step, interrupted=False)
