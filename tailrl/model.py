@@ -106,10 +106,8 @@ def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict keys), computed in fixed row blocks when exact."""
 
-    exact = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.exact:
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if not exact:
             return super().forward(x)
         out = blocked(lambda rows: F.linear(rows, self.weight, self.bias), x.reshape(-1, x.shape[-1]), 0)
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -255,8 +253,6 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    exact = False  # see "Row invariance" in the module docstring
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, k, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
@@ -270,11 +266,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None):
+    def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None, exact: bool = False):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d)
-        k = self.k_proj(x).view(b, t, self.k, self.d)
-        v = self.v_proj(x).view(b, t, self.k, self.d)
+        q = self.q_proj(x, exact).view(b, t, self.h, self.d)
+        k = self.k_proj(x, exact).view(b, t, self.k, self.d)
+        v = self.v_proj(x, exact).view(b, t, self.k, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
@@ -286,10 +282,10 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.h != self.k
             )
         else:
-            out = self._cached(q, k, v, layer, view)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d))
+            out = self._cached(q, k, v, layer, view, exact)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d), exact)
 
-    def _cached(self, q, k, v, layer: int, view: CacheView) -> torch.Tensor:
+    def _cached(self, q, k, v, layer: int, view: CacheView, exact: bool) -> torch.Tensor:
         b, _, t, d = q.shape
         rows = slice(view.first, view.first + b)
         ck, cv = view.cache.k[layer, rows], view.cache.v[layer, rows]  # (B, K, M, D) views
@@ -301,7 +297,7 @@ class Attention(nn.Module):
         # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
         # copies for GQA, and on CPU it beats SDPA for bf16 decode.
         n = g * t
-        if not self.exact:
+        if not exact:
             scores = (q.reshape(b, self.k, n, d) @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
             scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -325,8 +321,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, exact)) * self.up_proj(x, exact), exact)
 
 
 class DecoderLayer(nn.Module):
@@ -337,9 +333,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, view, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None, exact: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, view, mask, exact)
+        return x + self.mlp(self.post_attention_layernorm(x), exact)
 
 
 class Backbone(nn.Module):
@@ -363,12 +359,6 @@ class Transformer(nn.Module):
         # A plain attribute, not a buffer: module.to(bf16) must not round the frequencies.
         self.inv_freq = rope_inv_freq(cfg).float()
 
-    def set_exact(self, on: bool) -> None:
-        """Row-invariant cached forwards (module docstring, "Row invariance"): slower, bit-exact."""
-        for module in self.modules():
-            if isinstance(module, (Linear, Attention)):
-                module.exact = on
-
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
@@ -382,16 +372,20 @@ class Transformer(nn.Module):
         positions: torch.Tensor,  # (B, T)
         view: CacheView | None = None,
         mask: torch.Tensor | None = None,  # (B, 1, T, T) for the no-cache path; None = causal
+        exact: bool = False,
     ) -> torch.Tensor:
-        """Final-normed hidden states, the LM head's input.  # (B, T, E)"""
+        """Final-normed hidden states, the LM head's input.  # (B, T, E)
+
+        exact: row-invariant (module docstring, "Row invariance"); a choice per call, so one
+        model serves exact rollouts and ordinary training at once."""
         x = self.model.embed_tokens(ids)
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, view, mask)
+            x = layer(x, cos, sin, i, view, mask, exact)
         return self.model.norm(x)
 
-    def forward(self, ids, positions, view=None, mask=None, return_hidden: bool = False):
+    def forward(self, ids, positions, view=None, mask=None, return_hidden: bool = False, exact: bool = False):
         """Logits (B, T, V), and the hidden states (B, T, E) when asked."""
-        h = self.hidden(ids, positions, view, mask)
-        logits = self.lm_head(h)
+        h = self.hidden(ids, positions, view, mask, exact)
+        logits = self.lm_head(h, exact)
         return (logits, h) if return_hidden else logits

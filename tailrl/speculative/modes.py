@@ -13,11 +13,11 @@ arm drafts or verifies, rewards, training.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from tailrl.engine import Engine, PlainDecoder
 from tailrl.speculative.tree import max_tree_nodes
-from tailrl.speculative.decoder import NgramProposer, Proposer, SpecDecoder, fixed, tuned
+from tailrl.speculative.decoder import NgramProposer, Proposer, StepObserver, fixed, tuned
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
 SPEC_MODES = ("off", "on", "auto")
@@ -84,9 +84,9 @@ def proposers(cfg: SpeculationConfig, engine: Engine) -> dict[str, Proposer]:
 
 
 def install(engine: Engine, cfg: SpeculationConfig, tuner_cfg: TunerConfig | None = None, seed: int = 0,
-            tuner_state: dict[str, Any] | None = None) -> Tuner | None:
+            tuner_state: dict[str, Any] | None = None, observers: Sequence[StepObserver] = ()) -> Tuner | None:
     """Set the engine's step decoder for the mode; returns the tuner in auto mode (its state is
-    the caller's to checkpoint), else None."""
+    the caller's to checkpoint), else None. `observers` see every step of a speculative mode."""
     if cfg.spec == "off":
         engine.decoder = PlainDecoder()
         return None
@@ -95,12 +95,12 @@ def install(engine: Engine, cfg: SpeculationConfig, tuner_cfg: TunerConfig | Non
         raise ValueError(f"exact mode speculates with chains only (--topk 1), got --topk {cfg.topk}: {EXACT_CHAINS}")
     props = proposers(cfg, engine)
     if cfg.spec == "on":
-        engine.decoder = fixed(cfg.arm, props[cfg.arm.kind])
+        engine.decoder = fixed(cfg.arm, props[cfg.arm.kind], observers)
         return None
     arms = [PLAIN, *NGRAM_ARMS, *(DRAFTER_ARMS if "drafter" in props else ())]
     arms = [a for a in arms if not exact or a.topk <= 1]
     tuner = Tuner(arms, tuner_cfg or TunerConfig(), seed=seed)
     if tuner_state is not None:
         tuner.load_state_dict(tuner_state)
-    engine.decoder = tuned(tuner, props)
+    engine.decoder = tuned(tuner, props, observers)
     return tuner

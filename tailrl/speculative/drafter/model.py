@@ -308,6 +308,9 @@ class DrafterProposer:
         else:
             self.owner[dst], self.covered[dst] = None, 0
 
+    def finished(self, seq: Any) -> None:
+        pass  # a finished sequence's slot is taken over through `moved` or a new owner in `propose`
+
     def _grow_slots(self, n: int) -> None:
         while len(self.owner) < n:
             self.owner.append(None)
