@@ -45,7 +45,7 @@ class EngineConfig:
     kv_budget_gb: float = field(default=4.0, metadata={"help": "memory for the KV cache, GiB"})
     capture_hidden: bool = field(default=False, metadata={"help": "record each token's target hidden state"})
     exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (row-invariant forwards, "
-                                                 "slower; see docs/exactness.md)"})
+                                                 "slower; see docs/lossless.md)"})
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,17 @@
 
 `train` runs one RL step per iteration of one loop, readable top to bottom, each stage a call:
 `rollout`, `score` (rewards and advantages), `update` (the gradient of the finished samples),
-then the optimizer step, publishing the weights and the checkpoint (`save`). The update's tensor
-plumbing is tailrl.rl.gradients. The rollout goes through tailrl.workers (`start_pool`): one engine in this process by default, or several
-worker processes / Ray actors, whose idle time in the long tail trains the drafter.
+then the optimizer step, publishing the weights and the checkpoint (`save`). The update's
+tensor plumbing is tailrl.rl.gradients. The rollout goes through tailrl.workers (`start_pool`):
+one engine in this process by default, or several worker processes / Ray actors, whose idle
+time in the long tail trains the drafter.
 
 Weights. The policy trains in `train_dtype` (fp32 master weights: an AdamW update of lr ~1e-5
 relative to a weight vanishes in bf16's 8-bit mantissa). Rollouts run in `dtype`; when it
 differs, on a copy refreshed from the policy after every update, else on the policy itself.
 dtype "auto" (tailrl.loading.resolve_dtype) picks bf16 only where bf16 matmuls are fast: on
-GPUs and on CPUs with AVX512-BF16 or AMX. Without them (e.g. an AVX2-only CPU) a bf16 GEMM
-runs on a slow fallback: measured on such a 2-core EPYC VM, 1 thread, SmolLM2-135M: a batch-64
-decode step 2.06 s bf16 vs 0.39 s fp32, a 93-token prefill 2.9 s vs 0.5 s, batch 1 equal.
+GPUs and on CPUs with native bf16 instructions; elsewhere a bf16 matmul runs on a slow emulation
+(docs/performance.md).
 
 Old-policy log-probs. Each rollout batch gets exactly one optimizer step, so the policy that
 sampled it is the policy before the update, and its log-probs are the trainer's own: recomputed
@@ -25,11 +25,11 @@ Skipped groups. A group whose rewards are all equal has zero advantages; it is l
 update (neither computed nor counted in the token mean, as DAPO's dynamic sampling drops it) but
 counts in the reward metrics.
 
-Speculative rollouts ([speculation] section, tailrl.speculative.modes) are lossless: they change speed, not
-the distribution of tokens. With `exact` (engine option) the model's cached forwards are
+Speculative rollouts ([speculation] section, tailrl.speculative.modes) are lossless: they change
+speed, not the distribution of tokens. With `exact` (engine option) the engine's forwards are
 row-invariant (tailrl.model), a verify computes a one-token step's logits bit for bit and the
-tokens are identical too; without it a near-tie flips ~1 token in 1,000 at temperature 1. In
-auto mode the tuner picks arms by measured speed; its state is checkpointed.
+tokens are identical too; without it a near-tie can flip a token (docs/lossless.md). In auto
+mode the tuner picks arms by measured speed; its state is checkpointed.
 
 Knows: tasks, rewards, the tokenizer, the rollout's interface, AdamW, the run directory.
 Does not know: how the engine produces tokens (plain or speculative), where workers run.

@@ -170,9 +170,8 @@ class RolloutWorker:
 
 def _spot_thread_init(threads: int) -> None:
     """Torch threads as the worker's, and nice 19 for the calling thread (Linux: per thread), so
-    spot training only takes CPU time nobody else wants: measured on a 2-core machine with
-    another job on one core, a trainer at normal priority slowed the tail worker it shared a
-    core with by 2.4x (rollout 19.8 s vs 8.4 s without training)."""
+    spot training only takes CPU time nobody else wants: at normal priority a trainer sharing a
+    core with a tail worker slows the very tail the step waits for (docs/workers.md)."""
     torch.set_num_threads(threads)
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
