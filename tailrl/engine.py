@@ -192,13 +192,13 @@ class Engine:
     `decoder` may be replaced between generate calls (tailrl.speculative.modes.install).
     """
 
-    def __init__(self, model: Transformer, config: EngineConfig | None = None, decoder: StepDecoder | None = None):
+    def __init__(self, model: Transformer, config: EngineConfig | None = None):
         self.model = model
         self.cfg = config or EngineConfig()
         self.eos = set(model.cfg.eos_token_ids)
         self.cache: KVCache | None = None
         self.stats = EngineStats()
-        self.decoder: StepDecoder = decoder or PlainDecoder()
+        self.decoder: StepDecoder = PlainDecoder()
 
     @property
     def device(self) -> torch.device:
