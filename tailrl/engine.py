@@ -5,7 +5,10 @@ running sequence into it), so every forward reads a view of the cache, never a g
 shared by several samples (GRPO groups) are prefilled once and their KV copied to each sibling,
 and the distinct prompts admitted together are prefilled in one right-padded forward.
 A step is either plain (one token per sequence) or speculative (a draft tree per sequence,
-verified in one forward); `decoder` chooses per step. Token choice is position-keyed
+verified in one forward); the `decoder` (the StepDecoder contract below) chooses per step and
+emits through `Engine.emit`. Exact mode is the engine's own choice of forward (`Engine.forward`
+runs the model row-invariant): the model itself is not changed, so a policy shared with the
+trainer trains with its ordinary kernels. Token choice is position-keyed
 (tailrl.sampling), so a sequence's output does not depend on the batch it ran in or on how its
 tokens were produced.
 
@@ -41,8 +44,8 @@ class EngineConfig:
     max_batch: int = field(default=64, metadata={"help": "most sequences decoded together (cache slots)"})
     kv_budget_gb: float = field(default=4.0, metadata={"help": "memory for the KV cache, GiB"})
     capture_hidden: bool = field(default=False, metadata={"help": "record each token's target hidden state"})
-    exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (row-invariant forwards; "
-                                                 "on CPU ~2x slower steps at batch 1, ~1.1x at batch 8+, see tailrl.model)"})
+    exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (row-invariant forwards, "
+                                                 "slower; see docs/lossless.md)"})
 
 
 @dataclass(frozen=True)
@@ -146,21 +149,52 @@ class Seq:
     finish: str | None = None
 
 
-class StepDecoder(Protocol):
-    """Chooses, per step, how to decode the running batch (plain or speculative)."""
+@dataclass(frozen=True)
+class GenerateCall:
+    """What one generate call asks for; the engine hands it to the decoder with every step."""
 
-    def step(self, engine: "Engine", running: list[Seq]) -> str:
-        """Advance every running sequence by >= 1 token; return the arm label used."""
+    params: SamplingParams
+    max_new_tokens: int
+    stop: Callable[[list[int]], bool] | None = None  # on a sequence's tokens so far: end it here
+
+
+class StepDecoder(Protocol):
+    """How the engine advances its running batch (plain or speculative), and what it must keep.
+
+    In one generate call the engine calls `begin` once, then `step` once per decode step, `moved`
+    whenever it moves a running sequence to another cache slot, and `finished` once per sequence
+    as it leaves the batch. A decoder emits tokens only through `Engine.emit`.
+    """
+
+    max_tree: int  # most draft nodes a step verifies; the engine reserves max_tree + 1 cache positions
+    needs_hidden: bool  # keep target hidden states on every Seq (prompt_hidden, hidden)
+
+    def begin(self, engine: Engine) -> None:
+        """A generate call starts: forget per-slot state of the last one."""
+        ...
+
+    def step(self, engine: Engine, running: list[Seq], call: GenerateCall) -> str:
+        """Advance every running sequence by >= 1 token; return the label of the arm used."""
+        ...
+
+    def moved(self, src: int, dst: int, seq: Seq) -> None:
+        """The engine moved `seq` from cache slot src to slot dst."""
+        ...
+
+    def finished(self, seq: Seq) -> None:
+        """`seq` is done (seq.finish is set) and leaves the batch."""
         ...
 
 
 class Engine:
-    """Generates completions for token-id requests with a target model."""
+    """Generates completions for token-id requests with a target model.
+
+    `decoder` may be replaced between generate calls (tailrl.speculative.modes.install).
+    """
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None):
         self.model = model
         self.cfg = config or EngineConfig()
-        model.set_exact(self.cfg.exact)
         self.eos = set(model.cfg.eos_token_ids)
         self.cache: KVCache | None = None
         self.stats = EngineStats()
@@ -222,13 +256,11 @@ class Engine:
 
         on_progress(Progress) is called after every decode step; on_finished(request index,
         completion) as each sequence finishes, before the call returns them all."""
-        capacity = self.check_requests(requests, max_new_tokens, extra=getattr(self.decoder, "max_tree", 0) + 1)
+        capacity = self.check_requests(requests, max_new_tokens, extra=self.decoder.max_tree + 1)
         self._ensure_cache(capacity, len(requests))
         self.stats = EngineStats()
-        self.params, self.max_new_tokens, self.stop = params, max_new_tokens, stop
-        begin = getattr(self.decoder, "begin", None)
-        if begin is not None:  # a decoder with per-slot state (a drafter's cache) starts afresh
-            begin(self)
+        call = GenerateCall(params, max_new_tokens, stop)
+        self.decoder.begin(self)
         start = time.perf_counter()
         # Siblings adjacent, so one admission wave usually covers a whole group.
         order = sorted(range(len(requests)), key=lambda i: (requests[i].group, i))
@@ -237,12 +269,12 @@ class Engine:
         results: list[Completion | None] = [None] * len(requests)
         with torch.inference_mode():
             while waiting or running:
-                self._admit(waiting, running)
+                self._admit(waiting, running, call)
                 self._retire(running, results, on_finished)  # a first token can already end a sequence
                 if not running:
                     continue
                 t0, tokens0 = time.perf_counter(), self.stats.tokens
-                label = self.decoder.step(self, running)
+                label = self.decoder.step(self, running, call)
                 t1 = time.perf_counter()
                 self.stats.steps += 1
                 self.stats.timeline.append(StepRecord(t1 - start, len(running), label, self.stats.tokens - tokens0, t1 - t0))
@@ -254,7 +286,7 @@ class Engine:
         self.stats.seconds = time.perf_counter() - start
         return results  # type: ignore[return-value]
 
-    def _admit(self, waiting: deque, running: list[Seq]) -> None:
+    def _admit(self, waiting: deque, running: list[Seq], call: GenerateCall) -> None:
         """Prefill waiting requests into free slots: one prefill per distinct prompt, the distinct
         prompts of a wave batched into one forward (up to PREFILL_TOKENS padded tokens)."""
         t0 = time.perf_counter()
@@ -272,10 +304,10 @@ class Engine:
             while groups and (len(batch) + 1) * max(longest, len(groups[0][0][1].prompt_ids)) <= PREFILL_TOKENS:
                 longest = max(longest, len(groups[0][0][1].prompt_ids))
                 batch.append(groups.pop(0))
-            self._prefill(batch, running)
+            self._prefill(batch, running, call)
         self.stats.prefill_seconds += time.perf_counter() - t0
 
-    def _prefill(self, groups: list[list[tuple[int, Request]]], running: list[Seq]) -> None:
+    def _prefill(self, groups: list[list[tuple[int, Request]]], running: list[Seq], call: GenerateCall) -> None:
         """One forward over the groups' prompts (right-padded), each into the slot of its first
         member (slots len(running) ..), then the siblings' slots get a copy of its KV."""
         first, n = len(running), len(groups)
@@ -289,39 +321,43 @@ class Engine:
         # Causal over each row's own prompt; padding writes KV past the prompt, which stays masked
         # (keys past a sequence's length) until decoding overwrites it.
         mask = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()[None] & valid[:, None]  # (n, P, P)
-        h = self.model.hidden(ids.to(self.device), pos, CacheView(self.cache, first, pos, p, mask))  # (n, P, E)
+        view = CacheView(self.cache, first, pos, p, mask)
+        h = self.model.hidden(ids.to(self.device), pos, view, exact=self.cfg.exact)  # (n, P, E)
         # Only the last prompt position's logits are needed: the LM head over every prompt token
         # would cost P x the head (49k rows for SmolLM2), about a third of a prefill.
         last = h[torch.arange(n, device=self.device), torch.tensor(lens, device=self.device) - 1]  # (n, E)
-        logits = self.model.lm_head(last)  # (n, V)
-        heads = [self._start(idx, req, logits[i : i + 1], h[i, : lens[i]]) for i, ((idx, req), *_) in enumerate(groups)]
+        logits = self.model.lm_head(last, self.cfg.exact)  # (n, V)
+        heads = [self._start(idx, req, call, logits[i : i + 1], h[i, : lens[i]]) for i, ((idx, req), *_) in enumerate(groups)]
         running.extend(heads)
         # Siblings reuse their prompt's prefill: copy the KV, sample their own first token.
         for i, g in enumerate(groups):
             for j, sib in g[1:]:
                 self.cache.copy_slot(first + i, len(running), lens[i])
-                running.append(self._start(j, sib, logits[i : i + 1], h[i, : lens[i]]))
+                running.append(self._start(j, sib, call, logits[i : i + 1], h[i, : lens[i]]))
 
-    def _start(self, idx: int, req: Request, logits: torch.Tensor, h_prompt: torch.Tensor) -> Seq:
+    def _start(self, idx: int, req: Request, call: GenerateCall, logits: torch.Tensor, h_prompt: torch.Tensor) -> Seq:
         """A running sequence from its prompt's last logits (1, V) and hidden states (P, E)."""
         p = len(req.prompt_ids)
-        tok, lp = sample(logits, self.params, [req.seed], [p])
+        tok, lp = sample(logits, call.params, [req.seed], [p])
         top = is_top1(logits, tok)
         seq = Seq(idx, req, length=p, pending=int(tok[0]))
-        keep = self._keep_hidden
+        keep = self.keep_hidden
         if keep:
             seq.prompt_hidden = h_prompt[:-1]
-        self._emit(seq, [seq.pending], [float(lp[0])], [bool(top[0])], h_prompt[-1:] if keep else None)
+        self.emit(seq, call, [seq.pending], [float(lp[0])], [bool(top[0])], h_prompt[-1:] if keep else None)
         return seq
 
     @property
-    def _keep_hidden(self) -> bool:
-        return self.cfg.capture_hidden or getattr(self.decoder, "needs_hidden", False)
+    def keep_hidden(self) -> bool:
+        """Whether emitted tokens keep their target hidden states (for the caller or the decoder)."""
+        return self.cfg.capture_hidden or self.decoder.needs_hidden
 
-    def _emit(
-        self, seq: Seq, tokens: list[int], logprobs: list[float], top1: list[bool], hidden: torch.Tensor | None
+    def emit(
+        self, seq: Seq, call: GenerateCall, tokens: list[int], logprobs: list[float], top1: list[bool],
+        hidden: torch.Tensor | None,
     ) -> None:
-        """Append emitted tokens, cutting at EOS / stop / the length limit.  hidden: (k, E)"""
+        """Append a step's tokens to `seq`, cutting at EOS / the call's stop / its length limit;
+        hidden (k, E), one row per token, when `keep_hidden`."""
         for k, (t, lp, top) in enumerate(zip(tokens, logprobs, top1)):
             seq.tokens.append(t)
             seq.logprobs.append(lp)
@@ -331,9 +367,9 @@ class Engine:
             self.stats.tokens += 1
             if t in self.eos:
                 seq.finish = "eos"
-            elif self.stop is not None and self.stop(seq.tokens):
+            elif call.stop is not None and call.stop(seq.tokens):
                 seq.finish = "stop"
-            elif len(seq.tokens) >= self.max_new_tokens:
+            elif len(seq.tokens) >= call.max_new_tokens:
                 seq.finish = "length"
             if seq.finish:
                 return
@@ -341,6 +377,9 @@ class Engine:
     def _retire(self, running: list[Seq], results: list[Completion | None],
                 on_finished: Callable[[int, Completion], None] | None) -> None:
         """Move finished sequences out; refill their slots from the end of the batch."""
+        for seq in running:  # in slot order, before any slot moves
+            if seq.finish is not None:
+                self.decoder.finished(seq)
         i = 0
         while i < len(running):
             seq = running[i]
@@ -358,41 +397,47 @@ class Engine:
             last = running.pop()
             if last is not seq:
                 self.cache.copy_slot(len(running), i, last.length)
-                self.decoder_moved(len(running), i, last)
+                self.decoder.moved(len(running), i, last)
                 running[i] = last
 
-    def decoder_moved(self, src: int, dst: int, seq: Seq) -> None:
-        """Tell the decoder a sequence changed slots (a drafter with its own cache follows)."""
-        moved = getattr(self.decoder, "moved", None)
-        if moved is not None:
-            moved(src, dst, seq)
+    # ---- what decoders use ----------------------------------------------------------------
 
-    # ---- the plain step, used by every decoder ------------------------------------------
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, view: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's logits and hidden states over cached positions, row-invariant in exact
+        mode.  # (B, T), (B, T) -> (B, T, V), (B, T, E)"""
+        return self.model(ids, positions, view, return_hidden=True, exact=self.cfg.exact)
 
-    def plain_step(self, running: list[Seq]) -> None:
+    def plain_step(self, running: list[Seq], call: GenerateCall) -> None:
         """Feed each sequence's pending token; sample the next one."""
         lens = torch.tensor([s.length for s in running], device=self.device)
         kv_len = int(lens.max()) + 1
         mask = (torch.arange(kv_len, device=self.device)[None] <= lens[:, None])[:, None]  # (B, 1, S)
         ids = torch.tensor([[s.pending] for s in running], device=self.device)
-        logits, h = self.model(
-            ids, lens[:, None], CacheView(self.cache, 0, lens[:, None], kv_len, mask), return_hidden=True
-        )
-        toks, lps = sample(logits[:, 0], self.params, [s.req.seed for s in running], (lens + 1).tolist())
+        logits, h = self.forward(ids, lens[:, None], CacheView(self.cache, 0, lens[:, None], kv_len, mask))
+        toks, lps = sample(logits[:, 0], call.params, [s.req.seed for s in running], (lens + 1).tolist())
         top = is_top1(logits[:, 0], toks).tolist()
-        keep = self._keep_hidden
+        keep = self.keep_hidden
         for i, s in enumerate(running):
             s.length += 1
             s.pending = int(toks[i])
-            self._emit(s, [s.pending], [float(lps[i])], [top[i]], h[i] if keep else None)
+            self.emit(s, call, [s.pending], [float(lps[i])], [top[i]], h[i] if keep else None)
 
 
 class PlainDecoder:
-    """Always plain decoding: the baseline and the reference path."""
+    """Always plain decoding: the baseline and the reference path. Keeps no state."""
 
     max_tree = 0
     needs_hidden = False
 
-    def step(self, engine: Engine, running: list[Seq]) -> str:
-        engine.plain_step(running)
+    def begin(self, engine: Engine) -> None:
+        pass
+
+    def step(self, engine: Engine, running: list[Seq], call: GenerateCall) -> str:
+        engine.plain_step(running, call)
         return "plain"
+
+    def moved(self, src: int, dst: int, seq: Seq) -> None:
+        pass
+
+    def finished(self, seq: Seq) -> None:
+        pass

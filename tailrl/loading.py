@@ -40,8 +40,8 @@ def _cpu_has_native_bf16() -> bool:
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
     """"auto" -> bf16 on CUDA or a CPU with native bf16 matmuls, else fp32.
 
-    Without avx512_bf16 / AMX, oneDNN emulates bf16 and a batch-64 matmul runs ~5x slower
-    than fp32 (measured on an AVX2-only EPYC), so bf16 would only cost time there.
+    Without native bf16 matmul instructions (`_cpu_has_native_bf16`) oneDNN emulates bf16, which
+    is several times slower than fp32, so bf16 would only cost time there (docs/performance.md).
     """
     if name not in DTYPE_CHOICES:
         raise ModelError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")

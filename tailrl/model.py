@@ -10,22 +10,20 @@ Does not know: sampling, drafting, RL, tokenizers.
 Row invariance. Lossless speculative decoding needs a token's logits to come out the same
 whether it is fed alone (a plain step), with its draft (a verify forward) or beside other
 sequences. CPU matmul kernels do not give that: the kernel, and with it the order of a row's
-sums, is chosen by the number of rows. Measured with torch 2.13 (oneDNN/MKL): on an AVX2 EPYC in
-fp32, rows 1-3 differed from rows >= 4 by ~1e-5; on an AMX Xeon, a row's result changed at 2, 3,
-4, 8, 16, 32, 33 and 256 rows in bf16 and at most counts in fp32. But with the row count fixed,
-a row's result depended neither on its place among the rows nor on the other rows (both CPUs,
-both dtypes). The attention-value matmul also groups its sum by the number of keys, which is
-the batch's longest row. A 1e-5 logit difference flips ~1 sampled token per 1,000 at temperature
-1 in fp32 (the uniform lands between the two CDFs); in bf16 a token's logits differed by up to
-~0.4 between kernel paths, and on flat distributions most tokens flipped. So in `exact`
-mode every cached-path matmul runs on blocks of exactly `row_block(dtype)` rows, zero-padded
-(`blocked`: the linears, `Linear`, and the attention's query rows), the attention products run
-in fixed-size key chunks (`chunked_qk`, `chunked_pv`) and the softmax normaliser is summed in fp64 (a
-tree's accepted path sits at non-consecutive keys). It is off by default because it costs speed
-(fixed blocks are padded work, and past one block the weights are read once per block); the
-costs measured are in docs/lossless.md. Without it,
-speculative decoding is lossless in distribution (every token is an exact sample of the
-target's logits as one kernel or the other computed them) but not bit-reproducible.
+sums, is chosen by the number of rows; with the row count fixed, a row's result depends neither
+on its place among the rows nor on the other rows. The attention products also group their sums
+by the number of keys, which is the batch's longest row. A tiny logit difference flips a sampled
+token whenever the position's uniform lands between the two CDFs, and from there the sequence
+goes another (equally valid) way. So with `exact=True` (a per-call argument of `forward` and
+`hidden`, which the rollout engine passes; the model holds no such state, so one model serves
+exact rollouts and ordinary training at once) every matmul runs on blocks of exactly
+`row_block(dtype)` rows, zero-padded (`blocked`: the linears, `Linear`, and the attention's query
+rows), the attention products run in fixed-size key chunks (`chunked_qk`, `chunked_pv`) and the
+softmax normaliser is summed in fp64 (a tree's accepted path sits at non-consecutive keys). It
+costs speed (fixed blocks are padded work, and past one block the weights are read once per
+block), so it is off by default. Without it, speculative decoding is lossless in distribution
+(every token is an exact sample of the target's logits as one kernel or the other computed
+them) but not bit-reproducible. Measurements: docs/lossless.md.
 
 Shapes: B batch rows, T new tokens, S key positions, H query heads, K kv heads, G = H / K,
 D head dim, E hidden size, V vocabulary, L layers, C cache slots, M cache capacity (tokens).
@@ -44,8 +42,8 @@ from torch import nn
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 KV_CHUNK = 128  # keys per attention matmul in exact mode, see chunked_qk and chunked_pv
 # Rows per matmul call in exact mode (see "Row invariance"): small blocks keep a 1-row decode step
-# cheap, and bf16 (AMX tiles of 16 rows) pays little for 16 (a 576 x 1536 bf16 linear: 1 row
-# 62 us, 16 rows 80 us) where fp32 pays 4x for 16 rows and 1.5x for 4 (measured on an AMX Xeon).
+# cheap; bf16 gets a larger block because CPU bf16 matrix units work on tiles of 16 rows, so a
+# 16-row call costs little more than a 1-row one, where an fp32 call grows with its rows.
 _ROW_BLOCK = {torch.float32: 4, torch.bfloat16: 16}
 
 
@@ -70,8 +68,8 @@ def chunked_qk(q: torch.Tensor, keys: torch.Tensor, s: int) -> torch.Tensor:
     """q @ keys[..., :s, :]^T in KV_CHUNK-key pieces.  # (B, K, N, D), (B, K, M, D) -> (B, K, N, S)
 
     The matmul kernel (and a score's rounding) also depends on the number of keys, which is the
-    batch's longest row (measured: one prompt's prefill scores moved by ~4e-7 when it was padded
-    to a longer prompt's length); every piece here has exactly KV_CHUNK keys (read from the cache,
+    batch's longest row (so a prompt's prefill scores change when it is padded to a longer
+    prompt's length); every piece here has exactly KV_CHUNK keys (read from the cache,
     whose capacity is whole chunks) on blocks of query rows (`blocked`).
     """
     out = [blocked(lambda rows: rows @ keys[:, :, c : c + KV_CHUNK].transpose(-1, -2), q, 2) for c in range(0, s, KV_CHUNK)]
@@ -81,9 +79,8 @@ def chunked_qk(q: torch.Tensor, keys: torch.Tensor, s: int) -> torch.Tensor:
 def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """probs @ values[..., :S, :] summed chunk by chunk.  # (B, K, N, S), (B, K, M, D) -> (B, K, N, D)
 
-    A matmul over S keys groups its sum by S (measured: the same nonzero probabilities give
-    different bits at S = 286 than at 284), so a row's output would depend on the longest row in
-    its batch. Here every chunk is a KV_CHUNK-long matmul (probs zero-padded at the end, values
+    A matmul over S keys groups its sum by S (the same nonzero probabilities can give other bits
+    at another S), so a row's output would depend on the longest row in its batch. Here every chunk is a KV_CHUNK-long matmul (probs zero-padded at the end, values
     read from the cache: finite, so the padding adds exact zeros) on blocks of query rows
     (`blocked`), and the chunk results are added in position order: a row's output depends only
     on its own keys.
@@ -106,10 +103,8 @@ def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict keys), computed in fixed row blocks when exact."""
 
-    exact = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.exact:
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if not exact:
             return super().forward(x)
         out = blocked(lambda rows: F.linear(rows, self.weight, self.bias), x.reshape(-1, x.shape[-1]), 0)
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -255,8 +250,6 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    exact = False  # see "Row invariance" in the module docstring
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, k, d, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
@@ -270,11 +263,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None):
+    def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None, exact: bool = False):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d)
-        k = self.k_proj(x).view(b, t, self.k, self.d)
-        v = self.v_proj(x).view(b, t, self.k, self.d)
+        q = self.q_proj(x, exact).view(b, t, self.h, self.d)
+        k = self.k_proj(x, exact).view(b, t, self.k, self.d)
+        v = self.v_proj(x, exact).view(b, t, self.k, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
@@ -286,10 +279,10 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.h != self.k
             )
         else:
-            out = self._cached(q, k, v, layer, view)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d))
+            out = self._cached(q, k, v, layer, view, exact)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d), exact)
 
-    def _cached(self, q, k, v, layer: int, view: CacheView) -> torch.Tensor:
+    def _cached(self, q, k, v, layer: int, view: CacheView, exact: bool) -> torch.Tensor:
         b, _, t, d = q.shape
         rows = slice(view.first, view.first + b)
         ck, cv = view.cache.k[layer, rows], view.cache.v[layer, rows]  # (B, K, M, D) views
@@ -301,7 +294,7 @@ class Attention(nn.Module):
         # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
         # copies for GQA, and on CPU it beats SDPA for bf16 decode.
         n = g * t
-        if not self.exact:
+        if not exact:
             scores = (q.reshape(b, self.k, n, d) @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
             scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -325,8 +318,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, exact)) * self.up_proj(x, exact), exact)
 
 
 class DecoderLayer(nn.Module):
@@ -337,9 +330,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, view, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None, exact: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, view, mask, exact)
+        return x + self.mlp(self.post_attention_layernorm(x), exact)
 
 
 class Backbone(nn.Module):
@@ -363,12 +356,6 @@ class Transformer(nn.Module):
         # A plain attribute, not a buffer: module.to(bf16) must not round the frequencies.
         self.inv_freq = rope_inv_freq(cfg).float()
 
-    def set_exact(self, on: bool) -> None:
-        """Row-invariant cached forwards (module docstring, "Row invariance"): slower, bit-exact."""
-        for module in self.modules():
-            if isinstance(module, (Linear, Attention)):
-                module.exact = on
-
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
@@ -382,16 +369,20 @@ class Transformer(nn.Module):
         positions: torch.Tensor,  # (B, T)
         view: CacheView | None = None,
         mask: torch.Tensor | None = None,  # (B, 1, T, T) for the no-cache path; None = causal
+        exact: bool = False,
     ) -> torch.Tensor:
-        """Final-normed hidden states, the LM head's input.  # (B, T, E)"""
+        """Final-normed hidden states, the LM head's input.  # (B, T, E)
+
+        exact: row-invariant (module docstring, "Row invariance"); a choice per call, so one
+        model serves exact rollouts and ordinary training at once."""
         x = self.model.embed_tokens(ids)
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, view, mask)
+            x = layer(x, cos, sin, i, view, mask, exact)
         return self.model.norm(x)
 
-    def forward(self, ids, positions, view=None, mask=None, return_hidden: bool = False):
+    def forward(self, ids, positions, view=None, mask=None, return_hidden: bool = False, exact: bool = False):
         """Logits (B, T, V), and the hidden states (B, T, E) when asked."""
-        h = self.hidden(ids, positions, view, mask)
-        logits = self.lm_head(h)
+        h = self.hidden(ids, positions, view, mask, exact)
+        logits = self.lm_head(h, exact)
         return (logits, h) if return_hidden else logits

@@ -5,11 +5,10 @@ speculative decoding with the learned drafter or the n-gram drafter and a draft-
 (draft_depth, topk, num_draft_tokens). The reward of a step is the tokens it emitted per wall
 second per running sequence. (TLT rewards tokens per second; but a bucket spans batch sizes up to
 2x apart and a rollout walks through it from the top, so the arms tried first would get the
-larger batches' higher throughput: on SmolLM2 at 17-32 running sequences, plain decoding, tried
-last, scored 73 tok/s where SD off averaged 88 over the whole bucket, and the tuner then
-speculated there at half the speed of plain decoding. Per sequence, a step's reward hardly depends on where in
-its bucket it was taken.) Rewards are kept per (bucket, arm), the bucket being the range the running batch size
-falls in, in a sliding window of the last `window` rewards. Within a bucket the tuner plays
+larger batches' higher throughput and an arm tried last would look slow for where it was tried,
+not for what it is (docs/history.md). Per sequence, a step's reward hardly depends on where in
+its bucket it was taken.) Rewards are kept per (bucket, arm), the bucket being the range the
+running batch size falls in, in a sliding window of the last `window` rewards. Within a bucket the tuner plays
 arms with fewer than `min_pulls` rewards first (fewest first, then in the order given), then
 with probability epsilon a uniformly random arm (the greedy one included), else the arm with
 the best median reward over its window (TLT's rule; the median shrugs off the odd slow step,

@@ -11,6 +11,7 @@ import torch
 
 from tailrl import cli
 from tailrl import engine as engine_mod
+from tailrl import model as model_mod
 from tailrl.engine import Engine, EngineConfig, Request
 from tailrl.loading import load_model
 from tailrl.model import KV_CHUNK, KVCache
@@ -63,6 +64,28 @@ def test_batched_prefill_equals_one_prompt_per_forward(tiny, monkeypatch):
     for a, b in zip(batched, alone):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
         assert torch.equal(a.hidden, b.hidden) and torch.equal(a.prompt_hidden, b.prompt_hidden)
+
+
+def test_an_exact_engine_leaves_the_model_as_it_was_for_its_other_users(tiny, monkeypatch):
+    """Exact mode is the engine's choice of forward, not a switch on the model: while and after an
+    exact engine decodes, the same model's ordinary forward (the trainer's, when the policy is
+    the rollout model) runs the ordinary kernels, never the fixed row blocks, and gives the bits
+    it gave before the engine existed."""
+    ids = torch.randint(2, 96, (3, 37), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(37)[None].expand(3, 37)
+    with torch.no_grad():
+        before = tiny(ids, pos)
+    blocks = []
+    real = model_mod.blocked
+    monkeypatch.setattr(model_mod, "blocked", lambda fn, x, dim: (blocks.append(x.shape), real(fn, x, dim))[1])
+    engine = Engine(tiny, EngineConfig(exact=True))
+    engine.generate(_requests(4), SamplingParams(temperature=1.0), 8)
+    assert blocks  # the engine's own forwards were the row-invariant ones
+    blocks.clear()
+    with torch.no_grad():
+        after = tiny(ids, pos)
+    assert not blocks
+    assert torch.equal(after, before)
 
 
 def test_greedy_equals_full_forward_argmax(tiny):

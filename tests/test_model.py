@@ -96,7 +96,6 @@ def test_token_logits_do_not_depend_on_the_forward_shape(smollm2_dir, dtype):
     fp64 softmax normaliser) they differ by ~1e-5 in fp32 on this project's CPUs (1-2 threads),
     and in bf16 (the rollout dtype on CPUs with AVX512-BF16 / AMX) by whole bf16 steps."""
     model = load_model(smollm2_dir, dtype=dtype)
-    model.set_exact(True)
     torch.manual_seed(0)
     tokens = torch.randint(100, 30000, (4, 700))
     prompt_lens = [290, 293, 407, 630]  # row 0 is the one compared; the others span key chunks
@@ -106,7 +105,7 @@ def test_token_logits_do_not_depend_on_the_forward_shape(smollm2_dir, dtype):
         for b in range(rows):
             n = prompt_lens[b]
             pos = torch.arange(n)[None]
-            model.hidden(tokens[b : b + 1, :n], pos, CacheView(cache, b, pos, n, torch.ones(1, n, n).tril().bool()))
+            model.hidden(tokens[b : b + 1, :n], pos, CacheView(cache, b, pos, n, torch.ones(1, n, n).tril().bool()), exact=True)
         return cache
 
     def logits_of_row0(rows: int, t: int) -> torch.Tensor:  # [token, t - 1 drafts] per row, causal
@@ -115,7 +114,7 @@ def test_token_logits_do_not_depend_on_the_forward_shape(smollm2_dir, dtype):
         ids = torch.stack([tokens[b, prompt_lens[b] : prompt_lens[b] + t] for b in range(rows)])
         kv_len = int(write.max()) + 1
         mask = torch.arange(kv_len)[None, None] <= write[:, :, None]
-        return model(ids, write, CacheView(cache, 0, write, kv_len, mask))[0]
+        return model(ids, write, CacheView(cache, 0, write, kv_len, mask), exact=True)[0]
 
     with torch.inference_mode():
         alone = logits_of_row0(1, 1)[0]
@@ -135,5 +134,5 @@ def test_token_logits_do_not_depend_on_the_forward_shape(smollm2_dir, dtype):
         for i, ancestors in enumerate(([0], [0, 1], [0, 2], [0, 1, 3])):
             mask[0, i, [n + j for j in ancestors]] = True
         ids = torch.stack([root, a, torch.tensor(999), b])[None]
-        tree = model(ids, positions, CacheView(cache, 0, write, n + 4, mask))[0, 3]
+        tree = model(ids, positions, CacheView(cache, 0, write, n + 4, mask), exact=True)[0, 3]
         assert torch.equal(tree, chain)

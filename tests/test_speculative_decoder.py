@@ -74,6 +74,9 @@ class Oracle:
     def moved(self, src, dst, seq):
         pass
 
+    def finished(self, seq):
+        pass
+
     def propose(self, engine, running: list[Seq], arm: Arm) -> DraftTree:
         rows = [self._row(s, arm) for s in running]
         return DraftTree(torch.tensor([t for t, _ in rows]), torch.tensor([p for _, p in rows]))

@@ -268,7 +268,8 @@ def test_the_tuned_decoder_rewards_tokens_per_second_per_running_sequence():
 
     tuner = Tuner([PLAIN], TunerConfig(switch_patience=0))
     decoder = tuned(tuner, {})
-    decoder.on_step(StepReport(PLAIN, batch_size=3, tokens=12, draft_seconds=0.0, verify_seconds=2.0))
+    for observer in decoder.observers:
+        observer.observe(StepReport(PLAIN, batch_size=3, tokens=12, draft_seconds=0.0, verify_seconds=2.0))
     assert tuner.summary()["3-4"]["median"] == {"plain": 2.0}
 
 

@@ -4,7 +4,7 @@ For each batch size, the same requests (the default task's prompts, sampled at t
 with position-keyed seeds) run once with plain decoding and once per arm, all in one process;
 the arms' tokens are compared with plain decoding's (`identical` per row). They are equal bit
 for bit only in exact mode (tailrl.model); without it a uniform within rounding of a CDF
-boundary flips ~1 token in 1,000 at temperature 1, and this shows it.
+boundary flips a token now and then (docs/lossless.md), and this shows it.
 
 Knows: how to time the engine in each mode. Does not know: training.
 """

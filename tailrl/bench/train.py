@@ -17,8 +17,8 @@ alike; the per-step ratios show the spread.
 Identical work. Speculative decoding is lossless: in exact mode (the engine's row-invariant
 forwards, default here) both runs sample the same tokens bit for bit, so they compute the same
 rewards, the same updates and the same policies. Every step's tokens digest and rewards are
-compared; without exact mode a near-tie may flip a token (~1 in 1,000 at temperature 1) and the
-runs drift apart from there, which the report then shows as not identical.
+compared; without exact mode a near-tie may flip a token (docs/lossless.md) and the runs drift
+apart from there, which the report then shows as not identical.
 
 Reported: per step every run's step / rollout / train seconds, tokens, reward_mean and whether
 tokens and rewards agree with the baseline's; per run its speedup over the baseline end to end
@@ -160,8 +160,8 @@ def interleaved(out: Path, runs: dict[str, Callable[[int], dict[str, Any]]], ste
     resume. Returns each run's metrics records.
 
     The order alternates per step (A B, B A, A B, ...): all runs share this process, and going
-    first costs (measured with `bench drafter`: the first update in the process page-faulted 2x
-    more and took 12.4 s vs 9.9 s for the same work), so a fixed order would bill one run for it.
+    first costs (the first update in a process page-faults more: docs/performance.md), so a
+    fixed order would bill one run for it.
     """
     from tailrl.rl.run_dir import RunDir
     from tailrl.rl.train import train

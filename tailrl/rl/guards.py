@@ -15,11 +15,10 @@ import torch
 
 @contextlib.contextmanager
 def deterministic(device: torch.device) -> Iterator[None]:
-    """Deterministic kernels for the update on CPU: with 2 threads the backward pass gave other
-    bits on every call (measured on an AMX Xeon, SmolLM2 fp32: weight gradients ~1e-8 apart with
-    the same inputs), so two runs that sampled the same tokens drifted apart from the first
-    update on (their step-7 rollouts differed). With the flag the gradients were the same bits
-    call after call, at no measurable cost (8.2-8.3 s either way for 32 responses). Not on CUDA,
+    """Deterministic kernels for the update on CPU: with several threads the backward pass can
+    give other bits on every call with the same inputs, so two runs that sampled the same tokens
+    would drift apart from the first update on. With the flag the gradients are the same bits
+    call after call (tests/test_train.py checks it; its cost: docs/performance.md). Not on CUDA,
     where it also needs CUBLAS_WORKSPACE_CONFIG set by the user."""
     if device.type != "cpu" or torch.are_deterministic_algorithms_enabled():
         yield

@@ -75,6 +75,11 @@ class StepWork:
     def skipped(self) -> int:
         return sum(not g.samples for g in self.groups)
 
+    @property
+    def trained(self) -> bool:
+        """Some group had reward spread, so there is a gradient to apply."""
+        return any(g.samples for g in self.groups)
+
 
 @dataclass(frozen=True)
 class StepInputs:

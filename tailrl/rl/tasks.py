@@ -36,17 +36,9 @@ __all__ = [
 ]
 
 # The task of `tailrl train` with no arguments: "a + b =" / "a - b =" with one-digit operands.
-# Measured with SmolLM2-135M-Instruct (fp32), format_prompt below, temperature 1, top_p 1:
-# - starting mean reward 0.156 over 64 problems (max_new_tokens 256) and 0.167 over another 24;
-#   44% of responses use the answer tags. Response lengths p10/p50/p90 = 8/19/96 tokens, 8% hit
-#   the 256 limit (rambling), so the start is long-tailed.
-# - every harder setting tried started at 0 of 24 (no GRPO signal): chain_sum with 2-3 terms of
-#   1-2 digits, leg_counting (1-2 animals), letter_counting (3-5 words), simple_equations (2 terms,
-#   values <= 10); basic_arithmetic with one-digit "+" only, or "+ - *", gave 0.083.
-# - GRPO, 4 prompts x 8 responses, max_new_tokens 128, AdamW lr 1e-5, one update per step:
-#   mean reward 0.21 at step 0, 0.67 over steps 1-9, 0.74 over steps 10-19 (no-update control on
-#   the same prompts: 0.19 and 0.15). The format is learned first (tag use 38% -> ~100% by step 5)
-#   and responses shrink to ~18 tokens, so the length tail is gone after a few steps.
+# GRPO learns only from groups whose rewards differ, so the default model must start neither at
+# 0 nor near 1: this is a setting where SmolLM2-135M-Instruct starts low but above 0, with a
+# long tail of response lengths. How it was chosen, and what it learns: docs/history.md.
 DEFAULT_TASK = "rg:chain_sum(min_terms=2, max_terms=2, min_digits=1, max_digits=1)"
 
 
@@ -77,9 +69,8 @@ SYSTEM_PROMPT = (
     "You are a helpful assistant. Think step by step, briefly. Then give the final answer "
     "inside <answer></answer> tags."
 )
-# One worked exchange before the question. SmolLM2-135M at temperature 1 almost never follows a
-# format it is only told about (tags or "Answer:" lines in 2 of 64 samples, reward 0 of 64, across
-# four instruction-only prompts); after one example 38-54% of responses use the tags.
+# One worked exchange before the question: a small model at temperature 1 rarely follows a format
+# it is only told about, and one shown example makes it use the answer tags (docs/history.md).
 EXAMPLE = [
     {"role": "user", "content": "What is 7 + 5?"},
     {"role": "assistant", "content": "7 + 5 = 12.\n<answer>12</answer>"},
@@ -113,7 +104,7 @@ def extract_answer(completion: str) -> str | None:
 
 
 def _reasoning_gym():
-    # Imported on first use: it takes ~1 s and JSONL-only runs do not need it.
+    # Imported on first use: it is slow to import and JSONL-only runs do not need it.
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
 

@@ -1,17 +1,19 @@
 """The GRPO training loop: rollout -> rewards -> advantages -> update -> publish the weights.
 
-`train` runs one RL step per iteration of one loop, readable top to bottom. The helpers above
-it are the update's tensor plumbing (log-probs of responses, gradient accumulation). The rollout
-goes through tailrl.workers (`start_pool`): one engine in this process by default, or several
-worker processes / Ray actors, whose idle time in the long tail trains the drafter.
+`train` runs one RL step per iteration of one loop, readable top to bottom, each stage a call:
+`rollout_and_gradient` (the rollout, each group's rewards and advantages, the gradient of the
+token-mean loss: tailrl.rl.phases, overlapped with the rollout's tail unless overlap_batch is
+0), `clip`, then the optimizer step, publishing the weights and the checkpoint (`save`). The
+update's tensor plumbing is tailrl.rl.packing and tailrl.rl.stream. The rollout goes through
+tailrl.workers (`start_pool`): one engine in this process by default, or several worker
+processes / Ray actors, whose idle time in the long tail trains the drafter.
 
 Weights. The policy trains in `train_dtype` (fp32 master weights: an AdamW update of lr ~1e-5
 relative to a weight vanishes in bf16's 8-bit mantissa). Rollouts run in `dtype`; when it
 differs, on a copy refreshed from the policy after every update, else on the policy itself.
 dtype "auto" (tailrl.loading.resolve_dtype) picks bf16 only where bf16 matmuls are fast: on
-GPUs and on CPUs with AVX512-BF16 or AMX. Without them (e.g. an AVX2-only CPU) a bf16 GEMM
-runs on a slow fallback: measured on such a 2-core EPYC VM, 1 thread, SmolLM2-135M: a batch-64
-decode step 2.06 s bf16 vs 0.39 s fp32, a 93-token prefill 2.9 s vs 0.5 s, batch 1 equal.
+GPUs and on CPUs with native bf16 instructions; elsewhere a bf16 matmul runs on a slow emulation
+(docs/performance.md).
 
 Old-policy log-probs. Each rollout batch gets exactly one optimizer step, so the policy that
 sampled it is the policy before the update, and its log-probs are the trainer's own: recomputed
@@ -24,17 +26,16 @@ Skipped groups. A group whose rewards are all equal has zero advantages; it is l
 update (neither computed nor counted in the token mean, as DAPO's dynamic sampling drops it) but
 counts in the reward metrics.
 
-Speculative rollouts ([speculation] section, tailrl.speculative.modes) are lossless: they change speed, not
-the distribution of tokens. With `exact` (engine option) the model's cached forwards are
+Speculative rollouts ([speculation] section, tailrl.speculative.modes) are lossless: they change
+speed, not the distribution of tokens. With `exact` (engine option) the engine's forwards are
 row-invariant (tailrl.model), a verify computes a one-token step's logits bit for bit and the
-tokens are identical too; without it a near-tie flips ~1 token in 1,000 at temperature 1. In
-auto mode the tuner picks arms by measured speed; its state is checkpointed.
+tokens are identical too; without it a near-tie can flip a token (docs/lossless.md). In auto
+mode the tuner picks arms by measured speed; its state is checkpointed.
 
 Knows: tasks, rewards, the tokenizer, the rollout's interface, AdamW, the run directory.
 Does not know: how the engine produces tokens (plain or speculative), where workers run.
 
-Shapes: P prompts, G group_size, L tokens in a packed row (prompts + responses), N response
-tokens in it, E hidden size, V vocabulary.
+Shapes: P prompts, G group_size.
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, re
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
+from tailrl.rl.phases import StepInputs, StepWork, run_step
 from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
-from tailrl.rl.phases import StepInputs, run_step
-from tailrl.rl.rewards import from_reward_fn, load_reward, task_reward
+from tailrl.rl.rewards import ProblemReward, from_reward_fn, load_reward, task_reward
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
 from tailrl.rl.stream import UpdateStats
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, extract_answer, format_prompt, make_task
@@ -141,7 +142,7 @@ class TrainResult:
     interrupted: bool
 
 
-# ---- the update's plumbing -------------------------------------------------------------------
+# ---- one run's steps ---------------------------------------------------------------------
 
 
 def policy_weights(model: Transformer) -> dict[str, torch.Tensor]:
@@ -244,7 +245,121 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
     }
 
 
+def step_times(work: StepWork, step_s: float) -> dict[str, float]:
+    """Where a step's time went: rollout (decoding), rewards, the update's part after the
+    rollout (gradient left, optimizer step, publishing), and the gradient computed during it."""
+    w = work.times
+    return {"rollout_s": w["rollout_s"], "reward_s": w["reward_s"],
+            "train_s": step_s - w["rollout_s"] - w["reward_s"], "step_s": step_s,
+            "update_in_rollout_s": w["update_in_rollout_s"], "groups_in_rollout": w["groups_in_rollout"]}
+
+
 # ---- the loop --------------------------------------------------------------------------------
+
+
+@dataclass
+class Trainer:
+    """The parts of one run that live from step to step (built by `start_run`)."""
+
+    tc: TrainConfig
+    gc: GRPOConfig
+    configs: dict[str, Any]
+    run: RunDir
+    task: Task
+    reward_fn: ProblemReward
+    tokenizer: Any
+    model_dir: Path
+    device: torch.device
+    policy: Transformer  # trains, in tc.train_dtype
+    rollout_model: Transformer  # the policy itself, or a copy in the rollout dtype
+    ref: Transformer | None  # the frozen initial policy, for the KL term
+    optimizer: torch.optim.Optimizer
+    state: TrainState
+    pool: WorkerPool
+    emit: Callable[[Any], None]
+    saved_step: int  # the step of the newest checkpoint; -1 before the first
+
+
+def start_run(configs: dict[str, Any], out_dir: str | Path | None, resume: bool,
+              emit: Callable[[Any], None]) -> Trainer:
+    """Open the run directory, load the models (from the last checkpoint on a resume), restore
+    the optimizer and random state, start the rollout workers."""
+    tc, gc = configs["train"], configs["grpo"]
+    if resume:
+        if out_dir is None:
+            raise ValueError("resume needs the run directory")
+        run = RunDir.open(out_dir, configs, may_change=RESUMABLE_CHANGES)
+    else:
+        run = RunDir.create(out_dir if out_dir is not None else default_out_dir(), configs)
+    task = make_task(tc.task)
+    reward_fn = task_reward(task, tc.format_weight) if tc.reward is None else from_reward_fn(load_reward(tc.reward))
+    model_dir = resolve_model_dir(tc.model)
+    tokenizer = load_tokenizer(model_dir)
+    checkpoint = run.latest_checkpoint() if resume else None
+    device = resolve_device(tc.device)
+    dtype = resolve_dtype(tc.dtype, device)
+    policy = load_model(checkpoint or model_dir, tc.train_dtype, device).requires_grad_(True)
+    rollout_model = policy if dtype == tc.train_dtype else load_model(checkpoint or model_dir, dtype, device)
+    ref = load_model(model_dir, tc.train_dtype, device) if gc.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
+    state = TrainState()
+    if checkpoint is not None:
+        optimizer_state, state = run.load_checkpoint(checkpoint)
+        optimizer.load_state_dict(optimizer_state)
+        restore_rng(state.rng)
+        run.truncate_metrics(state.step)
+        emit(Notice(f"resumed {run.path} at step {state.step}"))
+    else:
+        torch.manual_seed(tc.seed)
+        emit(Notice(f"run directory {run.path}"))
+    setup = dict(engine=configs["engine"], speculation=configs["speculation"], tuner=configs["tuner"], seed=tc.seed)
+    pool = start_pool(configs["workers"], configs["spot"], rollout_model, setup, state.extra.get("workers"))
+    where = "on the policy" if rollout_model is policy else f"on a {dtype} copy"
+    emit(Notice(f"policy in {tc.train_dtype} on {device}; rollouts {where}"))
+    return Trainer(tc, gc, configs, run, task, reward_fn, tokenizer, model_dir, device, policy, rollout_model, ref,
+                   optimizer, state, pool, emit, saved_step=state.step if checkpoint is not None else -1)
+
+
+def rollout_and_gradient(t: Trainer, step: int) -> StepWork:
+    """The step's rollout, rewards and advantages, and the gradient of the token-mean PPO-clip
+    loss in the policy's .grad (tailrl.rl.phases). Problems come from the task's seeded stream at
+    the data cursor; each response's sampling seed is keyed by (run seed, step, prompt, sample),
+    so the tokens do not depend on batching or on a resume."""
+    tc = t.tc
+    problems, requests = rollout_requests(t.task, t.tokenizer, tc, step, t.state.data_cursor,
+                                          t.rollout_model.cfg.max_position_embeddings)
+    inputs = StepInputs(problems, requests, SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
+                        tc.group_size, t.tokenizer, t.reward_fn, tc.reward_timeout_s)
+    t.optimizer.zero_grad(set_to_none=True)
+    with deterministic(t.device):
+        return run_step(t.pool, step, inputs, t.policy, t.gc, tc.temperature, t.ref, tc.overlap_batch,
+                        lambda progress: t.emit(RolloutProgress(step, tc.steps, progress)))
+
+
+def clip(t: Trainer, work: StepWork) -> float:
+    """Clip the gradient's global norm; its norm before clipping (0 when no group trained)."""
+    if not work.trained:
+        return 0.0
+    max_norm = t.gc.grad_clip if t.gc.grad_clip > 0 else float("inf")
+    return float(torch.nn.utils.clip_grad_norm_(t.policy.parameters(), max_norm))
+
+
+def save(t: Trainer) -> None:
+    """Checkpoint the policy, optimizer, random state and the workers' state."""
+    t.state.rng = capture_rng()
+    t.state.extra["workers"] = t.pool.state_dict()  # tuners, drafter version and optimizer, buffer
+    path = t.run.save_checkpoint(policy_weights(t.policy), t.optimizer.state_dict(), t.state, t.model_dir,
+                                 t.tc.keep_checkpoints)
+    t.saved_step = t.state.step
+    t.emit(Notice(f"saved {path}"))
+
+
+def plot(t: Trainer) -> None:
+    """Redraw the run's plots; a plot must never stop training."""
+    try:
+        write_plots(t.run.read_metrics(), t.run.plots_dir)
+    except Exception as e:  # noqa: BLE001
+        t.emit(Notice(f"warning: plots not written: {e!r}"))
 
 
 def train(
@@ -261,112 +376,40 @@ def train(
     """
     # Sections left out run with their defaults (and are saved as such).
     configs = {name: configs.get(name) or cls() for name, cls in CONFIG_SECTIONS.items()}
-    tc, gc = configs["train"], configs["grpo"]
-    emit = on_event or (lambda event: None)
-    if resume:
-        if out_dir is None:
-            raise ValueError("resume needs the run directory")
-        run = RunDir.open(out_dir, configs, may_change=RESUMABLE_CHANGES)
-    else:
-        run = RunDir.create(out_dir if out_dir is not None else default_out_dir(), configs)
-    task = make_task(tc.task)
-    score = task_reward(task, tc.format_weight) if tc.reward is None else from_reward_fn(load_reward(tc.reward))
-    model_dir = resolve_model_dir(tc.model)
-    tokenizer = load_tokenizer(model_dir)
-    checkpoint = run.latest_checkpoint() if resume else None
-    device = resolve_device(tc.device)
-    dtype = resolve_dtype(tc.dtype, device)
-    policy = load_model(checkpoint or model_dir, tc.train_dtype, device).requires_grad_(True)
-    rollout_model = policy if dtype == tc.train_dtype else load_model(checkpoint or model_dir, dtype, device)
-    ref = load_model(model_dir, tc.train_dtype, device) if gc.kl_coef > 0 else None  # frozen initial policy
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
-    state = TrainState()
-    if checkpoint is not None:
-        optimizer_state, state = run.load_checkpoint(checkpoint)
-        optimizer.load_state_dict(optimizer_state)
-        restore_rng(state.rng)
-        run.truncate_metrics(state.step)
-        emit(Notice(f"resumed {run.path} at step {state.step}"))
-    else:
-        torch.manual_seed(tc.seed)
-        emit(Notice(f"run directory {run.path}"))
-    setup = dict(engine=configs["engine"], speculation=configs["speculation"], tuner=configs["tuner"], seed=tc.seed)
-    pool = start_pool(configs["workers"], configs["spot"], rollout_model, setup, state.extra.get("workers"))
-    where = "on the policy" if rollout_model is policy else f"on a {dtype} copy"
-    emit(Notice(f"policy in {tc.train_dtype} on {device}; rollouts {where}"))
-    params = SamplingParams(tc.temperature, tc.top_p, tc.top_k)
-    P, G = tc.num_prompts, tc.group_size
-    saved_step = state.step if checkpoint is not None else -1
-
-    def save() -> None:
-        nonlocal saved_step
-        state.rng = capture_rng()
-        state.extra["workers"] = pool.state_dict()  # tuners, drafter version and optimizer, buffer
-        path = run.save_checkpoint(policy_weights(policy), optimizer.state_dict(), state, model_dir, tc.keep_checkpoints)
-        saved_step = state.step
-        emit(Notice(f"saved {path}"))
-
+    t = start_run(configs, out_dir, resume, on_event or (lambda event: None))
+    tc, state = t.tc, t.state
     try:
         while state.step < tc.steps:
             step = state.step + 1
             t_start = time.perf_counter()
-
-            # 1. Rollout: G responses per problem. Problems come from the task's seeded stream at
-            #    the data cursor; each response's sampling seed is keyed by (run seed, step,
-            #    prompt, sample), so the tokens do not depend on batching or on a resume.
-            problems, requests = rollout_requests(task, tokenizer, tc, step, state.data_cursor,
-                                                  rollout_model.cfg.max_position_embeddings)
-            # 2-4. Rewards from the decoded text, group advantages (a group without reward spread
-            #      sits out), the gradient of the token-mean PPO-clip loss: computed group by group,
-            #      in the rollout's tail for groups already finished (tailrl.rl.phases).
-            inputs = StepInputs(problems, requests, params, tc.max_new_tokens, G, tokenizer, score, tc.reward_timeout_s)
-            optimizer.zero_grad(set_to_none=True)
-            with deterministic(device):
-                work = run_step(pool, step, inputs, policy, gc, tc.temperature, ref, tc.overlap_batch,
-                                lambda progress: emit(RolloutProgress(step, tc.steps, progress)))
-            samples = any(g.samples for g in work.groups)
-            grad_norm = 0.0
-            if samples:
-                max_norm = gc.grad_clip if gc.grad_clip > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+            work = rollout_and_gradient(t, step)  # 1-3. rollout, rewards and advantages, the gradient
+            grad_norm = clip(t, work)
             with sigint_deferred():  # from here to the checkpoint, all or nothing
-                if samples:
-                    optimizer.step()
-                # 5. Publish: the next rollout samples from the updated policy.
-                pool.publish_weights(policy)
+                if work.trained:
+                    t.optimizer.step()
+                t.pool.publish_weights(t.policy)  # 4. the next rollout samples from the updated policy
                 t_train = time.perf_counter()
-                state.step, state.data_cursor = step, state.data_cursor + P
-                times = {
-                    "rollout_s": work.times["rollout_s"],
-                    "reward_s": work.times["reward_s"],
-                    "train_s": t_train - t_start - work.times["rollout_s"] - work.times["reward_s"],
-                    "step_s": t_train - t_start,
-                    "update_in_rollout_s": work.times["update_in_rollout_s"],
-                    "groups_in_rollout": work.times["groups_in_rollout"],
-                }
+                state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
                 metrics = step_metrics(step, tc, work.completions, work.texts, work.rewards, work.skipped,
-                                       work.stats, grad_norm, times, pool, gc.lr, configs["tuner"].bucket_edges,
-                                       configs["speculation"].draft_depth)
-                run.append_metrics(metrics)
+                                       work.stats, grad_norm, step_times(work, t_train - t_start), t.pool, t.gc.lr,
+                                       configs["tuner"].bucket_edges, configs["speculation"].draft_depth)
+                t.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
-                    save()
-            try:
-                write_plots(run.read_metrics(), run.plots_dir)
-            except Exception as e:  # noqa: BLE001 - a plot must never stop training
-                emit(Notice(f"warning: plots not written: {e!r}"))
-            emit(StepDone(tc.steps, metrics))
+                    save(t)  # 5. checkpoint
+            plot(t)
+            t.emit(StepDone(tc.steps, metrics))
     except KeyboardInterrupt:
-        if saved_step != state.step:
-            save()
-        emit(Notice(f"interrupted; resume with --resume {run.path}"))
-        return TrainResult(run.path, state.step, interrupted=True)
+        if t.saved_step != state.step:
+            save(t)
+        t.emit(Notice(f"interrupted; resume with --resume {t.run.path}"))
+        return TrainResult(t.run.path, state.step, interrupted=True)
     except WorkerError as e:  # the failed step applied nothing; keep the completed ones
-        if saved_step != state.step:
-            save()
+        if t.saved_step != state.step:
+            save(t)
         raise WorkerError(e.rank, f"{e.reason}; the run stopped after step {state.step}, "
-                          f"resume with --resume {run.path}") from None
+                          f"resume with --resume {t.run.path}") from None
     finally:
-        pool.close()
-    if saved_step != state.step:  # a run of 0 steps still leaves its starting checkpoint
-        save()
-    return TrainResult(run.path, state.step, interrupted=False)
+        t.pool.close()
+    if t.saved_step != state.step:  # a run of 0 steps still leaves its starting checkpoint
+        save(t)
+    return TrainResult(t.run.path, state.step, interrupted=False)

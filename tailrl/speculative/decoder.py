@@ -11,9 +11,12 @@ uniform plain decoding would use at each position, so SD and plain emit the same
 NgramProposer adapts tailrl.speculative.ngram to the Proposer protocol: one NgramIndex per prompt, holding
 the prompt, this call's sibling responses and earlier calls' responses to the same prompt.
 
-Knows: the Proposer protocol, verify-forward plumbing (positions, masks, cache writes and
-compaction), the engine's emission and stats. Does not know: how a drafter drafts, the tuner's
-policy (it only sees `choose` and `on_step`), rewards, tokenizers.
+After every step it reports a StepReport to its observers (the tuner's reward, a worker's
+counters), given when it is built.
+
+Knows: the Proposer and StepObserver protocols, verify-forward plumbing (positions, masks, cache
+writes and compaction), the engine's emission and stats. Does not know: how a drafter drafts, the
+tuner's policy (it only sees `choose` and its observers), rewards, tokenizers.
 
 Shapes: B running rows, N draft nodes, T = N + 1 verify tokens (root first), S attended keys,
 V vocabulary, E hidden size, L layers, K kv heads, D head dim, M moved cache positions.
@@ -29,7 +32,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from tailrl.engine import Engine, Seq
+from tailrl.engine import Engine, GenerateCall, Seq
 from tailrl.model import CacheView, KVCache
 from tailrl.speculative.accept import accept_walk
 from tailrl.speculative.ngram import NgramConfig, NgramIndex, propose_tree
@@ -38,7 +41,8 @@ from tailrl.tuner import Arm, Tuner
 
 
 class Proposer(Protocol):
-    """A drafter as the speculative step sees it."""
+    """A drafter as the speculative step sees it. The decoder relays the engine's calls: `begin`
+    once per generate call, `moved` on every slot move, `finished` once per sequence."""
 
     kind: str  # "drafter" | "ngram" (matches tuner Arm.kind)
     needs_hidden: bool  # the engine must keep Seq.prompt_hidden / Seq.hidden (target hidden states)
@@ -60,7 +64,9 @@ class Proposer(Protocol):
         """The engine moved a sequence from cache slot src to dst."""
         ...
 
-    # Optional: finished(seq) is called once per sequence, after the step it finished in.
+    def finished(self, seq: Seq) -> None:
+        """`seq` is done (seq.finish is set) and leaves the batch."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -78,23 +84,34 @@ class StepReport:
         return self.draft_seconds + self.verify_seconds
 
 
+class StepObserver(Protocol):
+    """Something that watches a SpecDecoder's steps (the tuner's reward, a worker's counters)."""
+
+    def begin(self) -> None:
+        """A generate call starts."""
+        ...
+
+    def observe(self, report: StepReport) -> None:
+        """A step was decoded."""
+        ...
+
+
 class SpecDecoder:
-    """Decodes each step with the arm `choose` picks; `arms` lists every arm it may pick."""
+    """Decodes each step with the arm `choose` picks; `arms` lists every arm it may pick;
+    `observers` see every step's report."""
 
     def __init__(
         self,
         proposers: dict[str, Proposer],
         choose: Callable[[list[Seq]], Arm],
         arms: Sequence[Arm],
-        on_step: Callable[[StepReport], None] | None = None,
-        on_begin: Callable[[], None] | None = None,
+        observers: Sequence[StepObserver] = (),
     ):
         for arm in arms:
             if arm.kind != "plain" and arm.kind not in proposers:
                 raise ValueError(f"arm {arm.label} needs a {arm.kind!r} proposer; have {sorted(proposers)}")
-        self.proposers, self.choose, self.arms, self.on_step = proposers, choose, tuple(arms), on_step
-        self.on_begin = on_begin
-        # generate() reserves max_tree + 1 cache positions past the longest sequence for verification.
+        self.proposers, self.choose, self.arms = proposers, choose, tuple(arms)
+        self.observers = tuple(observers)
         self.max_tree = max((a.num_draft_tokens for a in self.arms), default=0)
 
     @property
@@ -104,21 +121,25 @@ class SpecDecoder:
     def begin(self, engine: Engine) -> None:
         for p in self.proposers.values():
             p.begin(engine)
-        if self.on_begin is not None:
-            self.on_begin()
+        for o in self.observers:
+            o.begin()
 
     def moved(self, src: int, dst: int, seq: Seq) -> None:
         for p in self.proposers.values():
             p.moved(src, dst, seq)
 
-    def step(self, engine: Engine, running: list[Seq]) -> str:
+    def finished(self, seq: Seq) -> None:
+        for p in self.proposers.values():
+            p.finished(seq)
+
+    def step(self, engine: Engine, running: list[Seq], call: GenerateCall) -> str:
         arm = self.choose(running)
         if arm not in self.arms:
             raise ValueError(f"choose returned {arm.label}, not one of the decoder's arms")
         tokens_before, t0 = engine.stats.tokens, time.perf_counter()
         stats = engine.stats.spec
         if arm.kind == "plain":
-            engine.plain_step(running)
+            engine.plain_step(running, call)
             draft, verify = 0.0, time.perf_counter() - t0
             stats.plain_steps += 1
             stats.plain_tokens += engine.stats.tokens - tokens_before
@@ -128,26 +149,17 @@ class SpecDecoder:
             if tree.num_nodes > self.max_tree:  # generate() reserved only max_tree cache positions
                 raise ValueError(f"{arm.kind} proposer returned {tree.num_nodes} nodes for {arm.label}")
             t1 = time.perf_counter()
-            spec_step(engine, running, tree)
+            spec_step(engine, running, tree, call)
             draft, verify = t1 - t0, time.perf_counter() - t1
             stats.draft_seconds += draft
             stats.verify_seconds += verify
-        self._notify_finished(running)
-        if self.on_step is not None:
-            self.on_step(StepReport(arm, len(running), engine.stats.tokens - tokens_before, draft, verify))
+        report = StepReport(arm, len(running), engine.stats.tokens - tokens_before, draft, verify)
+        for o in self.observers:
+            o.observe(report)
         return arm.label
 
-    def _notify_finished(self, running: list[Seq]) -> None:
-        # Every sequence is in `running` for the step it finishes in, and is retired right after.
-        done = [s for s in running if s.finish is not None]
-        for p in self.proposers.values():
-            finished = getattr(p, "finished", None)
-            if finished is not None:
-                for seq in done:
-                    finished(seq)
 
-
-def spec_step(engine: Engine, running: list[Seq], tree: DraftTree) -> None:
+def spec_step(engine: Engine, running: list[Seq], tree: DraftTree, call: GenerateCall) -> None:
     """Verify each row's tree in one target forward; emit the accepted tokens and the target's next."""
     if tree.batch_size != len(running):
         raise ValueError(f"need one draft tree row per running sequence ({len(running)}), got {tree.batch_size}")
@@ -156,16 +168,16 @@ def spec_step(engine: Engine, running: list[Seq], tree: DraftTree) -> None:
     # The lossless rule: at each visited node the target picks x = inverse_cdf(p, u(seed, position))
     # exactly as plain decoding would at that position (the root is at `length`, so its pick is the
     # token at length + 1); the walk descends into the child carrying x, else emits x and stops.
-    result = accept_walk(logits, tree, engine.params, [s.req.seed for s in running], lens_list)
+    result = accept_walk(logits, tree, call.params, [s.req.seed for s in running], lens_list)
     _compact(engine.cache, lens_list, result.path)
-    stats, keep = engine.stats.spec, engine._keep_hidden
+    stats, keep = engine.stats.spec, engine.keep_hidden
     for i, seq in enumerate(running):
         accepted, emitted_before = len(result.path[i]), len(seq.tokens)
         seq.length += 1 + accepted  # root and accepted nodes are now in the cache; the last pick is not
         seq.pending = result.tokens[i][-1]
         # Hidden rows of [root, accepted nodes]: the states that produced the emitted tokens.
         rows = hidden[i, [0, *result.path[i]]] if keep else None  # (accepted + 1, E)
-        engine._emit(seq, result.tokens[i], result.logprobs[i], result.top1[i], rows)
+        engine.emit(seq, call, result.tokens[i], result.logprobs[i], result.top1[i], rows)
         stats.verify_steps += 1
         stats.proposed += tree.num_nodes
         stats.accepted += accepted
@@ -188,7 +200,7 @@ def _verify_forward(engine: Engine, running: list[Seq], tree: DraftTree) -> tupl
     mask = (torch.arange(kv_len, device=device) < lens[:, None])[:, None].repeat(1, t, 1)  # (B, T, S)
     mask.scatter_(2, write_pos[:, None].expand(-1, t, -1), tree_mask(tree.parents))
     view = CacheView(engine.cache, 0, write_pos, kv_len, mask)
-    return engine.model(ids, positions, view, return_hidden=True)
+    return engine.forward(ids, positions, view)
 
 
 def _compact(cache: KVCache, lens: list[int], paths: list[list[int]]) -> None:
@@ -207,20 +219,30 @@ def _compact(cache: KVCache, lens: list[int], paths: list[list[int]]) -> None:
         kv[:, rows, :, dst] = kv[:, rows, :, src]
 
 
-def fixed(arm: Arm, proposer: Proposer) -> SpecDecoder:
+def fixed(arm: Arm, proposer: Proposer, observers: Sequence[StepObserver] = ()) -> SpecDecoder:
     """Speculate every step with one arm (`--spec on`)."""
-    return SpecDecoder({arm.kind: proposer}, lambda running: arm, [arm])
+    return SpecDecoder({arm.kind: proposer}, lambda running: arm, [arm], observers)
 
 
-def tuned(tuner: Tuner, proposers: dict[str, Proposer]) -> SpecDecoder:
-    """Let the tuner pick each step's arm (gate included) and reward it with tokens per second
-    per running sequence (see tailrl.tuner: a bucket spans batch sizes up to 2x apart)."""
+class TunerFeedback:
+    """The tuner as a StepObserver: a new rollout at each generate call, and each step's reward,
+    tokens per second per running sequence (see tailrl.tuner: a bucket spans batch sizes up to
+    2x apart, so a per-sequence rate compares steps across it)."""
 
-    def report(r: StepReport) -> None:
-        tuner.update(r.batch_size, r.arm, r.tokens / r.seconds / r.batch_size if r.seconds > 0 else 0.0)
+    def __init__(self, tuner: Tuner):
+        self.tuner = tuner
 
-    return SpecDecoder(proposers, lambda running: tuner.step(len(running)), tuner.arms, on_step=report,
-                       on_begin=tuner.new_rollout)
+    def begin(self) -> None:
+        self.tuner.new_rollout()
+
+    def observe(self, r: StepReport) -> None:
+        self.tuner.update(r.batch_size, r.arm, r.tokens / r.seconds / r.batch_size if r.seconds > 0 else 0.0)
+
+
+def tuned(tuner: Tuner, proposers: dict[str, Proposer], observers: Sequence[StepObserver] = ()) -> SpecDecoder:
+    """Let the tuner pick each step's arm (gate included) and learn from each step (TunerFeedback)."""
+    return SpecDecoder(proposers, lambda running: tuner.step(len(running)), tuner.arms,
+                       (TunerFeedback(tuner), *observers))
 
 
 # ---- the n-gram proposer -------------------------------------------------------------------

@@ -13,29 +13,26 @@ arm drafts or verifies, rewards, training.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from tailrl.engine import Engine, PlainDecoder
 from tailrl.speculative.tree import max_tree_nodes
-from tailrl.speculative.decoder import NgramProposer, Proposer, SpecDecoder, fixed, tuned
+from tailrl.speculative.decoder import NgramProposer, Proposer, StepObserver, fixed, tuned
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
 SPEC_MODES = ("off", "on", "auto")
 # Why exact mode drafts chains only. A chain's verify lays out each node's keys as plain
 # decoding does (the prefix, then its ancestors, contiguous); a tree node's ancestors sit among
-# masked siblings, and on the AMX Xeon in bf16 that moved the attention sums enough to change
-# sampled tokens: the default run's first 32 requests, exact mode, drafter(2,8,16) every step,
-# 9 sequences differed from plain decoding; chains (drafter(4,1,4), ngram(2,1,2)) none.
+# masked siblings, and the attention sums over them can round differently, enough to change a
+# sampled token (docs/lossless.md).
 EXACT_CHAINS = "a tree node's attention reads its ancestors across masked siblings, which rounds differently"
 # Shapes the tuner chooses among in auto mode. Chains suit the n-gram drafter (its branches are
-# rarely right); the learned drafter gets two chains and a wide, shallow tree. At temperature 1
-# SmolLM2's long tail is high-entropy text: even the target's own top-1 token was the sampled one
-# only 10-40% of the time, its top 8 27-77%, so depth does not pay there but width can, where
-# verification is cheap (bf16 on AMX, batch 1: 16 verify tokens cost 1.11x one). Measured on the
-# default task's longest response alone (exact mode, bf16): drafter(2,8,16) 1.16x plain decoding,
-# (2,4,8) and (3,4,12) 1.07x, chains 0.96-1.01x. The 2-token chains are the cheapest verify for
-# CPUs where it is not free (fp32 / AVX2: 2 tokens 1.0-1.5x one). Long n-gram chains pay on
-# repetitive text (accept_len 3.5-4.75 measured).
+# rarely right); long n-gram chains pay on repetitive text. The learned drafter gets two chains
+# and a wide, shallow tree: where the sampled text is high-entropy (a small model's tail at
+# temperature 1) even the target's own top-1 token is often not the sampled one, so depth does
+# not pay but width can, where a wide verify costs little more than one token. The 2-token chains
+# are the cheapest verify where verification is not nearly free. Measurements:
+# docs/performance.md.
 NGRAM_ARMS = (Arm("ngram", 2, 1, 2), Arm("ngram", 4, 1, 4), Arm("ngram", 8, 1, 8))
 DRAFTER_ARMS = (Arm("drafter", 2, 1, 2), Arm("drafter", 4, 1, 4), Arm("drafter", 2, 8, 16))
 
@@ -84,9 +81,9 @@ def proposers(cfg: SpeculationConfig, engine: Engine) -> dict[str, Proposer]:
 
 
 def install(engine: Engine, cfg: SpeculationConfig, tuner_cfg: TunerConfig | None = None, seed: int = 0,
-            tuner_state: dict[str, Any] | None = None) -> Tuner | None:
+            tuner_state: dict[str, Any] | None = None, observers: Sequence[StepObserver] = ()) -> Tuner | None:
     """Set the engine's step decoder for the mode; returns the tuner in auto mode (its state is
-    the caller's to checkpoint), else None."""
+    the caller's to checkpoint), else None. `observers` see every step of a speculative mode."""
     if cfg.spec == "off":
         engine.decoder = PlainDecoder()
         return None
@@ -95,12 +92,12 @@ def install(engine: Engine, cfg: SpeculationConfig, tuner_cfg: TunerConfig | Non
         raise ValueError(f"exact mode speculates with chains only (--topk 1), got --topk {cfg.topk}: {EXACT_CHAINS}")
     props = proposers(cfg, engine)
     if cfg.spec == "on":
-        engine.decoder = fixed(cfg.arm, props[cfg.arm.kind])
+        engine.decoder = fixed(cfg.arm, props[cfg.arm.kind], observers)
         return None
     arms = [PLAIN, *NGRAM_ARMS, *(DRAFTER_ARMS if "drafter" in props else ())]
     arms = [a for a in arms if not exact or a.topk <= 1]
     tuner = Tuner(arms, tuner_cfg or TunerConfig(), seed=seed)
     if tuner_state is not None:
         tuner.load_state_dict(tuner_state)
-    engine.decoder = tuned(tuner, props)
+    engine.decoder = tuned(tuner, props, observers)
     return tuner

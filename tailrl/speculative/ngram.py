@@ -14,8 +14,9 @@ root children, harmless: the target verifies every node). Output uses DraftTree'
 (parents[i] < i, -1 = root).
 
 Knows: token ids and sequences. Does not know: models, sampling, acceptance, the engine.
-Cost: extend ~5 us per token; propose ~0.5 ms per row at max_matches 64 (pure Python).
-Memory: max_n - min_n + 1 hash-map entries per indexed token (~0.2-1 KB per token in CPython).
+Cost: pure Python; extending is a few hash-map updates per token, proposing grows with
+max_matches (docs/performance.md).
+Memory: max_n - min_n + 1 hash-map entries per indexed token (each a CPython tuple key and list).
 """
 
 from __future__ import annotations

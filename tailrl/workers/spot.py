@@ -11,12 +11,11 @@ so the rollout waits at most one micro-step (plus returning the state) for the t
 
 State travels only when it must: a job that ran no micro-step returns nothing, and a job for
 the worker that produced the current state (or last received it) carries none, since that
-worker trains on from what it holds. Shipping ~80 MB of weights and AdamW state back and forth
-held the rollout's end 0.3-0.8 s per step in late steps of `bench drafter` (2 workers, ~10 s
-steps, mostly no micro-step); in one 8-step run after this change, steps 5-8 waited 0.03-0.15 s.
+worker trains on from what it holds: the weights and AdamW state are far larger than a job's
+data, and shipping them both ways every step holds up the rollout's end (docs/workers.md).
 
-One trainer, not data parallel. On this 2-core machine with 2 workers at most one worker is
-idle while another still generates, so data-parallel idle workers would never have a second
+One trainer, not data parallel. With as many workers as cores, at most one worker is idle at a
+time while another still generates, so data-parallel idle workers would rarely have a second
 member; and with more workers than cores, an idle worker's core is already busy with another
 worker's decoding, so extra trainers would slow the tail they wait for. Hence one trainer per
 step: the first worker to finish.
@@ -44,9 +43,8 @@ class SpotConfig:
     spot_train: bool = field(
         default=True, metadata={"help": "train the learned drafter on idle workers (needs --workers >= 2 and --drafter)"}
     )
-    # 1e-4, not 3e-4: a 20-step `bench drafter` run with 3e-4 (and one sequence per packed slot)
-    # ended below the frozen drafter (accept_ratio 0.92); replayed offline (docs/workers.md,
-    # "Packing"), 1e-4 was as good or better after 5, 20 and 60 micro-steps, and steadier.
+    # Lower than the warm-up's: spot training continues a trained drafter on few, fresh samples,
+    # where a larger step overshoots (the replay that chose it: docs/workers.md, "Packing").
     drafter_lr: float = field(default=1e-4, metadata={"help": "spot training AdamW learning rate"})
     drafter_batch_tokens: int = field(
         default=512, metadata={"help": "drafter entries per micro-step (bounds the preemption latency)"}
@@ -80,7 +78,7 @@ class DrafterState:
 class SpotJob:
     job_id: int  # preempted() >= job_id means: stop
     # None: go on from the weights and optimizer this worker ended its last job with, which the
-    # trainer knows to be the current drafter (then only the data travels, not ~80 MB of state).
+    # trainer knows to be the current drafter (then only the data travels, not the state).
     state: DrafterState | None
     seqs: list[TrainSeq]  # in training order
     cfg: SpotConfig

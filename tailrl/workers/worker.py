@@ -84,6 +84,22 @@ class SpotBeat:
     micro_steps: int
 
 
+class DrafterSteps:
+    """Counts the learned drafter's verifies and the tokens they emitted in one rollout (its own
+    accept_len, apart from the n-gram drafter's); a StepObserver of the worker's decoder."""
+
+    def __init__(self) -> None:
+        self.verifies = self.emitted = 0
+
+    def begin(self) -> None:
+        self.verifies = self.emitted = 0
+
+    def observe(self, report: StepReport) -> None:
+        if report.arm.kind == "drafter":
+            self.verifies += report.batch_size
+            self.emitted += report.tokens
+
+
 class RolloutWorker:
     def __init__(self, rank: int, model: Transformer, setup: WorkerSetup, tuner_state: dict | None = None):
         if setup.threads is not None:
@@ -91,23 +107,15 @@ class RolloutWorker:
         self.rank, self.model, self.setup = rank, model, setup
         cfg = dataclasses.replace(setup.engine, capture_hidden=setup.engine.capture_hidden or setup.collect)
         self.engine = Engine(model, cfg)
-        self.tuner = install(self.engine, setup.speculation, setup.tuner, seed=setup.seed + rank, tuner_state=tuner_state)
+        self.drafter_steps = DrafterSteps()
+        self.tuner = install(self.engine, setup.speculation, setup.tuner, seed=setup.seed + rank, tuner_state=tuner_state,
+                             observers=(self.drafter_steps,))
         self.beat: Callable[[Any], None] = lambda payload: None
         self.preempted: Callable[[], int] = lambda: 0
         self.drafter_version = 0
         self._trainer: Drafter | None = None  # the drafter copy spot jobs train (fp32)
         self._spot_state: DrafterState | None = None  # what that copy ended its last job with
         self._spot_thread: ThreadPoolExecutor | None = None
-        self._verifies = self._emitted = 0
-        decoder = self.engine.decoder
-        if isinstance(decoder, SpecDecoder):  # count the learned drafter's own accept_len
-            chained = decoder.on_step
-            decoder.on_step = lambda r: (self._count(r), chained and chained(r))
-
-    def _count(self, r: StepReport) -> None:
-        if r.arm.kind == "drafter":
-            self._verifies += r.batch_size
-            self._emitted += r.tokens
 
     @property
     def in_use(self) -> Drafter | None:
@@ -117,7 +125,6 @@ class RolloutWorker:
         return proposer.drafter if proposer is not None else None
 
     def rollout(self, job: RolloutJob) -> ShardResult:
-        self._verifies = self._emitted = 0
         if self.tuner is not None:
             self.tuner.absorb(job.tuner_records)
         finished = None
@@ -130,7 +137,8 @@ class RolloutWorker:
             c.hidden = c.prompt_hidden = None
         tuner = self.tuner.state_dict() if self.tuner is not None else None
         new = self.tuner.take_new() if self.tuner is not None else []
-        return ShardResult(out, self.engine.stats, seqs, self._verifies, self._emitted, tuner, new)
+        steps = self.drafter_steps
+        return ShardResult(out, self.engine.stats, seqs, steps.verifies, steps.emitted, tuner, new)
 
     def set_drafter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """Draft with a newer drafter version from the next rollout on."""
@@ -175,9 +183,8 @@ class RolloutWorker:
 
 def _spot_thread_init(threads: int) -> None:
     """Torch threads as the worker's, and nice 19 for the calling thread (Linux: per thread), so
-    spot training only takes CPU time nobody else wants: measured on a 2-core machine with
-    another job on one core, a trainer at normal priority slowed the tail worker it shared a
-    core with by 2.4x (rollout 19.8 s vs 8.4 s without training)."""
+    spot training only takes CPU time nobody else wants: at normal priority a trainer sharing a
+    core with a tail worker slows the very tail the step waits for (docs/workers.md)."""
     torch.set_num_threads(threads)
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

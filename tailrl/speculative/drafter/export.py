@@ -28,8 +28,8 @@ What is written (directory):
 Faithfulness, honestly. SGLang (EAGLE, with the token map) reproduces this drafter exactly when
 its head is the target's rows (warm-up with a frozen head); a trained head is not used there.
 vLLM's EAGLE-1 class drafts with the target's full LM head, so its proposals range over the whole
-vocabulary (same layer, same hidden-state prediction). Neither engine runs on this machine (no
-GPU): the layout follows their loader source (sglang/srt/models/llama_eagle.py, vllm
+vocabulary (same layer, same hidden-state prediction). The tests run neither engine (they need
+a GPU): the layout follows their loader source (sglang/srt/models/llama_eagle.py, vllm
 model_executor/models/llama_eagle.py). `load_exported` reads the checkpoint back into a Drafter,
 which the tests use to check the export reproduces the drafter's outputs.
 

@@ -22,8 +22,8 @@ target never re-runs. The catch-up and the root entry (h_{L-1}, x_L) run in one 
 of the tree); a node at depth d is expanded by an entry at position L - 1 + d that reads its
 parent's predicted hidden state and its own token. Tree entries go to scratch indices after the
 prefix and are overwritten next time; only entries built from real hidden states are kept.
-Cost measured on SmolLM2 at batch 1 (one thread, draft vocab 4096): a chain of 4 ~11 ms, a 4x4
-tree of 16 nodes ~22-25 ms, against ~55 ms for one target decode step.
+A draft step costs one layer and a draft-vocabulary head, a fraction of a target step
+(docs/performance.md).
 
 Knows: its layer, the draft vocabulary, the cache layout of its own entries, how a tree is grown
 from its scores (via tailrl.speculative.tree.build_tree). Does not know: acceptance, sampling, the tuner.
@@ -307,6 +307,9 @@ class DrafterProposer:
             self.owner[dst], self.covered[dst] = seq, self.covered[src]
         else:
             self.owner[dst], self.covered[dst] = None, 0
+
+    def finished(self, seq: Any) -> None:
+        pass  # a finished sequence's slot is taken over through `moved` or a new owner in `propose`
 
     def _grow_slots(self, n: int) -> None:
         while len(self.owner) < n:

@@ -69,7 +69,7 @@ class WarmupConfig:
     ce_weight: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term (TLT: 0.1)"})
     noise: float = field(default=0.0, metadata={"help": "uniform noise on input hidden states while training"})
     train_head: bool = field(default=True, metadata={"help": "train the head (else keep the target's LM-head rows)"})
-    unroll: bool = field(default=False, metadata={"help": "also train one draft step deeper (~3.5x cost per step)"})
+    unroll: bool = field(default=False, metadata={"help": "also train one draft step deeper (several times the cost per step)"})
     seed: int = field(default=0, metadata={"help": "seed of prompts, sampling and training"})
     eval_draft_depth: int = field(default=4, metadata={"help": "draft depth of the held-out accept_len replay"})
     eval_topk: int = field(default=4, metadata={"help": "tree width of the held-out accept_len replay"})
@@ -166,8 +166,8 @@ def warmup(cfg: WarmupConfig, out: Path, on_progress: Callable[[WarmupProgress],
     """Sample, build the vocabulary, train, evaluate; write the drafter directory to `out`."""
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    # fp32 by default: on this CPU and torch build, bf16 GEMMs are ~4x slower than fp32 (measured:
-    # SmolLM2 batch-64 decode 14 vs 55 tok/s on one thread), and fp32 hidden states are exact.
+    # dtype auto samples in the dtype the rollouts use (tailrl.loading.resolve_dtype), so the
+    # drafter learns from the hidden states it will be fed.
     target = load_model(cfg.model, dtype=cfg.dtype)
     prompts = prompt_ids(cfg, load_tokenizer(cfg.model))
     groups = sample_data(target, prompts, cfg, on_progress)
