@@ -3,8 +3,9 @@
 Synchronous (what veRL and TRL do): the rollout, then every group's rewards and advantages, then
 the gradient of the whole batch. Overlapped: a group is scored as soon as its last response
 finishes, and its share of the gradient is computed on a background thread while the rest of the
-batch still decodes (tailrl.rl.stream). Both feed the same GroupGradients, group by group, so the
-gradient has the same bits either way; only where the time goes differs.
+batch still decodes (tailrl.rl.stream). Both feed the same GroupGradients, group by group, each
+group computed on one torch thread (two groups at a time once the rollout is over), so the
+gradient has the same bits either way, on any CPU; only where the time goes differs.
 
 In the overlapped schedule the background thread computes only in the rollout's tail (at most
 `overlap_batch` sequences running): with fewer sequences than cores to keep busy, a core is
@@ -109,8 +110,10 @@ def run_step(pool: Any, step: int, inputs: StepInputs, policy: Transformer, cfg:
     groups = [score_group(p, completions[g * G : (g + 1) * G], inputs.tokenizer, inputs.score, inputs.reward_timeout_s)
               for g, p in enumerate(inputs.problems)]
     t2 = time.perf_counter()
+    update = OverlappedUpdate(grads)  # its gate never opens before drain: the update after the rollout
     for g, group in enumerate(groups):
-        grads.add(g, group.samples)
+        update.submit(g, group.samples)
+    update.drain()
     stats = grads.finish()
     t3 = time.perf_counter()
     return StepWork(completions, groups, stats, {"rollout_s": t1 - t0, "reward_s": t2 - t1, "grad_s": t3 - t2,
