@@ -136,3 +136,37 @@ def test_token_logits_do_not_depend_on_the_forward_shape(smollm2_dir, dtype):
         ids = torch.stack([root, a, torch.tensor(999), b])[None]
         tree = model(ids, positions, CacheView(cache, 0, write, n + 4, mask), exact=True)[0, 3]
         assert torch.equal(tree, chain)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_exact_forwards_do_not_depend_on_the_thread_count(smollm2_dir, dtype):
+    """The overlapped update takes a torch thread from an in-process engine in the rollout's tail
+    (tailrl.rl.phases), so exact-mode tokens need a row's logits to be the same bits on one thread
+    as on two: a prefill of 4 prompts, then a 5-token verify-shaped step per row."""
+    model = load_model(smollm2_dir, dtype=dtype)
+    torch.manual_seed(1)
+    tokens = torch.randint(100, 30000, (4, 80))
+    lens = torch.tensor([41, 57, 70, 66])
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = KVCache(model.cfg, slots=4, capacity=80, dtype=model.lm_head.weight.dtype, device="cpu")
+        p = int(lens.max())
+        pos = torch.arange(p)[None].expand(4, p)
+        mask = torch.ones(p, p).tril().bool()[None] & (pos < lens[:, None])[:, None]
+        h = model.hidden(tokens[:, :p], pos, CacheView(cache, 0, pos, p, mask), exact=True)
+        write = lens[:, None] + torch.arange(5)  # (4, 5)
+        ids = torch.stack([tokens[b, lens[b] : lens[b] + 5] for b in range(4)])
+        step_mask = torch.arange(p + 5)[None, None] <= write[:, :, None]
+        logits = model(ids, write, CacheView(cache, 0, write, p + 5, step_mask), exact=True)
+        return h, logits
+
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            one = run()
+            torch.set_num_threads(2)
+            two = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
