@@ -164,9 +164,11 @@ def _add_drafter(sub) -> None:
     w.add_argument("--config", metavar="FILE.toml", help="TOML file with a [warmup] table")
     cfglib.add_arguments(w, _sections({"warmup": "tailrl.speculative.drafter.warmup:WarmupConfig"}))
     w.set_defaults(run=_run_warmup)
-    e = d.add_parser("export", help="write a drafter as an EAGLE checkpoint for serving engines")
+    e = d.add_parser("export", help="write a drafter as an EAGLE checkpoint for a serving engine")
     e.add_argument("drafter_dir", metavar="DRAFTER_DIR")
     e.add_argument("--out", metavar="DIR", required=True, help="checkpoint directory to write")
+    e.add_argument("--for", dest="engine", required=True, choices=["vllm", "sglang"],
+                   help="the serving engine whose EAGLE loader reads it (docs/serving.md)")
     e.set_defaults(run=_run_export)
 
 
@@ -190,8 +192,8 @@ def _run_warmup(args: argparse.Namespace) -> None:
 def _run_export(args: argparse.Namespace) -> None:
     from tailrl.speculative.drafter.export import export
 
-    out = export(args.drafter_dir, args.out)
-    print(f"tailrl: EAGLE checkpoint written to {out}", file=sys.stderr)
+    out = export(args.drafter_dir, args.out, args.engine)
+    print(f"tailrl: EAGLE checkpoint for {args.engine} written to {out} (serve it: docs/serving.md)", file=sys.stderr)
 
 
 # ---- bench ------------------------------------------------------------------------------------
