@@ -76,7 +76,10 @@ def vllm_half(args: argparse.Namespace) -> None:
     data = json.loads(Path(args.result).read_text())
     with tempfile.TemporaryDirectory() as scratch:
         target = _target_for_vllm(Path(data["model_dir"]), Path(scratch))
+        # On CPU this fraction of the machine's memory is reserved (weights and KV cache): a small
+        # model needs little, and other processes may hold the rest.
         llm = LLM(model=str(target), dtype="bfloat16", max_model_len=2048, disable_log_stats=False, seed=0,
+                  gpu_memory_utilization=args.memory_fraction,
                   speculative_config={"method": "eagle", "model": data["export"],
                                       "num_speculative_tokens": data["k"]})
         prompts = [TokensPrompt(prompt_token_ids=p) for p in data["prompts"]]
@@ -110,6 +113,7 @@ def main() -> None:
     t.add_argument("--result", required=True, help="the shared JSON file")
     v = sub.add_parser("vllm", help="load the export in vLLM, decode the same prompts, compare")
     v.add_argument("--result", required=True, help="the JSON file the tailrl half wrote")
+    v.add_argument("--memory-fraction", type=float, default=0.2, help="share of memory vLLM reserves")
     args = p.parse_args()
     tailrl_half(args) if args.half == "tailrl" else vllm_half(args)
 

@@ -374,10 +374,11 @@ class Engine:
         toks, lps = sample(logits[:, 0], self.params, [s.req.seed for s in running], (lens + 1).tolist())
         top = is_top1(logits[:, 0], toks).tolist()
         keep = self._keep_hidden
-        for i, s in enumerate(running):
+        # One host transfer per tensor, not one tensor index per row.
+        for i, (s, tok, lp) in enumerate(zip(running, toks.tolist(), lps.tolist())):
             s.length += 1
-            s.pending = int(toks[i])
-            self._emit(s, [s.pending], [float(lps[i])], [top[i]], h[i] if keep else None)
+            s.pending = tok
+            self._emit(s, [tok], [lp], [top[i]], h[i] if keep else None)
 
 
 class PlainDecoder:
