@@ -371,8 +371,10 @@ class Engine:
         logits, h = self.model(
             ids, lens[:, None], CacheView(self.cache, 0, lens[:, None], kv_len, mask), return_hidden=True
         )
-        toks, lps = sample(logits[:, 0], self.params, [s.req.seed for s in running], (lens + 1).tolist())
-        top = is_top1(logits[:, 0], toks).tolist()
+        # fp32 once: sampling works in fp32 anyway, and a bf16 argmax is a slow kernel on CPU.
+        logits = logits[:, 0].float()  # (B, V)
+        toks, lps = sample(logits, self.params, [s.req.seed for s in running], (lens + 1).tolist())
+        top = is_top1(logits, toks).tolist()
         keep = self._keep_hidden
         # One host transfer per tensor, not one tensor index per row.
         for i, (s, tok, lp) in enumerate(zip(running, toks.tolist(), lps.tolist())):

@@ -218,11 +218,10 @@ class CacheView:
         return ~self.mask[:, None, None]
 
     @cached_property
-    def write_index(self) -> torch.Tensor:
-        """write_pos as a scatter index into a row block of the cache.  # (B, K, T, D)"""
+    def rows(self) -> torch.Tensor:
+        """Each new token's row in the view, beside write_pos for indexing the cache.  # (B, T)"""
         b, t = self.write_pos.shape
-        _, _, heads, _, head_dim = self.cache.k.shape
-        return self.write_pos[:, None, :, None].expand(b, heads, t, head_dim)
+        return torch.arange(b, device=self.write_pos.device).unsqueeze(1).expand(b, t)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -307,9 +306,8 @@ class Attention(nn.Module):
         b, _, t, d = q.shape
         rows = slice(view.first, view.first + b)
         ck, cv = view.cache.k[layer, rows], view.cache.v[layer, rows]  # (B, K, M, D) views
-        index = view.write_index  # (B, K, T, D)
-        ck.scatter_(2, index, k)
-        cv.scatter_(2, index, v)
+        ck[view.rows, :, view.write_pos] = k.transpose(1, 2)
+        cv[view.rows, :, view.write_pos] = v.transpose(1, 2)
         keys = ck[:, :, : view.kv_len]  # (B, K, S, D)
         g = self.h // self.k
         # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
