@@ -85,3 +85,35 @@ def test_missing_backend_is_one_clear_error(monkeypatch, tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         "tailrl: error: --report-to wandb needs the wandb package: pip install 'tailrl[wandb]'")
     assert not (tmp_path / "d").exists()
+
+
+class _Recorder:
+    """A Reporter that keeps what it is given."""
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, step, scalars, histograms):
+        self.logged.append((step, scalars, {k: v.tolist() for k, v in histograms.items()}))
+
+    def close(self):
+        pass
+
+
+def test_warmup_tracking_logs_each_step_loss_then_the_report():
+    from tailrl.speculative.drafter.warmup import WarmupProgress, WarmupReport
+    from tailrl.tracking import WarmupTracking
+
+    rec = _Recorder()
+    tracking = WarmupTracking(rec)
+    for event in (WarmupProgress("sample", 3, 8, 1.0), WarmupProgress("train", 1, 0, 2.0, 0.75),
+                  WarmupProgress("train", 2, 0, 3.0, 0.5), WarmupProgress("eval", 0, 1, 4.0)):
+        tracking(event)
+    report = WarmupReport(1.0, 2.0, 2, 10, 300, 4, 0.9, {"after": {"loss": 0.4}},
+                          {"greedy": {"drafter(4,1,4)": {"accept_len": 2.5, "verify_steps": 8, "accept_hist": [1, 3]}}})
+    tracking.finish(report)
+    assert rec.logged[:2] == [(1, {"train/loss": 0.75}, {}), (2, {"train/loss": 0.5}, {})]
+    step, scalars, hists = rec.logged[2]
+    assert step == 2 and scalars["report/heldout/after/loss"] == 0.4 and scalars["report/vocab_coverage"] == 0.9
+    assert scalars["report/accept/greedy/drafter(4,1,4)/accept_len"] == 2.5
+    assert hists == {"report/accept/greedy/drafter(4,1,4)/accept_hist": [0.0, 1.0, 1.0, 1.0]}
