@@ -70,26 +70,30 @@ class TensorBoardReporter:
 
 
 class WandbReporter:
-    """A Weights & Biases run; offline (files under `directory`/wandb, `wandb sync` uploads
-    them) unless the user configured wandb through WANDB_MODE or WANDB_API_KEY."""
+    """A Weights & Biases run, started at the first step logged (a command that fails before
+    then leaves none); offline (files under `directory`/wandb, `wandb sync` uploads them) unless
+    the user configured wandb through WANDB_MODE or WANDB_API_KEY."""
 
     def __init__(self, directory: str | Path, name: str, config: dict[str, Any]):
         try:
             import wandb
         except ImportError:
             raise _missing("wandb", "wandb") from None
+        self._wandb, self._run = wandb, None
         configured = "WANDB_MODE" in os.environ or "WANDB_API_KEY" in os.environ
-        self._wandb = wandb
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "tailrl"), name=name, dir=str(directory),
-                               config=config, mode=None if configured else "offline")
+        self._init = dict(project=os.environ.get("WANDB_PROJECT", "tailrl"), name=name, dir=str(directory),
+                          config=config, mode=None if configured else "offline")
 
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, np.ndarray]) -> None:
+        if self._run is None:
+            self._run = self._wandb.init(**self._init)
         data: dict[str, Any] = dict(scalars)
         data.update({tag: self._wandb.Histogram(v) for tag, v in histograms.items() if v.size})
         self._run.log(data, step=step)
 
     def close(self) -> None:
-        self._run.finish()
+        if self._run is not None:
+            self._run.finish()
 
 
 class Reporters:
