@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 def tailrl_half(args: argparse.Namespace) -> None:
-    from tailrl.engine import Engine, EngineConfig
+    from tailrl.engine import Engine
     from tailrl.generate import encode_prompt, make_requests
     from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
     from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task

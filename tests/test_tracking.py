@@ -11,7 +11,7 @@ import pytest
 
 from tailrl.cli import main
 from tailrl.tracking import TensorBoardReporter, split_record
-from test_train import char_model_dir, high_chars_reward, task_file  # noqa: F401 (fixtures, the reward)
+from test_train import char_model_dir, task_file  # noqa: F401 (fixtures)
 
 
 def test_a_record_splits_into_scalars_nested_scalars_and_histograms():
