@@ -391,3 +391,17 @@ def test_warmup_on_smollm2_writes_a_drafter_and_its_curves(tmp_path, smollm2_dir
     assert report.heldout["after"]["loss"] < report.heldout["before"]["loss"]
     assert set(report.accept) == {"temperature 1", "greedy"}
     assert all(v["accept_len"] >= 1.0 for arms in report.accept.values() for v in arms.values())
+
+
+def test_cli_export_needs_an_engine_and_writes_its_layout(tmp_path, target, capsys):
+    from tailrl.cli import main
+
+    save_drafter(_drafter(target), tmp_path / "dr")
+    with pytest.raises(SystemExit) as e:  # argparse: --for is required
+        main(["drafter", "export", str(tmp_path / "dr"), "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "--for" in capsys.readouterr().err
+    assert main(["drafter", "export", str(tmp_path / "dr"), "--out", str(tmp_path / "v"), "--for", "vllm"]) == 0
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["architectures"] == ["EagleLlamaForCausalLM"]
+    capsys.readouterr()
+    assert main(["drafter", "export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "y"), "--for", "sglang"]) == 2
+    assert capsys.readouterr().err.startswith("tailrl: error: drafter directory not found")
