@@ -32,7 +32,7 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 class Reporter(Protocol):
-    """Where tracked values go. One call per step, steps ascending."""
+    """Where tracked values go: one call per record, steps never decreasing."""
 
     def log(self, step: int, scalars: dict[str, float], histograms: dict[str, np.ndarray]) -> None: ...
 
