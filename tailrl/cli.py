@@ -134,13 +134,30 @@ def _add_train(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<timestamp>)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with one table per section below")
+    _add_report_to(p)
     cfglib.add_arguments(p, _train_sections())
     p.set_defaults(run=_run_train)
 
 
+def _add_report_to(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--report-to", action="append", default=[], choices=["tensorboard", "wandb"],
+                   help="also log per-step metrics to TensorBoard (DIR/tensorboard) or Weights & Biases "
+                        "(offline unless WANDB_MODE or WANDB_API_KEY is set); repeatable")
+
+
+def _reporters(args: argparse.Namespace, directory: Path, configs: dict[str, Any]):
+    import dataclasses
+
+    from tailrl.tracking import open_reporters
+
+    config = {name: dataclasses.asdict(c) for name, c in configs.items()}
+    return open_reporters(args.report_to, directory, directory.name, config)
+
+
 def _run_train(args: argparse.Namespace) -> None:
-    from tailrl.rl.run_dir import CONFIG_FILE
+    from tailrl.rl.run_dir import CONFIG_FILE, default_out_dir
     from tailrl.rl.train import ConsolePrinter, train
+    from tailrl.tracking import TrainTracking, tee
 
     if args.resume and args.out:
         raise ValueError("give either --out (a new run) or --resume DIR, not both")
@@ -149,7 +166,12 @@ def _run_train(args: argparse.Namespace) -> None:
         # The run's own resolved config; flags may still change what resume allows (e.g. --steps).
         toml = cfglib.read_toml(Path(args.resume) / CONFIG_FILE)
     configs = cfglib.resolve(_train_sections(), args, toml)
-    result = train(configs, args.resume or args.out, resume=bool(args.resume), on_event=ConsolePrinter())
+    out = Path(args.resume or args.out or default_out_dir())
+    reporters = _reporters(args, out, configs)
+    try:
+        result = train(configs, out, resume=bool(args.resume), on_event=tee(ConsolePrinter(), TrainTracking(reporters)))
+    finally:
+        reporters.close()
     state = "interrupted; resume with --resume" if result.interrupted else "done"
     print(f"tailrl: {state}: {result.out_dir} (step {result.step})", file=sys.stderr)
 
@@ -162,26 +184,35 @@ def _add_drafter(sub) -> None:
     w = d.add_parser("warmup", help="sample from the target, train a drafter, write it to --out")
     w.add_argument("--out", metavar="DIR", required=True, help="drafter directory to write")
     w.add_argument("--config", metavar="FILE.toml", help="TOML file with a [warmup] table")
+    _add_report_to(w)
     cfglib.add_arguments(w, _sections({"warmup": "tailrl.speculative.drafter.warmup:WarmupConfig"}))
     w.set_defaults(run=_run_warmup)
-    e = d.add_parser("export", help="write a drafter as an EAGLE checkpoint for serving engines")
+    e = d.add_parser("export", help="write a drafter as an EAGLE checkpoint for a serving engine")
     e.add_argument("drafter_dir", metavar="DRAFTER_DIR")
     e.add_argument("--out", metavar="DIR", required=True, help="checkpoint directory to write")
+    e.add_argument("--for", dest="engine", required=True, choices=["vllm", "sglang"],
+                   help="the serving engine whose EAGLE loader reads it (docs/serving.md)")
     e.set_defaults(run=_run_export)
 
 
 def _run_warmup(args: argparse.Namespace) -> None:
     from tailrl.speculative.drafter.warmup import warmup
+    from tailrl.tracking import WarmupTracking, tee
 
     toml = cfglib.read_toml(args.config) if args.config else None
     cfg = cfglib.resolve(_sections({"warmup": "tailrl.speculative.drafter.warmup:WarmupConfig"}), args, toml)["warmup"]
+    tracking = WarmupTracking(_reporters(args, Path(args.out), {"warmup": cfg}))
 
     def show(p) -> None:
         total = f"/{p.total}" if p.total else ""
         loss = f" loss {p.loss:.4f}" if p.loss is not None else ""
         print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s){loss}   ", end="", file=sys.stderr, flush=True)
 
-    report = warmup(cfg, Path(args.out), on_progress=show)
+    try:
+        report = warmup(cfg, Path(args.out), on_progress=tee(show, tracking))
+        tracking.finish(report)
+    finally:
+        tracking.reporter.close()
     print(file=sys.stderr)
     print(json.dumps({"drafter": args.out, "accept": report.accept, "vocab_coverage": round(report.vocab_coverage, 4),
                       "train_seconds": round(report.train_seconds, 1), "steps": report.steps}))
@@ -190,8 +221,8 @@ def _run_warmup(args: argparse.Namespace) -> None:
 def _run_export(args: argparse.Namespace) -> None:
     from tailrl.speculative.drafter.export import export
 
-    out = export(args.drafter_dir, args.out)
-    print(f"tailrl: EAGLE checkpoint written to {out}", file=sys.stderr)
+    out = export(args.drafter_dir, args.out, args.engine)
+    print(f"tailrl: EAGLE checkpoint for {args.engine} written to {out} (serve it: docs/serving.md)", file=sys.stderr)
 
 
 # ---- bench ------------------------------------------------------------------------------------

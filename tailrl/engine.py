@@ -414,13 +414,16 @@ class Engine:
         mask = (torch.arange(kv_len, device=self.device)[None] <= lens[:, None])[:, None]  # (B, 1, S)
         ids = torch.tensor([[s.pending] for s in running], device=self.device)
         logits, h = self.forward(ids, lens[:, None], CacheView(self.cache, 0, lens[:, None], kv_len, mask))
-        toks, lps = sample(logits[:, 0], call.params, [s.req.seed for s in running], (lens + 1).tolist())
-        top = is_top1(logits[:, 0], toks).tolist()
+        # fp32 once: sampling works in fp32 anyway, and a bf16 argmax is a slow kernel on CPU.
+        logits = logits[:, 0].float()  # (B, V)
+        toks, lps = sample(logits, call.params, [s.req.seed for s in running], (lens + 1).tolist())
+        top = is_top1(logits, toks).tolist()
         keep = self.keep_hidden
-        for i, s in enumerate(running):
+        # One host transfer per tensor, not one tensor index per row.
+        for i, (s, tok, lp) in enumerate(zip(running, toks.tolist(), lps.tolist())):
             s.length += 1
-            s.pending = int(toks[i])
-            self.emit(s, call, [s.pending], [float(lps[i])], [top[i]], h[i] if keep else None)
+            s.pending = tok
+            self.emit(s, call, [tok], [lp], [top[i]], h[i] if keep else None)
 
 
 class PlainDecoder:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -197,6 +198,7 @@ class CacheView:
 
     write_pos (B, T): cache index each new token's K/V goes to. kv_len: keys attended (S).
     mask (B, T, S): True where a query may attend a key.
+    The derived tensors below are built once per forward and shared by every layer.
     """
 
     cache: KVCache
@@ -204,6 +206,17 @@ class CacheView:
     write_pos: torch.Tensor  # (B, T)
     kv_len: int
     mask: torch.Tensor  # (B, T, S)
+
+    @cached_property
+    def hidden_keys(self) -> torch.Tensor:
+        """Where a query may not attend, shaped to broadcast over scores.  # (B, 1, 1, T, S)"""
+        return ~self.mask[:, None, None]
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """Each new token's row in the view, beside write_pos for indexing the cache.  # (B, T)"""
+        b, t = self.write_pos.shape
+        return torch.arange(b, device=self.write_pos.device).unsqueeze(1).expand(b, t)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -286,9 +299,8 @@ class Attention(nn.Module):
         b, _, t, d = q.shape
         rows = slice(view.first, view.first + b)
         ck, cv = view.cache.k[layer, rows], view.cache.v[layer, rows]  # (B, K, M, D) views
-        bidx = torch.arange(b, device=q.device).unsqueeze(1).expand(b, t)
-        ck[bidx, :, view.write_pos] = k.transpose(1, 2)
-        cv[bidx, :, view.write_pos] = v.transpose(1, 2)
+        ck[view.rows, :, view.write_pos] = k.transpose(1, 2)
+        cv[view.rows, :, view.write_pos] = v.transpose(1, 2)
         keys = ck[:, :, : view.kv_len]  # (B, K, S, D)
         g = self.h // self.k
         # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
@@ -296,12 +308,12 @@ class Attention(nn.Module):
         n = g * t
         if not exact:
             scores = (q.reshape(b, self.k, n, d) @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
-            scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
+            scores = scores.view(b, self.k, g, t, -1).masked_fill_(view.hidden_keys, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out = probs.view(b, self.k, n, -1) @ cv[:, :, : view.kv_len]  # (B, K, G*T, D)
             return out.view(b, self.h, t, d)
         scores = chunked_qk(q.reshape(b, self.k, n, d), ck, view.kv_len) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
-        scores = scores.view(b, self.k, g, t, -1).masked_fill(~view.mask[:, None, None], float("-inf"))
+        scores = scores.view(b, self.k, g, t, -1).masked_fill_(view.hidden_keys, float("-inf"))
         # Softmax with the normaliser summed in fp64: a vectorised fp32 sum groups keys by their
         # index, so the same keys at other positions (a tree's accepted path, before compaction)
         # would round differently; fp64 makes the order invisible after rounding back.

@@ -120,8 +120,9 @@ def sample(
     (the quantity an RL trainer recomputes); for greedy it is the raw log-softmax.
     """
     if params.greedy:
-        # The inverse CDF of the one-hot argmax is the argmax: skip the (B, V) fp64 cumsum.
-        tokens = logits.argmax(-1)
+        # The inverse CDF of the one-hot argmax is the argmax: skip the (B, V) fp64 cumsum. In fp32
+        # (exact for bf16 values, same first maximum): CPU argmax over bf16 is a slow kernel.
+        tokens = logits.float().argmax(-1)
     else:
         tokens = inverse_cdf(process_logits(logits, params), uniforms(seeds, positions))
     return tokens, token_logprobs(logits, tokens, params)
@@ -133,7 +134,7 @@ def is_top1(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     On the raw logits: temperature, top-k and top-p keep the argmax. A chain drafter that
     proposed the target's own argmax would have had exactly these tokens accepted.
     """
-    return logits.argmax(-1) == tokens.reshape(-1)
+    return logits.float().argmax(-1) == tokens.reshape(-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:

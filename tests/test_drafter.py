@@ -305,24 +305,75 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(target, seqs):
     assert after.loss < 0.7 * before.loss and after.smooth_l1 < before.smooth_l1  # measured: 0.52x
 
 
-def test_export_round_trip_reproduces_the_drafter(tmp_path, target, seqs):
-    d = _drafter(target)
-    save_drafter(d, tmp_path / "dr")
-    out = export(tmp_path / "dr", tmp_path / "eagle", dtype=torch.float32)
-    config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["num_hidden_layers"] == 1
-    assert config["draft_vocab_size"] == len(VOCAB) and config["vocab_size"] == 96
+# What each engine's EAGLE-1 weight loader has a place for (both prefix "model." to every name but
+# lm_head and refuse a tensor with no place): the layer's projections and its post-attention norm
+# (input_layernorm is replaced by the identity), and fc. vLLM: vllm/model_executor/models/
+# llama_eagle.py, EagleLlamaForCausalLM.load_weights -> LlamaModel (fc is a ReplicatedLinear with
+# bias=False). SGLang: python/sglang/srt/models/llama_eagle.py, LlamaForCausalLMEagle.load_weights
+# -> LlamaModel (fc is torch.nn.Linear, whose bias is on and must be loaded).
+_LAYER_NAMES = {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} | {
+    f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")} | {"layers.0.post_attention_layernorm.weight"}
+EXPECTED_WEIGHTS = {"vllm": _LAYER_NAMES | {"fc.weight"}, "sglang": _LAYER_NAMES | {"fc.weight", "fc.bias"}}
+# The class each resolves: vLLM's method="eagle" prefixes "Eagle" to the architecture
+# (vllm/transformers_utils/configs/eagle.py, EAGLEConfig) and its registry maps EagleLlamaForCausalLM
+# (vllm/model_executor/models/registry.py); SGLang's EntryClass is LlamaForCausalLMEagle.
+EXPECTED_CLASS = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
+# Config keys both loaders' Llama layers read (vllm .../models/llama.py LlamaDecoderLayer/LlamaAttention,
+# sglang .../models/llama.py likewise).
+EXPECTED_KEYS = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+                 "vocab_size", "hidden_act", "tie_word_embeddings"}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_export_has_exactly_what_the_engine_loader_reads_and_round_trips(tmp_path, target, seqs, engine):
     from safetensors.torch import load_file
 
-    names = set(load_file(out / "model.safetensors"))
-    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
-            "layers.0.post_attention_layernorm.weight"} <= names
-    assert not any("input_layernorm" in n or "embed_tokens" in n or "lm_head" in n for n in names)
-    head = load_file(out / "draft_head.safetensors")
+    d = _drafter(target)
+    save_drafter(d, tmp_path / "dr")
+    out = export(tmp_path / "dr", tmp_path / "eagle", engine, dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [EXPECTED_CLASS[engine]] and config["num_hidden_layers"] == 1
+    assert EXPECTED_KEYS <= set(config) and config["vocab_size"] == 96
+    assert "tailrl" not in config and "fingerprint" not in json.dumps(config)  # provenance is a side file
+    # Both loaders read every *.safetensors (and, without one, *.pt / *.bin) at the top level only.
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert set(load_file(out / "model.safetensors")) == EXPECTED_WEIGHTS[engine]
+    if engine == "sglang":
+        assert torch.equal(torch.load(out / "hot_token_ids.pt"), d.d2t)  # --speculative-token-map
+        assert not load_file(out / "model.safetensors")["fc.bias"].any()
+    else:
+        assert not (out / "hot_token_ids.pt").exists()
+    head = load_file(out / "tailrl" / "draft_head.safetensors")
     assert torch.equal(head["d2t"] + torch.arange(len(VOCAB)), torch.tensor(sorted(VOCAB)))
-    assert head["t2d"].sum() == len(VOCAB) and torch.equal(torch.load(out / "hot_token_ids.pt"), d.d2t)
+    assert head["t2d"].sum() == len(VOCAB)
     back = load_exported(out, target)
     assert torch.equal(_outputs(back, seqs), _outputs(d, seqs))
+
+
+def test_export_replaces_only_an_earlier_export_and_refuses_unsupported_families(tmp_path, target):
+    save_drafter(_drafter(target), tmp_path / "dr")
+    first = export(tmp_path / "dr", tmp_path / "eagle", "sglang")
+    export(tmp_path / "dr", first, "vllm")  # an earlier export is replaced whole
+    assert not (first / "hot_token_ids.pt").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(DrafterError, match="not a tailrl export"):
+        export(tmp_path / "dr", tmp_path / "mine", "vllm")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    qwen = load_model(_qwen2_dir(tmp_path), dtype="fp32")
+    save_drafter(Drafter.from_target(qwen, VOCAB, "qwen"), tmp_path / "qd")
+    with pytest.raises(DrafterError, match="vllm has no EAGLE-1 class for qwen2"):
+        export(tmp_path / "qd", tmp_path / "q-vllm", "vllm")
+    assert not (tmp_path / "q-vllm").exists()
+    config = json.loads((export(tmp_path / "qd", tmp_path / "q-sg", "sglang") / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLMEagle"]
+
+
+def _qwen2_dir(tmp_path):
+    path = tmp_path / "qwen2"
+    build_hf("qwen2", seed=2).save_pretrained(path)
+    return path
 
 
 @pytest.mark.slow
@@ -340,3 +391,17 @@ def test_warmup_on_smollm2_writes_a_drafter_and_its_curves(tmp_path, smollm2_dir
     assert report.heldout["after"]["loss"] < report.heldout["before"]["loss"]
     assert set(report.accept) == {"temperature 1", "greedy"}
     assert all(v["accept_len"] >= 1.0 for arms in report.accept.values() for v in arms.values())
+
+
+def test_cli_export_needs_an_engine_and_writes_its_layout(tmp_path, target, capsys):
+    from tailrl.cli import main
+
+    save_drafter(_drafter(target), tmp_path / "dr")
+    with pytest.raises(SystemExit) as e:  # argparse: --for is required
+        main(["drafter", "export", str(tmp_path / "dr"), "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "--for" in capsys.readouterr().err
+    assert main(["drafter", "export", str(tmp_path / "dr"), "--out", str(tmp_path / "v"), "--for", "vllm"]) == 0
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["architectures"] == ["EagleLlamaForCausalLM"]
+    capsys.readouterr()
+    assert main(["drafter", "export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "y"), "--for", "sglang"]) == 2
+    assert capsys.readouterr().err.startswith("tailrl: error: drafter directory not found")

@@ -2,13 +2,16 @@
 
 Both sides get the same model directory, dtype, thread count, prompts (the default task's, one
 distinct problem per row) and greedy decoding with the same max_new_tokens, so they produce
-(nearly) the same tokens; tokens/s counts generated tokens up to and including EOS.
+(nearly) the same tokens; tokens/s counts generated tokens up to and including EOS. Each side runs
+`repeats` times, alternating, and its median tokens/s is reported: a batch-1 run lasts well under
+a second, so one run is at the mercy of whatever else the machine does during it.
 
 Knows: how to time both generators. Does not know: anything about training.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,6 +31,12 @@ class BenchGenerateConfig:
     dtype: str = field(default="auto", metadata={"help": "weights and activations (auto: bf16 where the hardware has it)", "choices": ["auto", "bf16", "fp32"]})
     batch_sizes: tuple[int, ...] = field(default=(1, 8, 64), metadata={"help": "comma-separated batch sizes"})
     max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per row"})
+    repeats: int = field(default=3, metadata={"help": "runs per side and batch size, alternating (median reported)"})
+    threads: int = field(default=0, metadata={"help": "torch threads for both sides (0: torch's default)"})
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.threads < 0:
+            raise ValueError(f"repeats must be >= 1 and threads >= 0, got {self.repeats} and {self.threads}")
 
 
 @dataclass
@@ -71,6 +80,8 @@ def _hf_generate(hf, tok, prompts: list[tuple[int, ...]], max_new_tokens: int) -
 def run(cfg: BenchGenerateConfig, log=print) -> list[GenerateRow]:
     from transformers import AutoModelForCausalLM
 
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     path = resolve_model_dir(cfg.model)
     tok = load_tokenizer(path)
     model = load_model(path, dtype=cfg.dtype)
@@ -82,9 +93,13 @@ def run(cfg: BenchGenerateConfig, log=print) -> list[GenerateRow]:
         engine = Engine(model, EngineConfig(max_batch=max(cfg.batch_sizes)))
         engine.generate(make_requests(prompts[:1], 1, 0), greedy, 4)  # warm-up: allocate the cache
         _hf_generate(hf, tok, prompts[:1], 4)
-        engine.generate(make_requests(prompts, 1, 0), greedy, cfg.max_new_tokens)
-        hf_tokens, hf_s = _hf_generate(hf, tok, prompts, cfg.max_new_tokens)
-        row = GenerateRow(b, engine.stats.tokens_per_s, hf_tokens / hf_s, engine.stats.tokens, hf_tokens)
+        ours, theirs = [], []
+        for _ in range(cfg.repeats):
+            engine.generate(make_requests(prompts, 1, 0), greedy, cfg.max_new_tokens)
+            ours.append(engine.stats.tokens_per_s)
+            hf_tokens, hf_s = _hf_generate(hf, tok, prompts, cfg.max_new_tokens)
+            theirs.append(hf_tokens / hf_s)
+        row = GenerateRow(b, statistics.median(ours), statistics.median(theirs), engine.stats.tokens, hf_tokens)
         log(f"batch {b:3d}: tailrl {row.tailrl_tok_s:7.1f} tok/s | transformers {row.hf_tok_s:7.1f} tok/s | "
             f"ratio {row.speedup:5.2f}x  (tokens {row.tailrl_tokens} vs {row.hf_tokens})")
         rows.append(row)

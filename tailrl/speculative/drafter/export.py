@@ -1,4 +1,4 @@
-"""Export a drafter as an EAGLE-1 checkpoint, the layout SGLang and vLLM EAGLE loaders read.
+"""Export a drafter as an EAGLE-1 checkpoint laid out for one serving engine: vLLM or SGLang.
 
 Why EAGLE-1 (not EAGLE-3). Our drafter is EAGLE-1's architecture: fc(concat(embed(x_{i+1}), h_i))
 with h_i the target's *last* hidden state, one Llama decoder layer whose input norm is skipped,
@@ -6,40 +6,46 @@ no final norm, the output read by an LM head. EAGLE-3 differs in kind (fc over t
 layers' hidden states, a 2E-wide attention input with separate embedding/hidden norms, a final
 norm), so an EAGLE-3 config would describe a different network.
 
-What is written (directory):
-- config.json: the target's Llama/Qwen2 config with num_hidden_layers 1 and
-  architectures ["LlamaForCausalLMEagle"] (SGLang's EAGLE-1/2 class name; "Qwen2ForCausalLMEagle"
-  for Qwen2 targets), plus draft_vocab_size and a "tailrl" block (target, version, file notes).
-- model.safetensors, weight names as both loaders expect (they prefix "model." themselves):
+Why one layout per engine. Both engines load every *.safetensors file at the top of the
+directory and refuse a tensor their module tree has no place for, and their trees differ:
+vLLM's fc has no bias (vllm/model_executor/models/llama_eagle.py, LlamaModel.fc), SGLang's has
+one that must be loaded (sglang/srt/models/llama_eagle.py, LlamaModel.fc is a torch Linear).
+They also name the class differently: vLLM's `method="eagle"` prefixes "Eagle" to the config's
+architecture (LlamaForCausalLM -> EagleLlamaForCausalLM), SGLang looks up LlamaForCausalLMEagle.
+
+What is written (directory OUT; docs/serving.md names each file against the loader source):
+- config.json: the target's Llama/Qwen2 config with num_hidden_layers 1 and the engine's class.
+- model.safetensors, names as both loaders expect (they prefix "model." themselves):
     fc.weight                               <- Drafter.fc.weight            (E, 2E), [embed | hidden]
-    fc.bias                                 <- zeros (E,): our fc has none; SGLang's fc has a bias
-                                               (recent vLLM builds have none and skip it)
+    fc.bias (SGLang only)                   <- zeros (E,): our fc has none
     layers.0.self_attn.{q,k,v,o}_proj.*     <- Drafter.layer.self_attn.*
     layers.0.mlp.{gate,up,down}_proj.weight <- Drafter.layer.mlp.*
     layers.0.post_attention_layernorm.weight<- Drafter.layer.post_attention_layernorm.weight
-  No input_layernorm (both loaders replace it by the identity, as we do), no embed_tokens (shared
-  with the target), no lm_head (both loaders take the target's).
-- hot_token_ids.pt: the draft vocabulary as target ids (torch.save of a LongTensor), the file
-  SGLang's FR-Spec option `--speculative-token-map` reads; SGLang then serves the target's LM-head
-  rows of those tokens.
-- draft_head.safetensors: our own head and the EAGLE-3 style maps, for tools that want them:
-  lm_head.weight (K, E), d2t (K,) with target_id = draft_id + d2t[draft_id], t2d (V,) bool.
+  No input_layernorm (both loaders replace it by the identity, as we do), no embed_tokens and no
+  lm_head (both engines take the target's).
+- hot_token_ids.pt (SGLang only): the draft vocabulary as target ids, the file SGLang's FR-Spec
+  option `--speculative-token-map` reads; SGLang then drafts over the target's LM-head rows of
+  those tokens. Its weight loader reads *.pt files only when no *.safetensors file is present.
+- tailrl/ (a subdirectory, which neither loader reads): draft_head.safetensors (our head
+  lm_head.weight (K, E), d2t (K,) with target_id = draft_id + d2t[draft_id], t2d (V,) bool) and
+  provenance.json (target name and embedding fingerprint, version, engine).
 
-Faithfulness, honestly. SGLang (EAGLE, with the token map) reproduces this drafter exactly when
-its head is the target's rows (warm-up with a frozen head); a trained head is not used there.
-vLLM's EAGLE-1 class drafts with the target's full LM head, so its proposals range over the whole
-vocabulary (same layer, same hidden-state prediction). The tests run neither engine (they need
-a GPU): the layout follows their loader source (sglang/srt/models/llama_eagle.py, vllm
-model_executor/models/llama_eagle.py). `load_exported` reads the checkpoint back into a Drafter,
-which the tests use to check the export reproduces the drafter's outputs.
+Faithfulness. SGLang with the token map reproduces this drafter exactly when its head is the
+target's rows (warm-up with --no-train-head). vLLM's EAGLE-1 class drafts with the target's full
+LM head, so its proposals range over the whole vocabulary (same layer, same hidden-state
+prediction); a trained head is used by neither engine. `load_exported` reads either layout back
+into a Drafter, which the tests use to check the export reproduces the drafter's outputs.
 
-Knows: the drafter's parameters and the EAGLE-1 file layout. Does not know: training, engines.
+Knows: the drafter's parameters and the EAGLE-1 file layouts. Does not know: training, engines'
+runtime behaviour beyond what their loaders read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -48,18 +54,28 @@ from safetensors.torch import load_file, save_file
 from tailrl.model import Transformer
 from tailrl.speculative.drafter.model import WEIGHTS_FILE, Drafter, DrafterConfig, DrafterError, check_target, read_drafter_config
 
-ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
+ENGINES = ("vllm", "sglang")
+# The architecture each engine's EAGLE-1 loader resolves, per target family it has a class for.
+ARCHITECTURES = {
+    "vllm": {"llama": "EagleLlamaForCausalLM"},
+    "sglang": {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"},
+}
+SIDE_DIR = "tailrl"  # below the top level: neither engine's weight loader looks there
+MODEL_FILE = "model.safetensors"
+HEAD_FILE = "draft_head.safetensors"
+PROVENANCE_FILE = "provenance.json"
+TOKEN_MAP_FILE = "hot_token_ids.pt"
 _LAYER = "layers.0."
 
 
-def eagle_config(cfg: DrafterConfig) -> dict:
-    """The HF-style config.json of the exported checkpoint."""
+def eagle_config(cfg: DrafterConfig, engine: str) -> dict:
+    """The HF-style config.json that `engine`'s EAGLE-1 loader reads."""
     c = cfg.layer
-    if c.model_type not in ARCHITECTURES:
-        raise DrafterError(f"no EAGLE-1 serving class for {c.model_type} layers (supported: {', '.join(ARCHITECTURES)})")
-    rope = dict(c.rope_scaling) if c.rope_scaling else None
+    classes = ARCHITECTURES[engine]
+    if c.model_type not in classes:
+        raise DrafterError(f"{engine} has no EAGLE-1 class for {c.model_type} drafters (it has: {', '.join(classes)})")
     return {
-        "architectures": [ARCHITECTURES[c.model_type]],
+        "architectures": [classes[c.model_type]],
         "model_type": c.model_type,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
@@ -70,64 +86,90 @@ def eagle_config(cfg: DrafterConfig) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
-        "rope_scaling": rope,
+        "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
         "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
         "attention_bias": c.attention_bias,
         "tie_word_embeddings": False,
         "eos_token_id": list(c.eos_token_ids),
         "torch_dtype": "bfloat16",
-        "tailrl": {
-            "target_name": cfg.target_name,
-            "version": cfg.version,
-            "fingerprint": list(cfg.fingerprint),
-            "token_map": "hot_token_ids.pt",
-            "head": "draft_head.safetensors",
-        },
     }
 
 
-def export(drafter_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the EAGLE-1 checkpoint of the drafter in drafter_dir (see the module doc)."""
+def eagle_weights(state: dict[str, torch.Tensor], engine: str) -> dict[str, torch.Tensor]:
+    """model.safetensors' tensors from a drafter state dict (the module doc's table)."""
+    weights = {"fc.weight": state["fc.weight"]}
+    if engine == "sglang":
+        weights["fc.bias"] = torch.zeros(state["fc.weight"].shape[0])
+    for name, w in state.items():
+        if name.startswith("layer."):
+            weights[_LAYER + name.removeprefix("layer.")] = w
+    return weights
+
+
+def _write(out: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor], engine: str, dtype: torch.dtype) -> None:
+    meta = {"format": "pt"}
+    weights = eagle_weights(state, engine)
+    save_file({k: v.to(dtype).contiguous() for k, v in weights.items()}, out / MODEL_FILE, metadata=meta)
+    (out / "config.json").write_text(json.dumps(eagle_config(cfg, engine), indent=1))
+    d2t = torch.tensor(cfg.draft_vocab, dtype=torch.long)
+    if engine == "sglang":
+        torch.save(d2t, out / TOKEN_MAP_FILE)
+    side = out / SIDE_DIR
+    side.mkdir()
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[d2t] = True
+    head = {"lm_head.weight": state["head.weight"].to(dtype).contiguous(), "d2t": d2t - torch.arange(len(d2t)), "t2d": t2d}
+    save_file(head, side / HEAD_FILE, metadata=meta)
+    provenance = {"engine": engine, "target_name": cfg.target_name, "version": cfg.version,
+                  "fingerprint": list(cfg.fingerprint)}
+    (side / PROVENANCE_FILE).write_text(json.dumps(provenance))
+
+
+def export(drafter_dir: str | Path, out_dir: str | Path, engine: str, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the EAGLE-1 checkpoint of the drafter in drafter_dir for `engine` (see the module doc).
+
+    Written to a temporary directory beside `out_dir`, then renamed into place; an existing
+    `out_dir` is replaced only when it is an earlier export (it has tailrl/provenance.json).
+    """
+    if engine not in ENGINES:
+        raise DrafterError(f"unknown serving engine {engine!r} (choose from {', '.join(ENGINES)})")
     drafter_dir, out = Path(drafter_dir), Path(out_dir)
     cfg = read_drafter_config(drafter_dir)
-    config = eagle_config(cfg)
+    eagle_config(cfg, engine)  # refuse an unsupported family before any file is written
     try:
         state = load_file(drafter_dir / WEIGHTS_FILE)
     except Exception as e:  # safetensors raises several types for missing/corrupt files
         raise DrafterError(f"cannot read drafter weights {drafter_dir / WEIGHTS_FILE}: {e}") from None
-    weights = {"fc.weight": state["fc.weight"], "fc.bias": torch.zeros(cfg.hidden_size)}
-    for name, w in state.items():
-        if name.startswith("layer."):
-            weights[_LAYER + name.removeprefix("layer.")] = w
-    d2t = torch.tensor(cfg.draft_vocab, dtype=torch.long)
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[d2t] = True
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt"}
-    save_file({k: v.to(dtype).contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata=meta)
-    head = {"lm_head.weight": state["head.weight"].to(dtype).contiguous(), "d2t": d2t - torch.arange(len(d2t))}
-    head["t2d"] = t2d
-    save_file(head, out / "draft_head.safetensors", metadata=meta)
-    torch.save(d2t, out / "hot_token_ids.pt")
-    (out / "config.json").write_text(json.dumps(config, indent=1))
+    if out.exists() and any(out.iterdir()) and not (out / SIDE_DIR / PROVENANCE_FILE).is_file():
+        raise DrafterError(f"{out} exists and is not a tailrl export; choose an empty or new directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = out.with_name(f".tmp-{out.name}.{os.getpid()}"), out.with_name(f".old-{out.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _write(tmp, cfg, state, engine, dtype)
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
 def load_exported(path: str | Path, target: Transformer) -> Drafter:
-    """Read an exported checkpoint back into a Drafter for `target` (the inverse of `export`)."""
+    """Read an exported checkpoint (either layout) back into a Drafter for `target`."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
-    weights = load_file(path / "model.safetensors")
-    head = load_file(path / "draft_head.safetensors")
+    weights = load_file(path / MODEL_FILE)
+    head = load_file(path / SIDE_DIR / HEAD_FILE)
+    meta = json.loads((path / SIDE_DIR / PROVENANCE_FILE).read_text())
     d2t = head["d2t"] + torch.arange(head["d2t"].shape[0])
     layer_cfg = dataclasses.replace(target.cfg, num_layers=1)
-    meta = config["tailrl"]
     vocab, fingerprint = tuple(d2t.tolist()), tuple(meta["fingerprint"])
     cfg = DrafterConfig(meta["target_name"], layer_cfg, vocab, fingerprint, meta["version"])
     check_target(cfg, target)
-    if bool(weights["fc.bias"].any()):
+    if "fc.bias" in weights and bool(weights["fc.bias"].any()):
         raise DrafterError(f"{path}: fc.bias is not zero; tailrl drafters have no fc bias")
     state = {"fc.weight": weights["fc.weight"], "head.weight": head["lm_head.weight"]}
     state.update({"layer." + k.removeprefix(_LAYER): v for k, v in weights.items() if k.startswith(_LAYER)})
