@@ -131,9 +131,11 @@ def is_top1(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Whether each token is its row's most likely one.  # (B, V), (B,) -> (B,) bool
 
     On the raw logits: temperature, top-k and top-p keep the argmax. A chain drafter that
-    proposed the target's own argmax would have had exactly these tokens accepted.
+    proposed the target's own argmax would have had exactly these tokens accepted. The argmax
+    runs in fp32: widening is exact, so it is the same index, and the CPU's bf16 argmax is
+    several times slower than a cast and an fp32 one (docs/performance.md).
     """
-    return logits.argmax(-1) == tokens.reshape(-1)
+    return logits.float().argmax(-1) == tokens.reshape(-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tailrl.sampling import SamplingParams, derive_seed, hash_ints, process_logits, sample
+from tailrl.sampling import SamplingParams, derive_seed, hash_ints, is_top1, process_logits, sample
 from tailrl.speculative.accept import accept_walk
 from tailrl.speculative.tree import DraftTree, Frontier, build_tree, chain, positions_offsets, tree_mask
 
@@ -323,6 +323,16 @@ def test_accept_walk_rejects_mismatched_shapes():
         accept_walk(torch.zeros(1, 2, 5), tree, PARAMS["t1"], [0], [0])
     with pytest.raises(ValueError):
         accept_walk(torch.zeros(1, 3, 5), tree, PARAMS["t1"], [0, 1], [0])
+
+
+def test_is_top1_on_bf16_logits_is_the_bf16_argmax_ties_included():
+    """is_top1 computes in fp32; on bf16 logits it must flag the bf16 argmax (first index on ties)."""
+    logits = torch.randn(6, 300).bfloat16()
+    logits[1, [5, 9]] = logits[1].max() + 1  # a tie: index 5 is the argmax
+    logits[2, -1] = float("nan")  # NaN wins argmax in both dtypes
+    for tokens in (logits.argmax(-1), torch.tensor([0, 9, 3, 7, 1, 2])):
+        assert torch.equal(is_top1(logits, tokens), logits.argmax(-1) == tokens)
+    assert is_top1(logits, torch.tensor([0, 5, 299, 0, 0, 0]))[1:3].tolist() == [True, True]
 
 
 # ---- acceptance follows the target distribution against an adversarial drafter ------------
