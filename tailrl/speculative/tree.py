@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -72,18 +73,22 @@ def chain(tokens: Tensor) -> DraftTree:
 
 
 def _ancestors(parents: Tensor) -> tuple[Tensor, Tensor]:
-    """anc[b, i, j]: node j is node i or an ancestor of it; and node depths.  # (B, N, N), (B, N)"""
+    """anc[b, i, j]: node j is node i or an ancestor of it; and node depths.  # (B, N, N), (B, N)
+
+    Starts from "itself or its parent" and squares the relation: after m squarings it reaches
+    2**m levels up, and no node has more than N - 1 ancestors, so m = ceil(log2(N - 1)). A fixed
+    number of batched ops, none of which waits on a value (a climb one level per pass asks every
+    pass whether to go on).
+    """
     b, n = parents.shape
-    anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
-    depths = torch.ones_like(parents)
-    cur = parents.clone()
-    # Climb every node one level per pass; the tree's height bounds the number of passes.
-    while bool((live := cur >= 0).any()):
-        rows, nodes = live.nonzero(as_tuple=True)
-        anc[rows, nodes, cur[rows, nodes]] = True
-        depths += live.long()
-        cur = torch.where(live, parents.gather(1, cur.clamp(min=0)), cur)
-    return anc, depths
+    if n == 0:
+        return parents.new_zeros(b, 0, 0, dtype=torch.bool), parents.new_zeros(b, 0)
+    has_parent = (parents >= 0)[..., None]  # (B, N, 1)
+    step = torch.eye(n, device=parents.device) + F.one_hot(parents.clamp(min=0), n) * has_parent  # (B, N, N)
+    for _ in range(max(n - 2, 0).bit_length()):
+        step = (torch.bmm(step, step) > 0).float()
+    anc = step > 0
+    return anc, anc.sum(-1)
 
 
 def tree_mask(parents: Tensor) -> Tensor:
