@@ -62,6 +62,8 @@ class DraftTree:
         return torch.cat([root_tokens.reshape(-1, 1).to(self.tokens), self.tokens], dim=1)
 
     def to(self, device: torch.device | str) -> DraftTree:
+        if self.tokens.device == torch.device(device):
+            return self  # already checked when built
         return DraftTree(self.tokens.to(device), self.parents.to(device))
 
 
@@ -91,22 +93,29 @@ def _ancestors(parents: Tensor) -> tuple[Tensor, Tensor]:
     return anc, anc.sum(-1)
 
 
-def tree_mask(parents: Tensor) -> Tensor:
-    """mask[b, q, k]: verify token k is q or an ancestor of q; the root is everyone's.
+def verify_layout(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """The verify forward's tree mask and depth offsets from one ancestor computation.
 
-    # (B, N) -> (B, N+1, N+1)
+    mask[b, q, k]: verify token k is q or an ancestor of q, the root everyone's; offsets[b, q]:
+    depth of verify token q (root 0), its absolute position being P_b + offset.
+    # (B, N) -> (B, N+1, N+1), (B, N+1)
     """
     b, n = parents.shape
+    anc, depths = _ancestors(parents)
     mask = torch.zeros(b, n + 1, n + 1, dtype=torch.bool, device=parents.device)
     mask[:, :, 0] = True
-    mask[:, 1:, 1:] = _ancestors(parents)[0]
-    return mask
+    mask[:, 1:, 1:] = anc
+    return mask, torch.cat([depths.new_zeros(b, 1), depths], dim=1)
+
+
+def tree_mask(parents: Tensor) -> Tensor:
+    """verify_layout's mask.  # (B, N) -> (B, N+1, N+1)"""
+    return verify_layout(parents)[0]
 
 
 def positions_offsets(parents: Tensor) -> Tensor:
-    """Depth of each verify token (root 0); absolute position = P_b + offset.  # (B, N) -> (B, N+1)"""
-    depths = _ancestors(parents)[1]
-    return torch.cat([depths.new_zeros(depths.shape[0], 1), depths], dim=1)
+    """verify_layout's depth offsets.  # (B, N) -> (B, N+1)"""
+    return verify_layout(parents)[1]
 
 
 # ---- the learned drafter's tree (EAGLE-2 style) ----------------------------------------------
