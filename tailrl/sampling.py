@@ -132,8 +132,8 @@ def is_top1(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
     On the raw logits: temperature, top-k and top-p keep the argmax. A chain drafter that
     proposed the target's own argmax would have had exactly these tokens accepted. The argmax
-    runs in fp32: widening is exact, so it is the same index, and the CPU's bf16 argmax is
-    several times slower than a cast and an fp32 one (docs/performance.md).
+    runs in fp32: widening is exact, so it is the same index, and on CPU a cast plus an fp32
+    argmax is cheaper than a bf16 argmax (docs/performance.md).
     """
     return logits.float().argmax(-1) == tokens.reshape(-1)
 

@@ -15,7 +15,7 @@ import torch
 
 from tailrl.sampling import SamplingParams, derive_seed, hash_ints, is_top1, process_logits, sample
 from tailrl.speculative.accept import accept_walk
-from tailrl.speculative.tree import DraftTree, Frontier, build_tree, chain, positions_offsets, tree_mask
+from tailrl.speculative.tree import DraftTree, Frontier, build_tree, chain, verify_layout
 
 PARAMS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -32,7 +32,7 @@ PARAMS = {
 HAND_PARENTS = [-1, -1, 0, 0, 2, 1]
 
 
-def test_tree_mask_and_positions_on_a_hand_drawn_tree():
+def test_verify_layout_on_a_hand_drawn_tree():
     parents = torch.tensor([HAND_PARENTS, [-1, 0, 1, 2, 3, 4]])
     expected_row0 = [
         [1, 0, 0, 0, 0, 0, 0],  # root
@@ -43,23 +43,23 @@ def test_tree_mask_and_positions_on_a_hand_drawn_tree():
         [1, 1, 0, 1, 0, 1, 0],  # n4
         [1, 0, 1, 0, 0, 0, 1],  # n5
     ]
-    mask = tree_mask(parents)
+    mask, offsets = verify_layout(parents)
     assert mask.dtype == torch.bool and mask.shape == (2, 7, 7)
     assert mask[0].int().tolist() == expected_row0
     assert torch.equal(mask[1], torch.ones(7, 7, dtype=torch.bool).tril())  # a chain is causal
-    assert positions_offsets(parents).tolist() == [[0, 1, 1, 2, 2, 3, 2], [0, 1, 2, 3, 4, 5, 6]]
+    assert offsets.tolist() == [[0, 1, 1, 2, 2, 3, 2], [0, 1, 2, 3, 4, 5, 6]]
     tree = DraftTree(torch.arange(10, 16).expand(2, 6).clone(), parents)
     assert tree.depths.tolist() == [[1, 1, 2, 2, 3, 2], [1, 2, 3, 4, 5, 6]]
     assert tree.verify_ids(torch.tensor([7, 8]))[:, :2].tolist() == [[7, 10], [8, 10]]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 33])
-def test_tree_mask_and_depths_match_a_walk_up_the_parents(n):
+def test_verify_layout_matches_a_walk_up_the_parents(n):
     """Random trees (chains, stars, anything topological): the mask and depths are those of a
     plain Python walk from each node up to the root."""
     rng = random.Random(n)
     rows = [[rng.randrange(-1, i) for i in range(n)] for _ in range(5)] + [list(range(-1, n - 1)), [-1] * n]
-    mask, offsets = tree_mask(torch.tensor(rows)), positions_offsets(torch.tensor(rows))
+    mask, offsets = verify_layout(torch.tensor(rows))
     for b, parents in enumerate(rows):
         for i in range(n):
             chain_up, k = [i], parents[i]
@@ -74,8 +74,8 @@ def test_chain_and_empty_tree():
     tree = chain(torch.tensor([[5, 6, 7]]))
     assert tree.parents.tolist() == [[-1, 0, 1]]
     empty = DraftTree(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long))
-    assert tree_mask(empty.parents).tolist() == [[[True]], [[True]]]
-    assert positions_offsets(empty.parents).tolist() == [[0], [0]]
+    mask, offsets = verify_layout(empty.parents)
+    assert mask.tolist() == [[[True]], [[True]]] and offsets.tolist() == [[0], [0]]
 
 
 def test_draft_tree_rejects_non_topological_parents():

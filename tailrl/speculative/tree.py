@@ -4,7 +4,7 @@ A DraftTree holds, per row, N draft nodes with parent pointers (-1 = the root). 
 row's last emitted token, already known, at absolute position P_b. The target verifies
 [root, node_0, ..., node_{N-1}] in one forward: verify index 0 is the root and node i is verify
 index i + 1, at position P_b + depth(i), attending to the prefix cache and to its ancestors
-(`tree_mask`, `positions_offsets`).
+(`verify_layout`).
 
 `build_tree` grows the learned drafter's tree EAGLE-2 style (best-first by cumulative draft
 log-prob) from scores returned by a callback, so it never touches a torch module.
@@ -106,16 +106,6 @@ def verify_layout(parents: Tensor) -> tuple[Tensor, Tensor]:
     mask[:, :, 0] = True
     mask[:, 1:, 1:] = anc
     return mask, torch.cat([depths.new_zeros(b, 1), depths], dim=1)
-
-
-def tree_mask(parents: Tensor) -> Tensor:
-    """verify_layout's mask.  # (B, N) -> (B, N+1, N+1)"""
-    return verify_layout(parents)[0]
-
-
-def positions_offsets(parents: Tensor) -> Tensor:
-    """verify_layout's depth offsets.  # (B, N) -> (B, N+1)"""
-    return verify_layout(parents)[1]
 
 
 # ---- the learned drafter's tree (EAGLE-2 style) ----------------------------------------------
