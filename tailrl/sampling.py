@@ -82,7 +82,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     x = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).float()
-    x = x / params.temperature
+    x = _scaled(x, params.temperature)
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -132,7 +132,9 @@ def is_top1(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Whether each token is its row's most likely one.  # (B, V), (B,) -> (B,) bool
 
     On the raw logits: temperature, top-k and top-p keep the argmax. A chain drafter that
-    proposed the target's own argmax would have had exactly these tokens accepted.
+    proposed the target's own argmax would have had exactly these tokens accepted. The argmax
+    runs in fp32: widening is exact, so it is the same index, and on CPU a cast plus an fp32
+    argmax is cheaper than a bf16 argmax (docs/performance.md).
     """
     return logits.float().argmax(-1) == tokens.reshape(-1)
 
@@ -141,5 +143,11 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingP
     """log p(token) under softmax(logits / temperature).  # (B, V), (B,) -> (B,)"""
     x = logits.float()
     if not params.greedy:
-        x = x / params.temperature
+        x = _scaled(x, params.temperature)
     return torch.log_softmax(x, dim=-1).gather(-1, tokens.reshape(-1, 1)).squeeze(-1)
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x / temperature; at temperature 1 x itself (IEEE division by 1 is exact), saving a pass
+    over the vocabulary per row."""
+    return x if temperature == 1.0 else x / temperature

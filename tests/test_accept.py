@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from tailrl.sampling import SamplingParams, derive_seed, hash_ints, process_logits, sample
+from tailrl.sampling import SamplingParams, derive_seed, hash_ints, is_top1, process_logits, sample
 from tailrl.speculative.accept import accept_walk
-from tailrl.speculative.tree import DraftTree, Frontier, build_tree, chain, positions_offsets, tree_mask
+from tailrl.speculative.tree import DraftTree, Frontier, build_tree, chain, verify_layout
 
 PARAMS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -32,7 +32,7 @@ PARAMS = {
 HAND_PARENTS = [-1, -1, 0, 0, 2, 1]
 
 
-def test_tree_mask_and_positions_on_a_hand_drawn_tree():
+def test_verify_layout_on_a_hand_drawn_tree():
     parents = torch.tensor([HAND_PARENTS, [-1, 0, 1, 2, 3, 4]])
     expected_row0 = [
         [1, 0, 0, 0, 0, 0, 0],  # root
@@ -43,22 +43,39 @@ def test_tree_mask_and_positions_on_a_hand_drawn_tree():
         [1, 1, 0, 1, 0, 1, 0],  # n4
         [1, 0, 1, 0, 0, 0, 1],  # n5
     ]
-    mask = tree_mask(parents)
+    mask, offsets = verify_layout(parents)
     assert mask.dtype == torch.bool and mask.shape == (2, 7, 7)
     assert mask[0].int().tolist() == expected_row0
     assert torch.equal(mask[1], torch.ones(7, 7, dtype=torch.bool).tril())  # a chain is causal
-    assert positions_offsets(parents).tolist() == [[0, 1, 1, 2, 2, 3, 2], [0, 1, 2, 3, 4, 5, 6]]
+    assert offsets.tolist() == [[0, 1, 1, 2, 2, 3, 2], [0, 1, 2, 3, 4, 5, 6]]
     tree = DraftTree(torch.arange(10, 16).expand(2, 6).clone(), parents)
     assert tree.depths.tolist() == [[1, 1, 2, 2, 3, 2], [1, 2, 3, 4, 5, 6]]
     assert tree.verify_ids(torch.tensor([7, 8]))[:, :2].tolist() == [[7, 10], [8, 10]]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 33])
+def test_verify_layout_matches_a_walk_up_the_parents(n):
+    """Random trees (chains, stars, anything topological): the mask and depths are those of a
+    plain Python walk from each node up to the root."""
+    rng = random.Random(n)
+    rows = [[rng.randrange(-1, i) for i in range(n)] for _ in range(5)] + [list(range(-1, n - 1)), [-1] * n]
+    mask, offsets = verify_layout(torch.tensor(rows))
+    for b, parents in enumerate(rows):
+        for i in range(n):
+            chain_up, k = [i], parents[i]
+            while k >= 0:
+                chain_up.append(k)
+                k = parents[k]
+            assert offsets[b, i + 1] == len(chain_up)
+            assert mask[b, i + 1].nonzero().flatten().tolist() == sorted([0] + [j + 1 for j in chain_up])
 
 
 def test_chain_and_empty_tree():
     tree = chain(torch.tensor([[5, 6, 7]]))
     assert tree.parents.tolist() == [[-1, 0, 1]]
     empty = DraftTree(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long))
-    assert tree_mask(empty.parents).tolist() == [[[True]], [[True]]]
-    assert positions_offsets(empty.parents).tolist() == [[0], [0]]
+    mask, offsets = verify_layout(empty.parents)
+    assert mask.tolist() == [[[True]], [[True]]] and offsets.tolist() == [[0], [0]]
 
 
 def test_draft_tree_rejects_non_topological_parents():
@@ -314,7 +331,7 @@ def test_accept_walk_emits_exactly_the_plain_decoding_tokens(name):
     assert accepted > 3 * END // 4, "the trees should have let the walk descend often"
     for r, (seq, lps) in enumerate(plains):
         assert emitted[r] == seq[2 : 2 + len(emitted[r])]
-        assert logprobs[r] == pytest.approx(lps[: len(emitted[r])], abs=1e-5)
+        assert logprobs[r] == lps[: len(emitted[r])]  # the same function on the same row: same bits
 
 
 def test_accept_walk_rejects_mismatched_shapes():
@@ -323,6 +340,16 @@ def test_accept_walk_rejects_mismatched_shapes():
         accept_walk(torch.zeros(1, 2, 5), tree, PARAMS["t1"], [0], [0])
     with pytest.raises(ValueError):
         accept_walk(torch.zeros(1, 3, 5), tree, PARAMS["t1"], [0, 1], [0])
+
+
+def test_is_top1_on_bf16_logits_is_the_bf16_argmax_ties_included():
+    """is_top1 computes in fp32; on bf16 logits it must flag the bf16 argmax (first index on ties)."""
+    logits = torch.randn(6, 300).bfloat16()
+    logits[1, [5, 9]] = logits[1].max() + 1  # a tie: index 5 is the argmax
+    logits[2, -1] = float("nan")  # NaN wins argmax in both dtypes
+    for tokens in (logits.argmax(-1), torch.tensor([0, 9, 3, 7, 1, 2])):
+        assert torch.equal(is_top1(logits, tokens), logits.argmax(-1) == tokens)
+    assert is_top1(logits, torch.tensor([0, 5, 299, 0, 0, 0]))[1:3].tolist() == [True, True]
 
 
 # ---- acceptance follows the target distribution against an adversarial drafter ------------

@@ -282,6 +282,25 @@ def test_catch_up_equals_drafting_from_the_start(target, seqs, arm):
                 assert torch.equal(t.tokens, ref.tokens) and torch.equal(t.parents, ref.parents)
 
 
+class _TreePath(DrafterProposer):
+    """The reference path: every arm through build_tree."""
+
+    def propose(self, engine, running, arm):
+        return self.propose_tree(engine, running, arm)
+
+
+@pytest.mark.parametrize("arm", [Arm("drafter", 4, 1, 4), Arm("drafter", 6, 1, 3), Arm("drafter", 1, 1, 1)])
+def test_chain_fast_path_equals_the_build_tree_path(target, seqs, arm):
+    """Chains skip build_tree; they must give its trees, step after step (catch-up, slot moves),
+    in fp32 and in bf16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        d = _drafter(target).to(dtype)
+        runs = _replay([_TreePath(d), DrafterProposer(d)], seqs, arm, steps=8, switch_on=[0, 0], retire_at=5)
+        for ref, fast in runs:
+            assert ref.parents.tolist() == [list(range(-1, arm.num_draft_tokens - 1))] * ref.batch_size
+            assert torch.equal(fast.tokens, ref.tokens) and torch.equal(fast.parents, ref.parents)
+
+
 def test_simulated_accept_counts_match_a_hand_walk(target, seqs):
     """accept_len of the replay: every verify emits between 1 and draft_depth + 1 tokens and the
     emitted tokens add up to the responses' lengths (the first token comes from prefill)."""

@@ -54,30 +54,34 @@ def accept_walk(
     node_parents = tree.parents.to(device) + 1  # (B, N) verify index of each node's parent
     node_tokens = tree.tokens.to(device)  # (B, N)
     tokens: list[list[int]] = [[] for _ in range(b)]
-    picked_at: list[list[int]] = [[] for _ in range(b)]  # verify index each token was picked at
+    logprobs: list[list[float]] = [[] for _ in range(b)]
+    top1: list[list[bool]] = [[] for _ in range(b)]
     path: list[list[int]] = [[] for _ in range(b)]
     at = [0] * b  # verify index each row stands on
     rows, depth = list(range(b)), 0
     while rows:
         r = torch.tensor(rows, device=device)
         j = torch.tensor([at[i] for i in rows], device=device)
-        probs = process_logits(logits[r, j], params)  # (A, V)
+        # Widened once: process_logits, token_logprobs and is_top1 all compute in fp32.
+        visited = logits[r, j].float()  # (A, V)
+        probs = process_logits(visited, params)  # (A, V)
         # The uniform plain decoding uses for the token at position P_b + depth + 1.
         u = uniforms([seeds[i] for i in rows], [root_positions[i] + depth + 1 for i in rows])
         x = inverse_cdf(probs, u)  # (A,)
         # Descend iff the target's own pick is a child's draft token (the first such child).
         match = (node_parents[r] == j[:, None]) & (node_tokens[r] == x[:, None])  # (A, N)
         child = _first_true(match)  # (A,) verify index of the matching child, 0 if none
+        lps, top = token_logprobs(visited, x, params).tolist(), is_top1(visited, x).tolist()
         still = []
-        for i, xi, c in zip(rows, x.tolist(), child.tolist()):
+        for i, xi, c, lp, tp in zip(rows, x.tolist(), child.tolist(), lps, top):
             tokens[i].append(xi)
-            picked_at[i].append(at[i])
+            logprobs[i].append(lp)
+            top1[i].append(tp)
             if c:
                 path[i].append(c)
                 at[i] = c
                 still.append(i)
         rows, depth = still, depth + 1
-    logprobs, top1 = _scores(logits, tokens, picked_at, params)
     return AcceptResult(tokens, logprobs, top1, path, [len(t) for t in tokens])
 
 
@@ -86,21 +90,3 @@ def _first_true(match: Tensor) -> Tensor:
     if match.shape[1] == 0:
         return torch.zeros(match.shape[0], dtype=torch.long, device=match.device)
     return torch.where(match.any(1), match.int().argmax(1) + 1, 0)
-
-
-def _scores(
-    logits: Tensor, tokens: list[list[int]], picked_at: list[list[int]], params: SamplingParams
-) -> tuple[list[list[float]], list[list[bool]]]:
-    """token_logprobs and is_top1 of every emitted token, batched over the visited rows only."""
-    device = logits.device
-    rows = torch.tensor([i for i, t in enumerate(tokens) for _ in t], dtype=torch.long, device=device)
-    cols = torch.tensor([j for js in picked_at for j in js], dtype=torch.long, device=device)
-    flat = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=device)
-    picked = logits[rows, cols]  # (sum of emitted, V)
-    lps, top = token_logprobs(picked, flat, params).tolist(), is_top1(picked, flat).tolist()
-    out_lp, out_top, k = [], [], 0
-    for t in tokens:
-        out_lp.append(lps[k : k + len(t)])
-        out_top.append(top[k : k + len(t)])
-        k += len(t)
-    return out_lp, out_top

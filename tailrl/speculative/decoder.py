@@ -36,7 +36,7 @@ from tailrl.engine import Engine, GenerateCall, Seq
 from tailrl.model import CacheView, KVCache
 from tailrl.speculative.accept import accept_walk
 from tailrl.speculative.ngram import NgramConfig, NgramIndex, propose_tree
-from tailrl.speculative.tree import DraftTree, positions_offsets, tree_mask
+from tailrl.speculative.tree import DraftTree, verify_layout
 from tailrl.tuner import Arm, Tuner
 
 
@@ -192,13 +192,14 @@ def _verify_forward(engine: Engine, running: list[Seq], tree: DraftTree) -> tupl
     device, t = engine.device, tree.num_nodes + 1
     lens = torch.tensor([s.length for s in running], device=device)  # (B,)
     ids = tree.verify_ids(torch.tensor([s.pending for s in running], device=device))  # (B, T)
-    positions = lens[:, None] + positions_offsets(tree.parents)  # (B, T): length + depth
+    ancestry, depths = verify_layout(tree.parents)  # (B, T, T), (B, T)
+    positions = lens[:, None] + depths  # (B, T): length + depth
     write_pos = lens[:, None] + torch.arange(t, device=device)  # (B, T): length .. length + N
     kv_len = int(lens.max()) + t
     # Each verify token sees the row's prefix (< length) and, among this forward's tokens, itself
     # and its ancestors; keys past the row's own writes are stale cache and stay masked.
     mask = (torch.arange(kv_len, device=device) < lens[:, None])[:, None].repeat(1, t, 1)  # (B, T, S)
-    mask.scatter_(2, write_pos[:, None].expand(-1, t, -1), tree_mask(tree.parents))
+    mask.scatter_(2, write_pos[:, None].expand(-1, t, -1), ancestry)
     view = CacheView(engine.cache, 0, write_pos, kv_len, mask)
     return engine.forward(ids, positions, view)
 

@@ -4,7 +4,7 @@ A DraftTree holds, per row, N draft nodes with parent pointers (-1 = the root). 
 row's last emitted token, already known, at absolute position P_b. The target verifies
 [root, node_0, ..., node_{N-1}] in one forward: verify index 0 is the root and node i is verify
 index i + 1, at position P_b + depth(i), attending to the prefix cache and to its ancestors
-(`tree_mask`, `positions_offsets`).
+(`verify_layout`).
 
 `build_tree` grows the learned drafter's tree EAGLE-2 style (best-first by cumulative draft
 log-prob) from scores returned by a callback, so it never touches a torch module.
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -61,6 +62,8 @@ class DraftTree:
         return torch.cat([root_tokens.reshape(-1, 1).to(self.tokens), self.tokens], dim=1)
 
     def to(self, device: torch.device | str) -> DraftTree:
+        if self.tokens.device == torch.device(device):
+            return self  # already checked when built
         return DraftTree(self.tokens.to(device), self.parents.to(device))
 
 
@@ -72,36 +75,37 @@ def chain(tokens: Tensor) -> DraftTree:
 
 
 def _ancestors(parents: Tensor) -> tuple[Tensor, Tensor]:
-    """anc[b, i, j]: node j is node i or an ancestor of it; and node depths.  # (B, N, N), (B, N)"""
-    b, n = parents.shape
-    anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
-    depths = torch.ones_like(parents)
-    cur = parents.clone()
-    # Climb every node one level per pass; the tree's height bounds the number of passes.
-    while bool((live := cur >= 0).any()):
-        rows, nodes = live.nonzero(as_tuple=True)
-        anc[rows, nodes, cur[rows, nodes]] = True
-        depths += live.long()
-        cur = torch.where(live, parents.gather(1, cur.clamp(min=0)), cur)
-    return anc, depths
+    """anc[b, i, j]: node j is node i or an ancestor of it; and node depths.  # (B, N, N), (B, N)
 
-
-def tree_mask(parents: Tensor) -> Tensor:
-    """mask[b, q, k]: verify token k is q or an ancestor of q; the root is everyone's.
-
-    # (B, N) -> (B, N+1, N+1)
+    Starts from "itself or its parent" and squares the relation: after m squarings it reaches
+    2**m levels up, and no node has more than N - 1 ancestors, so m = ceil(log2(N - 1)). A fixed
+    number of batched ops, none of which waits on a value (a climb one level per pass asks every
+    pass whether to go on).
     """
     b, n = parents.shape
+    if n == 0:
+        return parents.new_zeros(b, 0, 0, dtype=torch.bool), parents.new_zeros(b, 0)
+    has_parent = (parents >= 0)[..., None]  # (B, N, 1)
+    step = torch.eye(n, device=parents.device) + F.one_hot(parents.clamp(min=0), n) * has_parent  # (B, N, N)
+    for _ in range(max(n - 2, 0).bit_length()):
+        step = (torch.bmm(step, step) > 0).float()
+    anc = step > 0
+    return anc, anc.sum(-1)
+
+
+def verify_layout(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """The verify forward's tree mask and depth offsets from one ancestor computation.
+
+    mask[b, q, k]: verify token k is q or an ancestor of q, the root everyone's; offsets[b, q]:
+    depth of verify token q (root 0), its absolute position being P_b + offset.
+    # (B, N) -> (B, N+1, N+1), (B, N+1)
+    """
+    b, n = parents.shape
+    anc, depths = _ancestors(parents)
     mask = torch.zeros(b, n + 1, n + 1, dtype=torch.bool, device=parents.device)
     mask[:, :, 0] = True
-    mask[:, 1:, 1:] = _ancestors(parents)[0]
-    return mask
-
-
-def positions_offsets(parents: Tensor) -> Tensor:
-    """Depth of each verify token (root 0); absolute position = P_b + offset.  # (B, N) -> (B, N+1)"""
-    depths = _ancestors(parents)[1]
-    return torch.cat([depths.new_zeros(depths.shape[0], 1), depths], dim=1)
+    mask[:, 1:, 1:] = anc
+    return mask, torch.cat([depths.new_zeros(b, 1), depths], dim=1)
 
 
 # ---- the learned drafter's tree (EAGLE-2 style) ----------------------------------------------

@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tailrl.model import CacheView, DecoderLayer, KVCache, ModelConfig, Transformer, rope_inv_freq
-from tailrl.speculative.tree import DraftTree, Expansion, Frontier, build_tree
+from tailrl.speculative.tree import DraftTree, Expansion, Frontier, build_tree, chain
 
 FORMAT = 1
 CONFIG_FILE = "drafter.json"
@@ -330,8 +330,37 @@ class DrafterProposer:
         self.cache = new
 
     def propose(self, engine: Any, running: list, arm: Any) -> DraftTree:
-        """One tree per running row; root = seq.pending at position seq.length; target token ids."""
-        b, d = len(running), self.drafter
+        """One tree per running row; root = seq.pending at position seq.length; target token ids.
+
+        A chain (topk 1) takes `_chain`: the tree `propose_tree` builds, with a fraction of its
+        tensor bookkeeping (the tests compare the two)."""
+        if arm.topk > 1:
+            return self.propose_tree(engine, running, arm)
+        first, lens = self._prepare(running, arm)
+        tree = self._chain(first, lens, arm.num_draft_tokens)
+        self.covered[: len(running)] = lens.tolist()
+        return tree
+
+    def propose_tree(self, engine: Any, running: list, arm: Any) -> DraftTree:
+        """`propose` for any arm, through build_tree (the reference for chains)."""
+        d = self.drafter
+        first, lens = self._prepare(running, arm)
+        b, device = len(running), lens.device
+
+        def expand(fr: Frontier) -> Expansion:
+            out = self._root_forward(first) if fr.step == 0 else self._tree_forward(fr, lens, arm.topk)
+            log_probs, idx = self._top(out, arm.topk)
+            return Expansion(log_probs, d.d2t[idx], out)
+
+        root_state = first.hidden[torch.arange(b, device=device), first.root]  # (B, E) h_{L-1}
+        pending = torch.tensor([s.pending for s in running], device=device)
+        tree = build_tree(expand, root_state, arm.draft_depth, arm.topk, arm.num_draft_tokens, root_tokens=pending)
+        self.covered[:b] = lens.tolist()
+        return tree
+
+    def _prepare(self, running: list, arm: Any) -> tuple[_RootInputs, torch.Tensor]:
+        """Slot bookkeeping, cache room, and step 0's inputs; the root positions L_b.  # (B,)"""
+        b = len(running)
         self._grow_slots(b)
         for i, s in enumerate(running):
             if self.owner[i] is not s:  # a new sequence in this slot: its entries start over
@@ -339,20 +368,30 @@ class DrafterProposer:
         lengths = [s.length for s in running]
         scratch = max(1, (arm.draft_depth - 1) * arm.topk)
         self._ensure_cache(b, max(lengths) + scratch)
-        device = d.fc.weight.device
-        lens = torch.tensor(lengths, device=device)  # (B,) root position L_b
-        first = self._root_inputs(running, device)
+        device = self.drafter.fc.weight.device
+        return self._root_inputs(running, device), torch.tensor(lengths, device=device)
 
-        def expand(fr: Frontier) -> Expansion:
-            out = self._root_forward(first) if fr.step == 0 else self._tree_forward(fr, lens, arm.topk)
-            log_probs, idx = torch.log_softmax(d.logits(out).float(), dim=-1).topk(arm.topk, dim=-1)
-            return Expansion(log_probs, d.d2t[idx], out)
+    def _top(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k draft log-probs and their draft indices.  # (B, F, E) -> (B, F, k) each"""
+        return torch.log_softmax(self.drafter.logits(out).float(), dim=-1).topk(k, dim=-1)
 
-        root_state = first.hidden[torch.arange(b, device=device), first.root]  # (B, E) h_{L-1}
-        pending = torch.tensor([s.pending for s in running], device=device)
-        tree = build_tree(expand, root_state, arm.draft_depth, arm.topk, arm.num_draft_tokens, root_tokens=pending)
-        self.covered[:b] = lengths
-        return tree
+    def _chain(self, first: _RootInputs, lens: torch.Tensor, n: int) -> DraftTree:
+        """n nodes, each the drafter's top-1 after its parent. build_tree would draft draft_depth
+        >= n and keep the n best, which on a chain (scores never rise along it, ties to the
+        earlier node) are the first n; so n forwards suffice. Node s (s >= 1) is entry
+        L_b - 1 + s at scratch index L_b + s - 1 and sees every key before its own: the prefix,
+        the root entry and its ancestors, i.e. the same keys and cache writes as `_tree_forward`."""
+        b, dev = lens.shape[0], lens.device
+        out = self._root_forward(first)  # (B, 1, E)
+        nodes = [self.drafter.d2t[self._top(out, 1)[1]][:, 0]]  # (B, 1) each
+        top = int(lens.max())
+        keys = torch.arange(top + n, device=dev)[None, None]  # (1, 1, S)
+        for s in range(1, n):
+            at = lens[:, None] + (s - 1)  # (B, 1) its scratch index, equal to its position L_b - 1 + s
+            view = CacheView(self.cache, 0, at, top + s, keys[:, :, : top + s] <= at[:, :, None])
+            out = self.drafter(out, nodes[-1], at, view)
+            nodes.append(self.drafter.d2t[self._top(out, 1)[1]][:, 0])
+        return chain(torch.cat(nodes, 1))
 
     def _root_inputs(self, running: list, device) -> _RootInputs:
         # The root entry is always (re)computed: its output starts the tree.
