@@ -381,7 +381,7 @@ class DrafterProposer:
         earlier node) are the first n; so n forwards suffice. Node s (s >= 1) is entry
         L_b - 1 + s at scratch index L_b + s - 1 and sees every key before its own: the prefix,
         the root entry and its ancestors, i.e. the same keys and cache writes as `_tree_forward`."""
-        b, dev = lens.shape[0], lens.device
+        dev = lens.device
         out = self._root_forward(first)  # (B, 1, E)
         nodes = [self.drafter.d2t[self._top(out, 1)[1]][:, 0]]  # (B, 1) each
         top = int(lens.max())
