@@ -177,6 +177,12 @@ class ReasoningGymTask:
         entry = self._chunk(rng_seed, chunk)[offset]
         return Problem(question=entry["question"], answer=str(entry["answer"]), meta={"entry": entry})
 
+    def solution(self, problem: Problem) -> str:
+        """The item's worked solution (tailrl.rl.worked.rg_solution); ValueError if it has none."""
+        from tailrl.rl.worked import rg_solution
+
+        return rg_solution(problem.meta["entry"])
+
     def score(self, problem: Problem, answer_text: str) -> float:
         score = float(self._scorer.score_answer(answer_text, problem.meta["entry"]))
         return min(1.0, max(0.0, score))
@@ -252,6 +258,12 @@ class JsonlTask:
             self._order_key = (rng_seed, epoch)
         return self.problems[int(self._order[offset])]
 
+    def solution(self, problem: Problem) -> str:
+        """The row's `solution` field (tailrl.rl.worked.jsonl_solution); ValueError if it has none."""
+        from tailrl.rl.worked import jsonl_solution
+
+        return jsonl_solution(problem.meta, problem.answer)
+
     def score(self, problem: Problem, answer_text: str) -> float:
         return math_match(answer_text, problem.answer)
 
@@ -290,8 +302,9 @@ def _parse_rg_name(text: str) -> tuple[str, dict[str, Any]]:
 def make_task(name: str, **difficulty: Any) -> Task:
     """A task from its name.
 
-    "rg:chain_sum", "chain_sum" or "rg:chain_sum(max_terms=3, max_digits=1)" name a
-    reasoning-gym dataset and its settings (keyword arguments here override the name's);
+    "sums" or "sums(max_terms=20)" names a procedural family with worked solutions
+    (tailrl.rl.worked.PROCEDURAL); "rg:chain_sum", "chain_sum" or
+    "rg:chain_sum(max_terms=3, max_digits=1)" name a reasoning-gym dataset and its settings (keyword arguments here override the name's);
     a path ending in .jsonl names a JsonlTask.
     """
     name = name.strip()
@@ -299,5 +312,12 @@ def make_task(name: str, **difficulty: Any) -> Task:
         if difficulty:
             raise ValueError(f"JSONL tasks take no settings, got {sorted(difficulty)}")
         return JsonlTask(name)
+    from tailrl.rl.worked import PROCEDURAL
+
     dataset, settings = _parse_rg_name(name.removeprefix("rg:"))
+    if not name.startswith("rg:") and dataset in PROCEDURAL:
+        try:
+            return PROCEDURAL[dataset](**{**settings, **difficulty})
+        except TypeError as e:
+            raise ValueError(f"invalid settings for task {dataset!r}: {e}") from e
     return ReasoningGymTask(dataset, **{**settings, **difficulty})
