@@ -61,28 +61,6 @@ def failing_reward(prompt: str, completion: str, answer: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def char_model_dir(tmp_path_factory):
-    """A tiny random Llama (tied head, as SmolLM2) with a character-level tokenizer and chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("char-llama")
-    build_hf("llama", seed=3, vocab_size=128, tie_word_embeddings=True).save_pretrained(path)
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    hf.chat_template = (
-        "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}a:{% endif %}"
-    )
-    hf.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def task_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("task") / "sums.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{a}+{a % 4}=", "answer": a + a % 4}) + "\n" for a in range(10)))

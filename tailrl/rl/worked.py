@@ -77,7 +77,9 @@ class RunningSumTask:
             raise ValueError(f"rng_seed and index must be >= 0, got {rng_seed} and {index}")
         rng = np.random.default_rng(derive_seed(rng_seed, index))
         n = self.num_terms(rng)
-        terms = [int(t) for t in rng.integers(1, self.max_value + 1, size=n)]
+        return self.problem([int(t) for t in rng.integers(1, self.max_value + 1, size=n)])
+
+    def problem(self, terms: list[int]) -> Problem:
         question = f"What is {' + '.join(map(str, terms))}?"
         return Problem(question=question, answer=str(sum(terms)), meta={"terms": terms})
 
