@@ -139,8 +139,9 @@ def _add_train(sub) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> None:
+    from tailrl.pipeline import prepare
     from tailrl.rl.run_dir import CONFIG_FILE
-    from tailrl.rl.train import ConsolePrinter, train
+    from tailrl.rl.train import train
 
     if args.resume and args.out:
         raise ValueError("give either --out (a new run) or --resume DIR, not both")
@@ -149,9 +150,80 @@ def _run_train(args: argparse.Namespace) -> None:
         # The run's own resolved config; flags may still change what resume allows (e.g. --steps).
         toml = cfglib.read_toml(Path(args.resume) / CONFIG_FILE)
     configs = cfglib.resolve(_train_sections(), args, toml)
-    result = train(configs, args.resume or args.out, resume=bool(args.resume), on_event=ConsolePrinter())
+    show = run_printer()
+    if not args.resume:  # a resumed run keeps the model and drafter it started with
+        configs = prepare(configs, on_event=show, on_warmup=warmup_printer())
+    result = train(configs, args.resume or args.out, resume=bool(args.resume), on_event=show)
     state = "interrupted; resume with --resume" if result.interrupted else "done"
     print(f"tailrl: {state}: {result.out_dir} (step {result.step})", file=sys.stderr)
+
+
+def run_printer() -> Callable[[Any], None]:
+    """Prints the default run's events: phases, cold-start progress, then the training loop's."""
+    from tailrl.pipeline import Phase
+    from tailrl.rl.sft import EvalResult, SFTProgress
+    from tailrl.rl.train import ConsolePrinter
+
+    loop, cold = ConsolePrinter(), sft_printer()
+
+    def show(event: Any) -> None:
+        if isinstance(event, Phase):
+            print(f"tailrl: phase {event.index}/{event.total}: {event.name}: {event.detail}", file=sys.stderr, flush=True)
+        elif isinstance(event, (SFTProgress, EvalResult)):
+            cold(event)
+        else:
+            loop(event)
+
+    return show
+
+
+# ---- sft --------------------------------------------------------------------------------------
+
+SFT_SECTIONS = {"sft": "tailrl.rl.sft:SFTConfig"}
+
+
+def _add_sft(sub) -> None:
+    p = sub.add_parser(
+        "sft", help="cold start: fine-tune a model on a task's worked solutions",
+        description="Cold start: supervised fine-tuning on a task's worked solutions. Writes a Hugging Face "
+                    "model directory (default: the tailrl cache, keyed by base model, task and settings, "
+                    "so a second run reuses it) that `tailrl train --model DIR` starts from.",
+    )
+    p.add_argument("--out", metavar="DIR", help="model directory to write (default: in the tailrl cache)")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with an [sft] table")
+    cfglib.add_arguments(p, _sections(SFT_SECTIONS))
+    p.set_defaults(run=_run_sft)
+
+
+def sft_printer() -> Callable[[Any], None]:
+    """Prints `tailrl sft` events: a redrawn progress line with an estimate, one line per evaluation."""
+    from tailrl.rl.sft import EvalResult, SFTProgress
+
+    def show(event: Any) -> None:
+        if isinstance(event, SFTProgress):
+            left = event.seconds / event.step * (event.steps - event.step)
+            print(f"\rsft step {event.step}/{event.steps} | loss {event.loss:.4f} | lr {event.lr:.2e} | "
+                  f"{event.seconds:.0f} s, ~{left:.0f} s left   ", end="", file=sys.stderr, flush=True)
+        elif isinstance(event, EvalResult):
+            acc = ", ".join(f"{k} {v:.2f} (format {event.format_rate[k]:.2f}, {event.mean_len[k]:.0f} tok)"
+                            for k, v in event.accuracy.items())
+            print(f"\nsft eval at step {event.step}: held-out loss {event.loss:.4f}; accuracy {acc}",
+                  file=sys.stderr, flush=True)
+
+    return show
+
+
+def _run_sft(args: argparse.Namespace) -> None:
+    from tailrl.rl.sft import sft
+
+    toml = cfglib.read_toml(args.config) if args.config else None
+    cfg = cfglib.resolve(_sections(SFT_SECTIONS), args, toml)["sft"]
+    result = sft(cfg, args.out, on_event=sft_printer())
+    if result.cached:
+        print(f"tailrl: reusing the cold start in {result.out_dir} ({result.steps} steps)", file=sys.stderr)
+    elif result.interrupted:
+        print(f"tailrl: interrupted; saved {result.out_dir} after {result.steps} steps", file=sys.stderr)
+    print(result.out_dir)
 
 
 # ---- drafter ----------------------------------------------------------------------------------
@@ -170,18 +242,24 @@ def _add_drafter(sub) -> None:
     e.set_defaults(run=_run_export)
 
 
+def warmup_printer() -> Callable[[Any], None]:
+    """Redraws one line on stderr with the drafter warm-up's phase and progress."""
+
+    def show(p: Any) -> None:
+        total = f"/{p.total}" if p.total else ""
+        loss = f" loss {p.loss:.4f}" if p.loss is not None else ""
+        print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s){loss}   ", end="", file=sys.stderr, flush=True)
+
+    return show
+
+
 def _run_warmup(args: argparse.Namespace) -> None:
     from tailrl.speculative.drafter.warmup import warmup
 
     toml = cfglib.read_toml(args.config) if args.config else None
     cfg = cfglib.resolve(_sections({"warmup": "tailrl.speculative.drafter.warmup:WarmupConfig"}), args, toml)["warmup"]
 
-    def show(p) -> None:
-        total = f"/{p.total}" if p.total else ""
-        loss = f" loss {p.loss:.4f}" if p.loss is not None else ""
-        print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s){loss}   ", end="", file=sys.stderr, flush=True)
-
-    report = warmup(cfg, Path(args.out), on_progress=show)
+    report = warmup(cfg, Path(args.out), on_progress=warmup_printer())
     print(file=sys.stderr)
     print(json.dumps({"drafter": args.out, "accept": report.accept, "vocab_coverage": round(report.vocab_coverage, 4),
                       "train_seconds": round(report.train_seconds, 1), "steps": report.steps}))
@@ -311,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_train(sub)
+    _add_sft(sub)
     _add_drafter(sub)
     _add_bench(sub)
     return parser

@@ -37,7 +37,9 @@ import torch
 from safetensors.torch import save_file
 
 from tailrl.engine import Engine, EngineConfig, Request
-from tailrl.loading import DTYPES, cache_root, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
+from tailrl.loading import (
+    DTYPES, cache_root, load_model, load_tokenizer, model_fingerprint, resolve_dtype, resolve_model_dir,
+)
 from tailrl.model import Transformer
 from tailrl.rl.tasks import Problem, extract_answer, make_task
 from tailrl.rl.train import Sample, encode_question, packed_logprobs, policy_weights
@@ -58,10 +60,10 @@ class SFTConfig:
     model: str | None = field(default=None, metadata={"help": "base model directory (None = SmolLM2-135M-Instruct)"})
     task: str = field(default=DEFAULT_SFT_TASK, metadata={"help": "task with worked solutions ('sums', "
                                                            "'rg:gsm_symbolic', a .jsonl with 'solution')"})
-    steps: int = field(default=40, metadata={"help": "optimizer steps"})
+    steps: int = field(default=24, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "examples per optimizer step"})
     micro_batch: int = field(default=4, metadata={"help": "examples per packed forward/backward"})
-    lr: float = field(default=2e-4, metadata={"help": "peak AdamW learning rate"})
+    lr: float = field(default=3e-4, metadata={"help": "peak AdamW learning rate"})
     warmup: float = field(default=0.1, metadata={"help": "share of the steps spent warming the lr up"})
     min_lr: float = field(default=0.1, metadata={"help": "final lr as a share of the peak (cosine decay)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -69,7 +71,7 @@ class SFTConfig:
                                                     "it is fast; master weights stay fp32)", "choices": ("auto", "bf16", "fp32")})
     seed: int = field(default=0, metadata={"help": "data order and evaluation sampling"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0 = only at the end)"})
-    eval_problems: int = field(default=32, metadata={"help": "held-out problems per evaluation"})
+    eval_problems: int = field(default=24, metadata={"help": "held-out problems per evaluation"})
     eval_max_new_tokens: int = field(default=512, metadata={"help": "longest sampled answer in evaluation"})
     eval_temperature: float = field(default=1.0, metadata={"help": "rollout temperature evaluated beside greedy"})
 
@@ -186,10 +188,7 @@ def evaluate(model: Transformer, task: WorkedTask, tokenizer: Any, cfg: SFTConfi
 def cache_key(cfg: SFTConfig, model_dir: Path) -> str:
     """Hash of the base model's files (names, sizes, config), the task and the settings that
     shape the weights."""
-    h = hashlib.sha256()
-    h.update((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    h = hashlib.sha256(model_fingerprint(model_dir).encode())
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_IN_KEY and k != "model"}
     h.update(json.dumps(settings, sort_keys=True).encode())
     return h.hexdigest()[:16]

@@ -75,7 +75,12 @@ RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints")
 class TrainConfig:
     """One GRPO run: model, task, rollout shape, length and checkpoints."""
 
-    model: str | None = field(default=None, metadata={"help": "model directory (None = SmolLM2-135M-Instruct)"})
+    model: str | None = field(default=None, metadata={"help": "model directory (None = SmolLM2-135M-Instruct, "
+                                                        "cold-started on the task: see --cold-start)"})
+    cold_start: bool = field(default=True, metadata={"help": "a new run without --model first fine-tunes the default "
+                                                     "model on the task's worked solutions (tailrl sft; cached)"})
+    warmup_drafter: bool = field(default=True, metadata={"help": "a new run with speculation and no --drafter first "
+                                                         "warms a drafter up on the policy (cached)"})
     device: str = field(default="auto", metadata={"help": "auto = cuda when present, else cpu", "choices": DEVICES})
     dtype: str = field(
         default="auto", metadata={"help": "rollout dtype; auto = bf16 where it is fast, else fp32", "choices": DTYPE_CHOICES}
@@ -324,6 +329,7 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
         "accept_len_ceiling": chain_ceiling([c.top1 for c in completions], depth),
         **rollout_report(pool.stats, bucket_edges),
         **times,
+        "rollout_share": times["rollout_s"] / times["step_s"] if times["step_s"] else 0.0,
         "loss": stats.loss,
         "pg_loss": stats.pg_loss,
         "kl": stats.kl,
