@@ -73,7 +73,7 @@ def prepare(configs: dict[str, Any], on_event: Callable[[Any], None],
     configs = dict(configs)
     for index, name in enumerate(names, start=1):
         if name == "cold start":
-            cfg = SFTConfig(task=tc.task)
+            cfg = cold_start_config(tc)
             on_event(Phase(index, total, name, f"fine-tuning the default model on {cfg.steps} x {cfg.batch_size} "
                                                f"worked solutions of {tc.task} (cached after the first run)"))
             result = sft(cfg, on_event=on_event)
@@ -95,6 +95,11 @@ def prepare(configs: dict[str, Any], on_event: Callable[[Any], None],
                                                f"speculation {spec.spec}"
                                                + (f" with drafter {spec.drafter}" if spec.drafter else "")))
     return configs
+
+
+def cold_start_config(tc: Any) -> SFTConfig:
+    """The cold start of the default run: tailrl sft's defaults on the run's task."""
+    return SFTConfig(task=tc.task)
 
 
 def warmup_config(tc: Any) -> WarmupConfig:
