@@ -41,13 +41,12 @@ from tailrl.loading import (
     DTYPES, cache_root, load_model, load_tokenizer, model_fingerprint, resolve_dtype, resolve_model_dir,
 )
 from tailrl.model import Transformer
-from tailrl.rl.tasks import Problem, extract_answer, make_task
+from tailrl.rl.tasks import DEFAULT_TASK, Problem, extract_answer, make_task
 from tailrl.rl.train import Sample, encode_question, packed_logprobs, policy_weights
 from tailrl.rl.worked import WorkedTask
 from tailrl.sampling import SamplingParams, derive_seed
 
 SFT_FILE = "sft.json"  # settings, hash, and how the run ended, inside the output directory
-DEFAULT_SFT_TASK = "sums"
 # Held-out problems come from this seed stream, apart from the training stream (a JSONL task
 # has one pool of problems, so there they can overlap).
 _HELDOUT = 1_000_003
@@ -58,7 +57,7 @@ class SFTConfig:
     """Cold-start fine-tuning: data, optimiser, evaluation."""
 
     model: str | None = field(default=None, metadata={"help": "base model directory (None = SmolLM2-135M-Instruct)"})
-    task: str = field(default=DEFAULT_SFT_TASK, metadata={"help": "task with worked solutions ('sums', "
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "task with worked solutions ('sums', "
                                                            "'rg:gsm_symbolic', a .jsonl with 'solution')"})
     steps: int = field(default=24, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "examples per optimizer step"})

@@ -35,19 +35,9 @@ __all__ = [
     "math_match",
 ]
 
-# The task of `tailrl train` with no arguments: "a + b =" / "a - b =" with one-digit operands.
-# Measured with SmolLM2-135M-Instruct (fp32), format_prompt below, temperature 1, top_p 1:
-# - starting mean reward 0.156 over 64 problems (max_new_tokens 256) and 0.167 over another 24;
-#   44% of responses use the answer tags. Response lengths p10/p50/p90 = 8/19/96 tokens, 8% hit
-#   the 256 limit (rambling), so the start is long-tailed.
-# - every harder setting tried started at 0 of 24 (no GRPO signal): chain_sum with 2-3 terms of
-#   1-2 digits, leg_counting (1-2 animals), letter_counting (3-5 words), simple_equations (2 terms,
-#   values <= 10); basic_arithmetic with one-digit "+" only, or "+ - *", gave 0.083.
-# - GRPO, 4 prompts x 8 responses, max_new_tokens 128, AdamW lr 1e-5, one update per step:
-#   mean reward 0.21 at step 0, 0.67 over steps 1-9, 0.74 over steps 10-19 (no-update control on
-#   the same prompts: 0.19 and 0.15). The format is learned first (tag use 38% -> ~100% by step 5)
-#   and responses shrink to ~18 tokens, so the length tail is gone after a few steps.
-DEFAULT_TASK = "rg:chain_sum(min_terms=2, max_terms=2, min_digits=1, max_digits=1)"
+# The task of `tailrl train` with no arguments: heavy-tailed running-total sums with worked
+# solutions (tailrl.rl.worked; docs/workload.md says why and how it was sized).
+DEFAULT_TASK = "sums"
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class TrainConfig:
     train_dtype: str = field(
         default="fp32", metadata={"help": "policy (master weights) dtype for the update", "choices": tuple(DTYPES)}
     )
-    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym name 'name(key=value)' or a .jsonl file"})
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "'sums(max_terms=...)', a reasoning-gym name 'name(key=value)' or a .jsonl file"})
     reward: str | None = field(
         default=None, metadata={"help": "user reward 'module:function' (prompt, completion, answer) -> float"}
     )
@@ -98,7 +98,7 @@ class TrainConfig:
     reward_timeout_s: float = field(default=10.0, metadata={"help": "a reward call slower than this scores 0"})
     num_prompts: int = field(default=8, metadata={"help": "prompts per step"})
     group_size: int = field(default=8, metadata={"help": "responses per prompt (GRPO group, >= 2)"})
-    max_new_tokens: int = field(default=384, metadata={"help": "longest response, in tokens"})
+    max_new_tokens: int = field(default=512, metadata={"help": "longest response, in tokens"})
     temperature: float = field(default=1.0, metadata={"help": "rollout sampling temperature (> 0)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling (0 = off)"})
