@@ -47,8 +47,10 @@ from tailrl.rl.worked import WorkedTask
 from tailrl.sampling import SamplingParams, derive_seed
 
 SFT_FILE = "sft.json"  # settings, hash, and how the run ended, inside the output directory
-# Held-out problems come from this seed stream, apart from the training stream (a JSONL task
-# has one pool of problems, so there they can overlap).
+# Training and held-out problems come from seed streams of their own, apart from each other and
+# from the RL run's (which reads the stream of its run seed); a JSONL task has one pool of
+# problems, so there they can overlap.
+_TRAIN = 2_000_003
 _HELDOUT = 1_000_003
 
 
@@ -254,7 +256,7 @@ def sft(cfg: SFTConfig, out: str | Path | None = None, on_event: Callable[[Any],
     try:
         while step < cfg.steps:
             first = step * cfg.batch_size
-            batch = [example(task, tokenizer, task.sample(cfg.seed, first + i), stop_id) for i in range(cfg.batch_size)]
+            batch = [example(task, tokenizer, task.sample(cfg.seed + _TRAIN, first + i), stop_id) for i in range(cfg.batch_size)]
             tokens = sum(len(s.token_ids) for s in batch)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
