@@ -256,7 +256,8 @@ def sft(cfg: SFTConfig, out: str | Path | None = None, on_event: Callable[[Any],
     try:
         while step < cfg.steps:
             first = step * cfg.batch_size
-            batch = [example(task, tokenizer, task.sample(cfg.seed + _TRAIN, first + i), stop_id) for i in range(cfg.batch_size)]
+            problems_now = [task.sample(cfg.seed + _TRAIN, first + i) for i in range(cfg.batch_size)]
+            batch = [example(task, tokenizer, p, stop_id) for p in problems_now]
             tokens = sum(len(s.token_ids) for s in batch)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
