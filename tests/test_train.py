@@ -38,7 +38,7 @@ from tailrl.speculative.modes import SpeculationConfig
 
 # Metrics that are wall-clock measurements, so differ between runs of the same computation.
 TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_tok_s",
-          "plain_s", "draft_s", "verify_s", "by_bucket", "batch_timeline"}
+          "plain_s", "draft_s", "verify_s", "by_bucket", "batch_timeline", "rollout_share", "tail_s", "tail_share"}
 # How the rollout decoded: with --spec auto (the default) the tuner picks arms by measured
 # speed, so these differ between runs that emit the same tokens.
 DECODE_PATH = {"decode_steps", "spec_verify_steps", "spec_accept_len", "sd_fraction", "accept_hist", "arm_by_bucket"}
