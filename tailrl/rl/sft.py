@@ -41,6 +41,7 @@ from tailrl.loading import (
     DTYPES, cache_root, load_model, load_tokenizer, model_fingerprint, resolve_dtype, resolve_model_dir,
 )
 from tailrl.model import Transformer
+from tailrl.rl.guards import sigint_deferred
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, extract_answer, make_task
 from tailrl.rl.train import Sample, encode_question, packed_logprobs, policy_weights
 from tailrl.rl.worked import WorkedTask
@@ -244,10 +245,14 @@ def sft(cfg: SFTConfig, out: str | Path | None = None, on_event: Callable[[Any],
         return SFTResult(out_dir, True, meta["steps"], False)
     task = worked_task(cfg.task)
     tokenizer = load_tokenizer(model_dir)
-    stop_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-    compute = DTYPES[resolve_dtype(cfg.autocast if cfg.autocast != "auto" else "auto")]
+    compute = DTYPES[resolve_dtype(cfg.autocast)]
     torch.manual_seed(cfg.seed)
-    model = load_model(model_dir, "fp32").requires_grad_(True).train()
+    model = load_model(model_dir, "fp32").requires_grad_(True)
+    # Solutions end with the chat template's end of turn, which must be what the engine stops at.
+    stop_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    if stop_id not in model.cfg.eos_token_ids:
+        raise ValueError(f"the tokenizer's end token {tokenizer.eos_token!r} is not among the model's EOS ids "
+                         f"{list(model.cfg.eos_token_ids)}; generation would not stop where solutions end")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     problems = [task.sample(cfg.seed + _HELDOUT, i) for i in range(cfg.eval_problems)]
     heldout = [example(task, tokenizer, p, stop_id) for p in problems]
@@ -275,5 +280,6 @@ def sft(cfg: SFTConfig, out: str | Path | None = None, on_event: Callable[[Any],
     meta = {"key": key, "base_model": str(model_dir), "steps": step, "interrupted": interrupted,
             "seconds": time.perf_counter() - start, "config": dataclasses.asdict(cfg),
             "evals": [dataclasses.asdict(e) for e in evals]}
-    save_model(model, model_dir, tokenizer, out_dir, meta)
+    with sigint_deferred():  # a second Ctrl-C must not leave the output half-replaced
+        save_model(model, model_dir, tokenizer, out_dir, meta)
     return SFTResult(out_dir, False, step, interrupted, tuple(evals))
