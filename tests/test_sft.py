@@ -92,3 +92,16 @@ def test_ctrl_c_saves_and_is_not_reused(char_model_dir, tmp_path):
 def test_task_without_solutions_is_refused(char_model_dir):
     with pytest.raises(ValueError, match="no worked solutions"):
         sft(tiny_config(char_model_dir, task="rg:chain_sum(max_terms=2, max_digits=1)"))
+
+
+def test_cli_writes_then_reuses(char_model_dir, tmp_path, capsys):
+    from tailrl.cli import main
+
+    argv = ["sft", "--model", str(char_model_dir), "--task", TASK, "--steps", "1", "--batch-size", "2",
+            "--autocast", "fp32", "--eval-problems", "1", "--eval-max-new-tokens", "2", "--out", str(tmp_path / "m")]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert first.out.strip() == str(tmp_path / "m") and "sft eval at step 1" in first.err
+    assert main(argv) == 0
+    assert "reusing the cold start" in capsys.readouterr().err
+    assert main(["sft", "--model", str(char_model_dir), "--task", "rg:chain_sum", "--out", str(tmp_path / "x")]) == 2
