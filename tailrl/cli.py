@@ -152,25 +152,33 @@ def _run_train(args: argparse.Namespace) -> None:
     configs = cfglib.resolve(_train_sections(), args, toml)
     show = run_printer()
     if not args.resume:  # a resumed run keeps the model and drafter it started with
-        configs = prepare(configs, on_event=show, on_warmup=warmup_printer())
+        configs = prepare(configs, on_event=show, on_warmup=show)
     result = train(configs, args.resume or args.out, resume=bool(args.resume), on_event=show)
     state = "interrupted; resume with --resume" if result.interrupted else "done"
     print(f"tailrl: {state}: {result.out_dir} (step {result.step})", file=sys.stderr)
 
 
 def run_printer() -> Callable[[Any], None]:
-    """Prints the default run's events: phases, cold-start progress, then the training loop's."""
+    """Prints the default run's events: phases, cold-start and warm-up progress, then the
+    training loop's. A redrawn progress line is ended before the next message."""
     from tailrl.pipeline import Phase
     from tailrl.rl.sft import EvalResult, SFTProgress
     from tailrl.rl.train import ConsolePrinter
+    from tailrl.speculative.drafter.warmup import WarmupProgress
 
-    loop, cold = ConsolePrinter(), sft_printer()
+    loop, cold, warm = ConsolePrinter(), sft_printer(), warmup_printer()
+    redrawn = [False]  # the last thing printed is a progress line without its newline
 
     def show(event: Any) -> None:
+        if redrawn[0] and not isinstance(event, (SFTProgress, WarmupProgress, EvalResult)):
+            print(file=sys.stderr)
+        redrawn[0] = isinstance(event, (SFTProgress, WarmupProgress))
         if isinstance(event, Phase):
             print(f"tailrl: phase {event.index}/{event.total}: {event.name}: {event.detail}", file=sys.stderr, flush=True)
         elif isinstance(event, (SFTProgress, EvalResult)):
             cold(event)
+        elif isinstance(event, WarmupProgress):
+            warm(event)
         else:
             loop(event)
 
