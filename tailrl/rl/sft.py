@@ -72,7 +72,7 @@ class SFTConfig:
     autocast: str = field(default="auto", metadata={"help": "forward/backward compute dtype (auto: bf16 where "
                                                     "it is fast; master weights stay fp32)", "choices": ("auto", "bf16", "fp32")})
     seed: int = field(default=0, metadata={"help": "data order and evaluation sampling"})
-    eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0 = only at the end)"})
+    eval_every: int = field(default=12, metadata={"help": "evaluate every N steps (0 = only at the end)"})
     eval_problems: int = field(default=24, metadata={"help": "held-out problems per evaluation"})
     eval_max_new_tokens: int = field(default=512, metadata={"help": "longest sampled answer in evaluation"})
     eval_temperature: float = field(default=1.0, metadata={"help": "rollout temperature evaluated beside greedy"})
