@@ -27,6 +27,7 @@ from typing import Any, Callable
 from tailrl.loading import cache_root, model_fingerprint, resolve_model_dir
 from tailrl.rl.progress import Notice
 from tailrl.rl.sft import SFTConfig, sft, worked_task
+from tailrl.rl.train import TrainConfig
 from tailrl.speculative.drafter.warmup import WarmupConfig, WarmupProgress, warmup
 
 # Warm-up sized for a CPU: a few minutes of sampling and training before the first RL step.
@@ -97,12 +98,12 @@ def prepare(configs: dict[str, Any], on_event: Callable[[Any], None],
     return configs
 
 
-def cold_start_config(tc: Any) -> SFTConfig:
+def cold_start_config(tc: TrainConfig) -> SFTConfig:
     """The cold start of the default run: tailrl sft's defaults on the run's task."""
     return SFTConfig(task=tc.task)
 
 
-def warmup_config(tc: Any) -> WarmupConfig:
+def warmup_config(tc: TrainConfig) -> WarmupConfig:
     """Warm-up on the policy's own answers to the task, at the rollout's temperature and length."""
     return WarmupConfig(model=tc.model, task=tc.task, num_prompts=WARMUP_PROMPTS, group_size=WARMUP_GROUP,
                         holdout_prompts=4, max_new_tokens=tc.max_new_tokens, temperature=tc.temperature,

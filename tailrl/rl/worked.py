@@ -30,7 +30,7 @@ import numpy as np
 from tailrl.rl.tasks import Problem, Task, extract_answer
 from tailrl.sampling import derive_seed
 
-__all__ = ["PROCEDURAL", "RunningSumTask", "WorkedTask", "answer_line", "size_pmf"]
+__all__ = ["PROCEDURAL", "RunningSumTask", "WorkedTask", "answer_line", "jsonl_solution", "rg_solution", "size_pmf"]
 
 
 @runtime_checkable
