@@ -96,8 +96,8 @@ class TrainConfig:
         default=0.0, metadata={"help": "share of the default reward given for using the answer format"}
     )
     reward_timeout_s: float = field(default=10.0, metadata={"help": "a reward call slower than this scores 0"})
-    num_prompts: int = field(default=8, metadata={"help": "prompts per step"})
-    group_size: int = field(default=8, metadata={"help": "responses per prompt (GRPO group, >= 2)"})
+    num_prompts: int = field(default=16, metadata={"help": "prompts per step"})
+    group_size: int = field(default=4, metadata={"help": "responses per prompt (GRPO group, >= 2)"})
     max_new_tokens: int = field(default=512, metadata={"help": "longest response, in tokens"})
     temperature: float = field(default=1.0, metadata={"help": "rollout sampling temperature (> 0)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
