@@ -155,8 +155,9 @@ def _reporters(args: argparse.Namespace, directory: Path, configs: dict[str, Any
 
 
 def _run_train(args: argparse.Namespace) -> None:
+    from tailrl.pipeline import prepare
     from tailrl.rl.run_dir import CONFIG_FILE, default_out_dir
-    from tailrl.rl.train import ConsolePrinter, train
+    from tailrl.rl.train import train
     from tailrl.tracking import TrainTracking, tee
 
     if args.resume and args.out:
@@ -167,13 +168,92 @@ def _run_train(args: argparse.Namespace) -> None:
         toml = cfglib.read_toml(Path(args.resume) / CONFIG_FILE)
     configs = cfglib.resolve(_train_sections(), args, toml)
     out = Path(args.resume or args.out or default_out_dir())
+    show = run_printer()
+    if not args.resume:  # a resumed run keeps the model and drafter it started with
+        configs = prepare(configs, on_event=show, on_warmup=show)
     reporters = _reporters(args, out, configs)
     try:
-        result = train(configs, out, resume=bool(args.resume), on_event=tee(ConsolePrinter(), TrainTracking(reporters)))
+        result = train(configs, out, resume=bool(args.resume), on_event=tee(show, TrainTracking(reporters)))
     finally:
         reporters.close()
     state = "interrupted; resume with --resume" if result.interrupted else "done"
     print(f"tailrl: {state}: {result.out_dir} (step {result.step})", file=sys.stderr)
+
+
+def run_printer() -> Callable[[Any], None]:
+    """Prints the default run's events: phases, cold-start and warm-up progress, then the
+    training loop's. A redrawn progress line is ended before the next message."""
+    from tailrl.pipeline import Phase
+    from tailrl.rl.sft import EvalResult, SFTProgress
+    from tailrl.rl.train import ConsolePrinter
+    from tailrl.speculative.drafter.warmup import WarmupProgress
+
+    loop, cold, warm = ConsolePrinter(), sft_printer(), warmup_printer()
+    redrawn = [False]  # the last thing printed is a progress line without its newline
+
+    def show(event: Any) -> None:
+        if redrawn[0] and not isinstance(event, (SFTProgress, WarmupProgress, EvalResult)):
+            print(file=sys.stderr)
+        redrawn[0] = isinstance(event, (SFTProgress, WarmupProgress))
+        if isinstance(event, Phase):
+            print(f"tailrl: phase {event.index}/{event.total}: {event.name}: {event.detail}", file=sys.stderr, flush=True)
+        elif isinstance(event, (SFTProgress, EvalResult)):
+            cold(event)
+        elif isinstance(event, WarmupProgress):
+            warm(event)
+        else:
+            loop(event)
+
+    return show
+
+
+# ---- sft --------------------------------------------------------------------------------------
+
+SFT_SECTIONS = {"sft": "tailrl.rl.sft:SFTConfig"}
+
+
+def _add_sft(sub) -> None:
+    p = sub.add_parser(
+        "sft", help="cold start: fine-tune a model on a task's worked solutions",
+        description="Cold start: supervised fine-tuning on a task's worked solutions. Writes a Hugging Face "
+                    "model directory (default: the tailrl cache, keyed by base model, task and settings, "
+                    "so a second run reuses it) that `tailrl train --model DIR` starts from.",
+    )
+    p.add_argument("--out", metavar="DIR", help="model directory to write (default: in the tailrl cache)")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with an [sft] table")
+    cfglib.add_arguments(p, _sections(SFT_SECTIONS))
+    p.set_defaults(run=_run_sft)
+
+
+def sft_printer() -> Callable[[Any], None]:
+    """Prints `tailrl sft` events: a redrawn progress line with an estimate, one line per evaluation."""
+    from tailrl.rl.sft import EvalResult, SFTProgress
+
+    def show(event: Any) -> None:
+        if isinstance(event, SFTProgress):
+            left = event.seconds / event.step * (event.steps - event.step)
+            print(f"\rsft step {event.step}/{event.steps} | loss {event.loss:.4f} | lr {event.lr:.2e} | "
+                  f"{event.seconds:.0f} s, ~{left:.0f} s left   ", end="", file=sys.stderr, flush=True)
+        elif isinstance(event, EvalResult):
+            acc = ", ".join(f"{k} {v:.2f} (format {event.format_rate[k]:.2f}, {event.mean_len[k]:.0f} tok)"
+                            for k, v in event.accuracy.items())
+            print(f"\nsft eval at step {event.step}: held-out loss {event.loss:.4f}; accuracy {acc}",
+                  file=sys.stderr, flush=True)
+
+    return show
+
+
+def _run_sft(args: argparse.Namespace) -> None:
+    from tailrl.rl.sft import sft
+
+    toml = cfglib.read_toml(args.config) if args.config else None
+    cfg = cfglib.resolve(_sections(SFT_SECTIONS), args, toml)["sft"]
+    result = sft(cfg, args.out, on_event=sft_printer())
+    if result.cached:
+        print(f"tailrl: reusing the cold start in {result.out_dir} ({result.steps} steps)", file=sys.stderr)
+    elif result.interrupted:
+        print(f"tailrl: interrupted; saved {result.out_dir} after {result.steps} steps", file=sys.stderr)
+    print(result.out_dir)
 
 
 # ---- drafter ----------------------------------------------------------------------------------
@@ -195,6 +275,17 @@ def _add_drafter(sub) -> None:
     e.set_defaults(run=_run_export)
 
 
+def warmup_printer() -> Callable[[Any], None]:
+    """Redraws one line on stderr with the drafter warm-up's phase and progress."""
+
+    def show(p: Any) -> None:
+        total = f"/{p.total}" if p.total else ""
+        loss = f" loss {p.loss:.4f}" if p.loss is not None else ""
+        print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s){loss}   ", end="", file=sys.stderr, flush=True)
+
+    return show
+
+
 def _run_warmup(args: argparse.Namespace) -> None:
     from tailrl.speculative.drafter.warmup import warmup
     from tailrl.tracking import WarmupTracking, tee
@@ -203,13 +294,8 @@ def _run_warmup(args: argparse.Namespace) -> None:
     cfg = cfglib.resolve(_sections({"warmup": "tailrl.speculative.drafter.warmup:WarmupConfig"}), args, toml)["warmup"]
     tracking = WarmupTracking(_reporters(args, Path(args.out), {"warmup": cfg}))
 
-    def show(p) -> None:
-        total = f"/{p.total}" if p.total else ""
-        loss = f" loss {p.loss:.4f}" if p.loss is not None else ""
-        print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s){loss}   ", end="", file=sys.stderr, flush=True)
-
     try:
-        report = warmup(cfg, Path(args.out), on_progress=tee(show, tracking))
+        report = warmup(cfg, Path(args.out), on_progress=tee(warmup_printer(), tracking))
         tracking.finish(report)
     finally:
         tracking.reporter.close()
@@ -344,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_train(sub)
+    _add_sft(sub)
     _add_drafter(sub)
     _add_bench(sub)
     return parser

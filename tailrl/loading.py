@@ -10,6 +10,7 @@ Knows: file layouts, the default model's package, dtype names. Does not know: sa
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -98,6 +99,16 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def model_fingerprint(path: Path) -> str:
+    """A hash of a model directory's config and weight files (names, sizes, modification times):
+    what caches of outputs derived from the model (cold start, drafter warm-up) are keyed by."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
 
 
 def resolve_model_dir(model: str | None) -> Path:

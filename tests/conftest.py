@@ -60,3 +60,25 @@ def smollm2_dir():
     from tailrl.loading import default_model_dir
 
     return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def char_model_dir(tmp_path_factory):
+    """A tiny random Llama (tied head, as SmolLM2) with a character-level tokenizer and chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("char-llama")
+    build_hf("llama", seed=3, vocab_size=128, tie_word_embeddings=True).save_pretrained(path)
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = (
+        "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}"
+    )
+    hf.save_pretrained(path)
+    return path

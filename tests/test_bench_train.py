@@ -10,7 +10,7 @@ from tailrl.bench.train import compare
 from tailrl.cli import main
 from tailrl.loading import load_model
 from tailrl.speculative.drafter.model import Drafter, save_drafter
-from test_train import char_model_dir, no_plots, task_file  # noqa: F401 - fixtures
+from test_train import no_plots, task_file  # noqa: F401 - fixtures
 
 REWARD = "test_train:high_chars_reward"
 

@@ -14,9 +14,8 @@ from tailrl.rl.train import train
 from tailrl.workers.pool import WorkerConfig, start_pool
 from tailrl.workers.runtimes import WorkerError
 from tailrl.workers.spot import SpotConfig
-from test_workers import (  # noqa: F401 - target, straight_fp32, char_model_dir, task_file, no_plots are fixtures
-    PARAMS, char_model_dir, no_plots, reference, requests, same_run, setup, straight_fp32, target, task_file,
-    tiny_configs,
+from test_workers import (  # noqa: F401 - target, straight_fp32, task_file, no_plots are fixtures
+    PARAMS, no_plots, reference, requests, same_run, setup, straight_fp32, target, task_file, tiny_configs,
 )
 
 ray = pytest.importorskip("ray")

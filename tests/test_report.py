@@ -39,9 +39,24 @@ def test_report_by_bucket_and_arm():
     ]
 
 
+def test_tail_share_counts_steps_with_at_most_eight_running():
+    stats = EngineStats(
+        prefill_seconds=0.5,
+        timeline=[
+            StepRecord(1.0, 40, "plain", 40, 1.0),
+            StepRecord(1.2, 9, "plain", 9, 0.2),  # 9 running: not the tail
+            StepRecord(1.5, 8, "plain", 8, 0.3),
+            StepRecord(3.5, 1, "ngram(4,1,4)", 5, 2.0),
+        ],
+    )
+    r = rollout_report(stats, EDGES)
+    assert r["tail_s"] == pytest.approx(2.3) and r["tail_share"] == pytest.approx(2.3 / 4.0)
+
+
 def test_report_of_an_empty_call():
     r = rollout_report(EngineStats(), EDGES)
     assert r["sd_fraction"] == 0.0 and r["by_bucket"] == {} and r["batch_timeline"] == []
+    assert r["tail_s"] == 0.0 and r["tail_share"] == 0.0
 
 
 def test_chain_ceiling_replays_verifies_by_hand():

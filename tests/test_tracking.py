@@ -11,7 +11,7 @@ import pytest
 
 from tailrl.cli import main
 from tailrl.tracking import TensorBoardReporter, split_record
-from test_train import char_model_dir, task_file  # noqa: F401 (fixtures)
+from test_train import task_file  # noqa: F401 (a fixture; char_model_dir is conftest's)
 
 
 def test_a_record_splits_into_scalars_nested_scalars_and_histograms():

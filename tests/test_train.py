@@ -32,7 +32,8 @@ from tailrl.speculative.modes import SpeculationConfig
 
 # Metrics that are wall-clock measurements, so differ between runs of the same computation.
 TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_tok_s",
-          "plain_s", "draft_s", "verify_s", "by_bucket", "batch_timeline", "update_in_rollout_s", "groups_in_rollout"}
+          "plain_s", "draft_s", "verify_s", "by_bucket", "batch_timeline", "update_in_rollout_s", "groups_in_rollout",
+          "rollout_share", "tail_s", "tail_share"}
 # How the rollout decoded: with --spec auto (the default) the tuner picks arms by measured
 # speed, so these differ between runs that emit the same tokens.
 DECODE_PATH = {"decode_steps", "spec_verify_steps", "spec_accept_len", "sd_fraction", "accept_hist", "arm_by_bucket"}
@@ -52,28 +53,6 @@ def high_chars_reward(prompt: str, completion: str, answer: str) -> float:
 
 def failing_reward(prompt: str, completion: str, answer: str) -> float:
     raise RuntimeError("reward bug")
-
-
-@pytest.fixture(scope="module")
-def char_model_dir(tmp_path_factory):
-    """A tiny random Llama (tied head, as SmolLM2) with a character-level tokenizer and chat template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("char-llama")
-    build_hf("llama", seed=3, vocab_size=128, tie_word_embeddings=True).save_pretrained(path)
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    hf.chat_template = (
-        "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}a:{% endif %}"
-    )
-    hf.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

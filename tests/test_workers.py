@@ -29,7 +29,7 @@ from tailrl.workers.pool import WorkerConfig, merge_stats, shard_indices, start_
 from tailrl.workers.runtimes import WorkerError
 from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, run_spot
 from tailrl.workers.worker import RolloutWorker, SpotBeat, WorkerSetup
-from test_train import char_model_dir, comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
+from test_train import comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
 
 VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in
 PARAMS = SamplingParams(temperature=1.0)

@@ -4,6 +4,9 @@
 - lengths.png: every response's length per step (the long tail made visible) with the median,
   90th percentile and max, and a histogram of the latest step.
 - times.png: the step time split into rollout, reward, train and the rest.
+- regime.png: whether the run is in TLT's regime, per step: the rollout's share of the step and
+  the tail's share of the rollout; the longest response over the median, and the target's own
+  chain ceiling (accept_len_ceiling), each beside its target line.
 - decoding.png: how the rollout decoded. The latest step's running batch size over time coloured
   by the arm that decoded each step (where speculation switched on, and with which shape); its
   accept_len per batch-size bucket and arm; and per step the share of tokens produced under
@@ -122,6 +125,34 @@ def plot_times(records: Sequence[dict[str, Any]], path: Path) -> None:
     _save(fig, path)
 
 
+# The regime targets drawn as dashed lines (rollout share, tail share, max / median, ceiling).
+REGIME_TARGETS = {"rollout_share": 0.7, "tail_share": 0.4, "max_over_median": 4.0, "accept_len_ceiling": 4.0}
+
+
+def plot_regime(records: Sequence[dict[str, Any]], path: Path) -> None:
+    fig = _figure(11, 4)
+    shares, ratios = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    steps = [r["step"] for r in records]
+    for i, (name, label) in enumerate((("rollout_share", "rollout / step"), ("tail_share", "tail / rollout"))):
+        shares.plot(steps, [r[name] for r in records], "o-", ms=3, color=f"C{i}", label=label)
+        shares.axhline(REGIME_TARGETS[name], color=f"C{i}", ls="--", lw=0.8)
+    shares.set_ylim(0, 1.02)
+    shares.set(xlabel="step", ylabel="share of time", title="Rollout share of the step, tail (<= 8 running) share")
+    series = {
+        "max_over_median": [r["response_len_max"] / max(r["response_len_p50"], 1.0) for r in records],
+        "accept_len_ceiling": [r["accept_len_ceiling"] or 0.0 for r in records],
+    }
+    for i, (name, values) in enumerate(series.items()):
+        ratios.plot(steps, values, "o-", ms=3, color=f"C{i + 2}", label=name.replace("_", " "))
+    ratios.axhline(REGIME_TARGETS["max_over_median"], color="k", ls="--", lw=0.8, label="target 4.0")
+    ratios.set(xlabel="step", ylabel="ratio / tokens per verify", title="Longest over median length; 6-chain ceiling")
+    for ax in (shares, ratios):
+        _integer_steps(ax)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    _save(fig, path)
+
+
 def plot_decoding(records: Sequence[dict[str, Any]], path: Path) -> None:
     fig = _figure(15, 4)
     fig.subplots_adjust(right=0.95, wspace=0.3)  # room for the right panel's second axis
@@ -170,6 +201,8 @@ def write_plots(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     plots = [("rewards", plot_rewards), ("lengths", plot_lengths), ("times", plot_times)]
     if all("batch_timeline" in r for r in records):  # runs from before tailrl.speculative.report lack it
         plots.append(("decoding", plot_decoding))
+    if all("tail_share" in r and "rollout_share" in r for r in records):  # older runs lack them
+        plots.append(("regime", plot_regime))
     for name, draw in plots:
         path = out_dir / f"{name}.png"
         draw(records, path)

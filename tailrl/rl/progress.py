@@ -47,6 +47,9 @@ def summary_line(m: dict[str, Any], steps: int) -> str:
         f"max {m['response_len_max']} | rollout {m['rollout_s']:.1f}s reward {m['reward_s']:.1f}s "
         f"train {m['train_s']:.1f}s step {m['step_s']:.1f}s | {m['rollout_tok_s']:.0f} tok/s "
         f"| loss {m['loss']:+.4f} kl {m['kl']:.4f} gnorm {m['grad_norm']:.2f}"
+        + (f" | rollout share {m['rollout_share']:.2f} tail share {m['tail_share']:.2f}"
+           if "rollout_share" in m and "tail_share" in m else "")
+        + (f" ceiling {m['accept_len_ceiling']:.2f}" if m.get("accept_len_ceiling") is not None else "")
         + (f" | reward failures {m['reward_failures']} timeouts {m['reward_timeouts']}"
            if m["reward_failures"] or m["reward_timeouts"] else "")
     )

@@ -35,11 +35,9 @@ __all__ = [
     "math_match",
 ]
 
-# The task of `tailrl train` with no arguments: "a + b =" / "a - b =" with one-digit operands.
-# GRPO learns only from groups whose rewards differ, so the default model must start neither at
-# 0 nor near 1: this is a setting where SmolLM2-135M-Instruct starts low but above 0, with a
-# long tail of response lengths. How it was chosen, and what it learns: docs/history.md.
-DEFAULT_TASK = "rg:chain_sum(min_terms=2, max_terms=2, min_digits=1, max_digits=1)"
+# The task of `tailrl train` with no arguments: heavy-tailed running-total sums with worked
+# solutions (tailrl.rl.worked; docs/workload.md says why and how it was sized).
+DEFAULT_TASK = "sums"
 
 
 @dataclass(frozen=True)
@@ -168,6 +166,12 @@ class ReasoningGymTask:
         entry = self._chunk(rng_seed, chunk)[offset]
         return Problem(question=entry["question"], answer=str(entry["answer"]), meta={"entry": entry})
 
+    def solution(self, problem: Problem) -> str:
+        """The item's worked solution (tailrl.rl.worked.rg_solution); ValueError if it has none."""
+        from tailrl.rl.worked import rg_solution
+
+        return rg_solution(problem.meta["entry"])
+
     def score(self, problem: Problem, answer_text: str) -> float:
         score = float(self._scorer.score_answer(answer_text, problem.meta["entry"]))
         return min(1.0, max(0.0, score))
@@ -243,6 +247,12 @@ class JsonlTask:
             self._order_key = (rng_seed, epoch)
         return self.problems[int(self._order[offset])]
 
+    def solution(self, problem: Problem) -> str:
+        """The row's `solution` field (tailrl.rl.worked.jsonl_solution); ValueError if it has none."""
+        from tailrl.rl.worked import jsonl_solution
+
+        return jsonl_solution(problem.meta, problem.answer)
+
     def score(self, problem: Problem, answer_text: str) -> float:
         return math_match(answer_text, problem.answer)
 
@@ -281,8 +291,9 @@ def _parse_rg_name(text: str) -> tuple[str, dict[str, Any]]:
 def make_task(name: str, **difficulty: Any) -> Task:
     """A task from its name.
 
-    "rg:chain_sum", "chain_sum" or "rg:chain_sum(max_terms=3, max_digits=1)" name a
-    reasoning-gym dataset and its settings (keyword arguments here override the name's);
+    "sums" or "sums(max_terms=20)" names a procedural family with worked solutions
+    (tailrl.rl.worked.PROCEDURAL); "rg:chain_sum", "chain_sum" or
+    "rg:chain_sum(max_terms=3, max_digits=1)" name a reasoning-gym dataset and its settings (keyword arguments here override the name's);
     a path ending in .jsonl names a JsonlTask.
     """
     name = name.strip()
@@ -290,5 +301,12 @@ def make_task(name: str, **difficulty: Any) -> Task:
         if difficulty:
             raise ValueError(f"JSONL tasks take no settings, got {sorted(difficulty)}")
         return JsonlTask(name)
+    from tailrl.rl.worked import PROCEDURAL
+
     dataset, settings = _parse_rg_name(name.removeprefix("rg:"))
+    if not name.startswith("rg:") and dataset in PROCEDURAL:
+        try:
+            return PROCEDURAL[dataset](**{**settings, **difficulty})
+        except TypeError as e:
+            raise ValueError(f"invalid settings for task {dataset!r}: {e}") from e
     return ReasoningGymTask(dataset, **{**settings, **difficulty})

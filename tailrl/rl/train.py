@@ -78,7 +78,12 @@ RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints")
 class TrainConfig:
     """One GRPO run: model, task, rollout shape, length and checkpoints."""
 
-    model: str | None = field(default=None, metadata={"help": "model directory (None = SmolLM2-135M-Instruct)"})
+    model: str | None = field(default=None, metadata={"help": "model directory (None = SmolLM2-135M-Instruct, "
+                                                        "cold-started on the task: see --cold-start)"})
+    cold_start: bool = field(default=True, metadata={"help": "a new run without --model first fine-tunes the default "
+                                                     "model on the task's worked solutions (tailrl sft; cached)"})
+    warmup_drafter: bool = field(default=True, metadata={"help": "a new run with speculation and no --drafter first "
+                                                         "warms a drafter up on the policy (cached)"})
     device: str = field(default="auto", metadata={"help": "auto = cuda when present, else cpu", "choices": DEVICES})
     dtype: str = field(
         default="auto", metadata={"help": "rollout dtype; auto = bf16 where it is fast, else fp32", "choices": DTYPE_CHOICES}
@@ -86,7 +91,7 @@ class TrainConfig:
     train_dtype: str = field(
         default="fp32", metadata={"help": "policy (master weights) dtype for the update", "choices": tuple(DTYPES)}
     )
-    task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym name 'name(key=value)' or a .jsonl file"})
+    task: str = field(default=DEFAULT_TASK, metadata={"help": "'sums(max_terms=...)', a reasoning-gym name 'name(key=value)' or a .jsonl file"})
     reward: str | None = field(
         default=None, metadata={"help": "user reward 'module:function' (prompt, completion, answer) -> float"}
     )
@@ -94,9 +99,9 @@ class TrainConfig:
         default=0.0, metadata={"help": "share of the default reward given for using the answer format"}
     )
     reward_timeout_s: float = field(default=10.0, metadata={"help": "a reward call slower than this scores 0"})
-    num_prompts: int = field(default=8, metadata={"help": "prompts per step"})
-    group_size: int = field(default=8, metadata={"help": "responses per prompt (GRPO group, >= 2)"})
-    max_new_tokens: int = field(default=384, metadata={"help": "longest response, in tokens"})
+    num_prompts: int = field(default=16, metadata={"help": "prompts per step"})
+    group_size: int = field(default=4, metadata={"help": "responses per prompt (GRPO group, >= 2)"})
+    max_new_tokens: int = field(default=512, metadata={"help": "longest response, in tokens"})
     temperature: float = field(default=1.0, metadata={"help": "rollout sampling temperature (> 0)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling (0 = off)"})
@@ -230,6 +235,7 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
         "accept_len_ceiling": chain_ceiling([c.top1 for c in completions], depth),
         **rollout_report(pool.stats, bucket_edges),
         **times,
+        "rollout_share": times["rollout_s"] / times["step_s"] if times["step_s"] else 0.0,
         "loss": stats.loss,
         "pg_loss": stats.pg_loss,
         "kl": stats.kl,

@@ -8,6 +8,9 @@ Summarises an EngineStats (its StepRecord timeline and SpecStats) into JSON-read
   accept_len (tokens emitted per sequence-step, the bonus token included; 1 for plain);
 - arm_by_bucket: the arm that decoded most steps in each bucket;
 - batch_timeline: [start, end, batch, arm] run-length segments of the steps, for plots;
+- tail_s / tail_share: decode time with at most TAIL_BATCH sequences running, in seconds and
+  as a share of the engine's time (prefill included): the long tail, where the batch is too
+  small to use the hardware and speculation pays;
 - chain_ceiling: the accept_len the target itself would reach as a chain drafter (headroom).
 
 Knows: StepRecord, SpecStats, bucket edges. Does not know: how arms are chosen or executed.
@@ -19,6 +22,9 @@ from typing import Any, Sequence
 
 from tailrl.engine import EngineStats
 from tailrl.tuner import bucket_index, bucket_label
+
+# Running sequences at or below which a decode step counts as the tail.
+TAIL_BATCH = 8
 
 
 def rollout_report(stats: EngineStats, bucket_edges: Sequence[int]) -> dict[str, Any]:
@@ -47,7 +53,11 @@ def rollout_report(stats: EngineStats, bucket_edges: Sequence[int]) -> dict[str,
         }
         for b, arms in sorted(cells.items())
     }
+    busy = sum(r.seconds for r in timeline) + stats.prefill_seconds
+    tail = sum(r.seconds for r in timeline if r.batch <= TAIL_BATCH)
     return {
+        "tail_s": tail,
+        "tail_share": tail / busy if busy else 0.0,
         "sd_fraction": spec_tokens / decode_tokens if decode_tokens else 0.0,
         "plain_s": sum(r.seconds for r in timeline if r.arm == "plain"),
         "draft_s": stats.spec.draft_seconds,

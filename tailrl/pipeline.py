@@ -1,0 +1,128 @@
+"""The default run: cold start -> drafter warm-up -> GRPO with the whole TLT system, phases cached.
+
+Reasoning RL starts from a policy that already writes worked solutions, and TLT warms its
+drafter up on that policy before RL. So a new `tailrl train` run that names no model first
+fine-tunes the default model on the task's worked solutions (tailrl.rl.sft, cached by a hash of
+base model, task and settings), and, with speculation on and no drafter named, warms a drafter
+up on that policy's own samples (tailrl.speculative.drafter.warmup, cached by a hash of the
+policy and the warm-up settings). A second run with the same inputs finds both in the cache.
+Every phase is also a command of its own (`tailrl sft`, `tailrl drafter warmup`,
+`tailrl train --model DIR --drafter DIR`); naming a model or a drafter skips its phase.
+
+Knows: which phases exist, their configs and cache keys. Does not know: how a phase works inside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from tailrl.loading import cache_root, model_fingerprint, resolve_model_dir
+from tailrl.rl.progress import Notice
+from tailrl.rl.sft import SFTConfig, sft, worked_task
+from tailrl.rl.train import TrainConfig
+from tailrl.speculative.drafter.warmup import WarmupConfig, WarmupProgress, warmup
+
+# Warm-up sized for a CPU: a few minutes of sampling and training before the first RL step.
+WARMUP_PROMPTS = 24
+WARMUP_GROUP = 4
+WARMUP_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A phase of the default run starting, with what it will do and roughly how long."""
+
+    index: int
+    total: int
+    name: str
+    detail: str
+
+
+def phases(configs: dict[str, Any]) -> list[str]:
+    """The phases a new run with these configs goes through, in order."""
+    tc, spec = configs["train"], configs["speculation"]
+    out = ["cold start"] if tc.model is None and tc.cold_start else []
+    if spec.spec != "off" and spec.drafter is None and tc.warmup_drafter:
+        out.append("drafter warm-up")
+    return [*out, "GRPO"]
+
+
+def prepare(configs: dict[str, Any], on_event: Callable[[Any], None],
+            on_warmup: Callable[[WarmupProgress], None] | None = None) -> dict[str, Any]:
+    """Run (or find cached) the phases before GRPO; the configs GRPO then runs with.
+
+    on_event gets Phase and Notice events and tailrl.rl.sft's progress events.
+    """
+    tc, spec = configs["train"], configs["speculation"]
+    names = phases(configs)
+    total = len(names)
+    if "cold start" in names:
+        try:
+            worked_task(tc.task)
+        except ValueError as e:  # a task without worked solutions starts RL from the base model
+            on_event(Notice(f"no cold start: {e}; RL starts from the base model"))
+            names.remove("cold start")
+            total -= 1
+    configs = dict(configs)
+    for index, name in enumerate(names, start=1):
+        if name == "cold start":
+            cfg = cold_start_config(tc)
+            on_event(Phase(index, total, name, f"fine-tuning the default model on {cfg.steps} x {cfg.batch_size} "
+                                               f"worked solutions of {tc.task} (cached after the first run)"))
+            result = sft(cfg, on_event=on_event)
+            if result.interrupted:
+                raise KeyboardInterrupt
+            on_event(Notice(f"cold start {'reused from' if result.cached else 'written to'} {result.out_dir}"))
+            tc = dataclasses.replace(tc, model=str(result.out_dir))
+            configs["train"] = tc
+        elif name == "drafter warm-up":
+            cfg = warmup_config(tc)
+            on_event(Phase(index, total, name, f"sampling {cfg.num_prompts} x {cfg.group_size} responses from the "
+                                               f"policy, then {cfg.seconds:.0f} s of drafter training (cached)"))
+            drafter, reused = cached_warmup(cfg, on_warmup)
+            on_event(Notice(f"drafter {'reused from' if reused else 'written to'} {drafter}"))
+            spec = dataclasses.replace(spec, drafter=str(drafter))
+            configs["speculation"] = spec
+        else:
+            on_event(Phase(index, total, name, f"{tc.steps} steps of {tc.num_prompts} x {tc.group_size} responses, "
+                                               f"speculation {spec.spec}"
+                                               + (f" with drafter {spec.drafter}" if spec.drafter else "")))
+    return configs
+
+
+def cold_start_config(tc: TrainConfig) -> SFTConfig:
+    """The cold start of the default run: tailrl sft's defaults on the run's task."""
+    return SFTConfig(task=tc.task)
+
+
+def warmup_config(tc: TrainConfig) -> WarmupConfig:
+    """Warm-up on the policy's own answers to the task, at the rollout's temperature and length."""
+    return WarmupConfig(model=tc.model, task=tc.task, num_prompts=WARMUP_PROMPTS, group_size=WARMUP_GROUP,
+                        holdout_prompts=4, max_new_tokens=tc.max_new_tokens, temperature=tc.temperature,
+                        seconds=WARMUP_SECONDS, eval_greedy=False)
+
+
+def cached_warmup(cfg: WarmupConfig, on_progress: Callable[[WarmupProgress], None] | None) -> tuple[Path, bool]:
+    """The warmed-up drafter for cfg from the cache, or a new one written there atomically."""
+    h = hashlib.sha256(model_fingerprint(resolve_model_dir(cfg.model)).encode())
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    out = cache_root() / "drafters" / h.hexdigest()[:16]
+    if out.is_dir():
+        return out, True
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        warmup(cfg, tmp, on_progress=on_progress)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out, False

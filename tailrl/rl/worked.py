@@ -1,0 +1,118 @@
+"""Tasks with worked solutions: the cold-start target, and a procedural family with a long tail.
+
+A worked task renders a correct step-by-step solution for any of its problems, ending in the
+answer format the verifier reads (tailrl.rl.tasks.extract_answer). `tailrl sft` trains on these
+solutions; RL then samples the policy's own and the verifier scores only the final answer.
+
+`RunningSumTask` ("sums") is the procedural family: add n whole numbers, one line per addition
+with the running total ("30 + 58 = 88"), so a solution has n - 1 lines and its length grows
+linearly with n. The number of terms n is drawn from a truncated discrete Pareto law:
+
+    P(n >= k) = (min_terms / k) ** alpha   for min_terms <= k <= max_terms,
+
+and n = max_terms takes the remaining mass. With alpha near 1 most problems are short and a few
+are many times the median, as the difficulty (and so the solution length) of real reasoning
+problems is; every line is one more chance of a carry error, so accuracy falls with n and
+errors, not format, separate good answers from bad.
+
+Knows: problem generation, solution rendering, exact integer verification, the size law.
+Does not know: tokenizers, models, how answers were produced.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from tailrl.rl.tasks import Problem, Task, extract_answer
+from tailrl.sampling import derive_seed
+
+__all__ = ["PROCEDURAL", "RunningSumTask", "WorkedTask", "answer_line", "jsonl_solution", "rg_solution", "size_pmf"]
+
+
+@runtime_checkable
+class WorkedTask(Task, Protocol):
+    def solution(self, problem: Problem) -> str:
+        """A correct worked solution ending in the answer format; ValueError if the task has none."""
+
+
+def answer_line(answer: str) -> str:
+    return f"<answer>{answer}</answer>"
+
+
+def size_pmf(min_terms: int, max_terms: int, alpha: float) -> np.ndarray:
+    """P(n = k) for k = min_terms..max_terms under the truncated discrete Pareto law above."""
+    k = np.arange(min_terms, max_terms + 2, dtype=np.float64)
+    tail = (min_terms / k) ** alpha  # P(n >= k)
+    tail[-1] = 0.0  # nothing beyond max_terms: its bin keeps the rest of the mass
+    return tail[:-1] - tail[1:]
+
+
+_INT = re.compile(r"-?\d+")
+
+
+class RunningSumTask:
+    """Sums of n terms in [1, max_value], n heavy-tailed (see the module docstring)."""
+
+    def __init__(self, min_terms: int = 2, max_terms: int = 32, alpha: float = 1.0, max_value: int = 20) -> None:
+        if not 2 <= min_terms <= max_terms:
+            raise ValueError(f"need 2 <= min_terms <= max_terms, got {min_terms} and {max_terms}")
+        if not alpha > 0:
+            raise ValueError(f"alpha must be positive, got {alpha}")
+        if max_value < 1:
+            raise ValueError(f"max_value must be >= 1, got {max_value}")
+        self.min_terms, self.max_terms, self.alpha, self.max_value = min_terms, max_terms, alpha, max_value
+        self.name = f"sums(min_terms={min_terms}, max_terms={max_terms}, alpha={alpha}, max_value={max_value})"
+
+    def num_terms(self, rng: np.random.Generator) -> int:
+        # Inverse CDF: n >= k exactly when u <= (min_terms / k) ** alpha.
+        u = 1.0 - rng.random()  # (0, 1]
+        return min(self.max_terms, math.floor(self.min_terms * u ** (-1.0 / self.alpha)))
+
+    def sample(self, rng_seed: int, index: int) -> Problem:
+        if index < 0 or rng_seed < 0:
+            raise ValueError(f"rng_seed and index must be >= 0, got {rng_seed} and {index}")
+        rng = np.random.default_rng(derive_seed(rng_seed, index))
+        n = self.num_terms(rng)
+        return self.problem([int(t) for t in rng.integers(1, self.max_value + 1, size=n)])
+
+    def problem(self, terms: list[int]) -> Problem:
+        question = f"What is {' + '.join(map(str, terms))}?"
+        return Problem(question=question, answer=str(sum(terms)), meta={"terms": terms})
+
+    def solution(self, problem: Problem) -> str:
+        terms = problem.meta["terms"]
+        lines, total = [], terms[0]
+        for t in terms[1:]:
+            lines.append(f"{total} + {t} = {total + t}")
+            total += t
+        return "\n".join([*lines, answer_line(str(total))])
+
+    def score(self, problem: Problem, answer_text: str) -> float:
+        # Exactly one integer and nothing else: "92" scores, "92.5", "about 92" and "9 2" do not.
+        return float(_INT.fullmatch(answer_text.strip()) is not None and int(answer_text) == int(problem.answer))
+
+
+# Procedural families by name, for tailrl.rl.tasks.make_task ("sums" or "sums(max_terms=20)").
+PROCEDURAL: dict[str, type] = {"sums": RunningSumTask}
+
+
+def rg_solution(entry: dict[str, Any]) -> str:
+    """A reasoning-gym item's worked solution (metadata["answer_cot"], e.g. gsm_symbolic's), its
+    closing "#### N" line replaced by the answer format; ValueError for items without one."""
+    cot = entry.get("metadata", {}).get("answer_cot")
+    if not isinstance(cot, str) or not cot.strip():
+        raise ValueError("this reasoning-gym dataset has no worked solutions (metadata['answer_cot'])")
+    body = re.sub(r"\n?####.*\Z", "", cot.strip(), flags=re.DOTALL).rstrip()
+    return f"{body}\n{answer_line(str(entry['answer']))}"
+
+
+def jsonl_solution(row: dict[str, Any], answer: str) -> str:
+    """A JSONL row's `solution` field, with the answer format appended when it lacks one."""
+    text = row.get("solution")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("this JSONL task has no 'solution' field to train on")
+    return text if extract_answer(text) is not None else f"{text.rstrip()}\n{answer_line(answer)}"

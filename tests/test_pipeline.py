@@ -1,0 +1,87 @@
+"""The default run's phases (tailrl.pipeline): cold start and drafter warm-up run once, are
+found in the cache by the next run, and hand GRPO the model and drafter they wrote; the regime
+plot is drawn from metrics records."""
+
+
+import pytest
+
+from tailrl import pipeline
+from tailrl.rl.plots import write_plots
+from tailrl.rl.progress import Notice
+from tailrl.rl.sft import SFTConfig
+from tailrl.rl.train import CONFIG_SECTIONS, TrainConfig
+from tailrl.speculative.drafter.warmup import WarmupConfig
+from tailrl.speculative.modes import RolloutSpeculationConfig
+
+
+@pytest.fixture
+def tiny_phases(char_model_dir, tmp_path, monkeypatch):
+    """Phases sized for a tiny model, in a cache of their own; counts the phases really run."""
+    monkeypatch.setenv("TAILRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pipeline, "cold_start_config", lambda tc: SFTConfig(
+        model=str(char_model_dir), task=tc.task, steps=2, batch_size=2, micro_batch=2, autocast="fp32",
+        eval_problems=2, eval_max_new_tokens=4))
+    monkeypatch.setattr(pipeline, "warmup_config", lambda tc: WarmupConfig(
+        model=tc.model, task=tc.task, num_prompts=3, group_size=2, holdout_prompts=1, max_new_tokens=8,
+        seconds=0, steps=2, batch_tokens=16, draft_vocab_size=32, eval_greedy=False))
+    runs = {"sft": 0, "warmup": 0}
+    real_sft, real_warmup = pipeline.sft, pipeline.warmup
+
+    def sft(*args, **kwargs):
+        result = real_sft(*args, **kwargs)
+        runs["sft"] += not result.cached  # sft answers from its own cache
+        return result
+
+    def warmup(*args, **kwargs):
+        runs["warmup"] += 1
+        return real_warmup(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "sft", sft)
+    monkeypatch.setattr(pipeline, "warmup", warmup)
+    return runs
+
+
+def default_configs(**train):
+    configs = {name: cls() for name, cls in CONFIG_SECTIONS.items()}
+    configs["train"] = TrainConfig(**{"task": "sums(max_terms=3, max_value=9)", **train})
+    return configs
+
+
+def test_phases_run_once_then_come_from_the_cache(tiny_phases):
+    events = []
+    first = pipeline.prepare(default_configs(), events.append)
+    phases = [(e.index, e.total, e.name) for e in events if isinstance(e, pipeline.Phase)]
+    assert phases == [(1, 3, "cold start"), (2, 3, "drafter warm-up"), (3, 3, "GRPO")]
+    model, drafter = first["train"].model, first["speculation"].drafter
+    assert model and drafter and "sft" in model and "drafters" in drafter
+    again = []
+    second = pipeline.prepare(default_configs(), again.append)
+    assert (second["train"].model, second["speculation"].drafter) == (model, drafter)
+    assert tiny_phases == {"sft": 1, "warmup": 1}  # the second run trained nothing
+    assert sum("reused" in e.text for e in again if isinstance(e, Notice)) == 2
+
+
+def test_named_model_and_spec_off_skip_their_phases(tiny_phases, char_model_dir):
+    configs = default_configs(model=str(char_model_dir))
+    configs["speculation"] = RolloutSpeculationConfig(spec="off")
+    assert pipeline.phases(configs) == ["GRPO"]
+    out = pipeline.prepare(configs, lambda e: None)
+    assert out["train"].model == str(char_model_dir) and out["speculation"].drafter is None
+    assert tiny_phases == {"sft": 0, "warmup": 0}
+
+
+def test_task_without_solutions_starts_from_the_base_model(tiny_phases):
+    configs = default_configs(task="rg:chain_sum(max_terms=2, max_digits=1)")
+    configs["speculation"] = RolloutSpeculationConfig(spec="off")
+    events = []
+    out = pipeline.prepare(configs, events.append)
+    assert out["train"].model is None and tiny_phases["sft"] == 0
+    assert any("no cold start" in e.text for e in events if isinstance(e, Notice))
+
+
+def test_regime_plot_is_drawn(tmp_path):
+    record = dict(step=1, reward_mean=0.3, format_rate=1.0, response_lens=[10, 12, 80], max_new_tokens=128,
+                  rollout_s=8.0, reward_s=0.1, train_s=1.9, step_s=10.0, rollout_share=0.8, tail_share=0.5,
+                  response_len_max=80, response_len_p50=12.0, accept_len_ceiling=4.5)
+    written = write_plots([record, dict(record, step=2)], tmp_path)
+    assert tmp_path / "regime.png" in written and (tmp_path / "regime.png").stat().st_size > 0
