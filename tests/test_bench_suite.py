@@ -47,3 +47,14 @@ def test_bench_all_writes_docs_results_md_by_default_and_refuses_the_old_flag(ca
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "all", "--readme", "README.md"])
     assert exit_info.value.code == 2 and "--readme was renamed --results-md" in capsys.readouterr().err
+
+
+def test_a_two_run_bench_train_report_still_renders():
+    # docs/results/train.json was measured by the two-run bench train (baseline and TLT only).
+    from pathlib import Path
+
+    from tailrl.bench.suite import _train
+
+    report = json.loads((Path(__file__).parent.parent / "docs/results/train.json").read_text())["report"]
+    rows = [line for line in _train(report) if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == len(report["steps"]) and "TLT 0.95x" in _train(report)[0]
