@@ -45,6 +45,11 @@ class BenchDrafterConfig(TwoRunsConfig):
     steps: int = field(default=20, metadata={"help": "RL steps per run"})
     spec: str = field(default="auto", metadata={"help": "speculation mode of both runs", "choices": ("on", "auto")})
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.workers < 2:
+            raise ValueError(f"the adaptive drafter is spot-trained on idle workers: need workers >= 2, got {self.workers}")
+
 
 def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool, steps: int) -> dict[str, Any]:
     """The train() sections of one run, stopping after `steps` steps."""

@@ -60,22 +60,23 @@ class TwoRunsConfig:
         default=None, metadata={"help": "warmed-up drafter directory (default: warm one up first, ~5 min)"}
     )
     out: str | None = field(default=None, metadata={"help": "directory for both runs and the PNG (default: runs/bench-<name>-<time>)"})
-    workers: int = field(default=2, metadata={"help": "rollout workers of both runs (spot training needs >= 2)"})
-    num_prompts: int = field(default=8, metadata={"help": "prompts per step"})
-    group_size: int = field(default=8, metadata={"help": "responses per prompt"})
-    max_new_tokens: int = field(default=384, metadata={"help": "longest response"})
+    workers: int = field(default=2, metadata={"help": "rollout workers of every run (spot training needs >= 2)"})
+    num_prompts: int = field(default=16, metadata={"help": "prompts per step"})
+    group_size: int = field(default=4, metadata={"help": "responses per prompt"})
+    max_new_tokens: int = field(default=512, metadata={"help": "longest response"})
     seed: int = field(default=0, metadata={"help": "run seed of both runs"})
     exact: bool = field(default=True, metadata={"help": "row-invariant forwards in both runs, so both sample the same "
                                                         "tokens bit for bit (slower small-batch steps, see tailrl.model)"})
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.workers < 2:
-            raise ValueError(f"need steps >= 1 and workers >= 2, got {self.steps} and {self.workers}")
+        if self.steps < 1 or self.workers < 1:
+            raise ValueError(f"need steps >= 1 and workers >= 1, got {self.steps} and {self.workers}")
 
 
 @dataclass(frozen=True)
 class BenchTrainConfig(TwoRunsConfig):
-    """SD off vs the full TLT configuration."""
+    """The baseline, SD only, overlap only and the full TLT configuration (one worker: no spot
+    training, the default run's setting)."""
 
 
 def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) -> dict[str, Any]:
