@@ -18,7 +18,8 @@ group was computed:
 torch thread, while the rollout decodes. It computes only while the rollout leaves a core to it
 (`open_gate` / `close_gate`, driven by the running batch size) and, once the rollout is over,
 does the rest on two threads, one group each. The synchronous update is the same object fed all
-groups after the rollout, so both give the same bits by construction.
+groups after the rollout, so both give the same bits by construction. Deterministic kernels
+(tailrl.rl.guards) are the caller's to switch on: the switch is process-wide.
 
 Knows: samples, the GRPO loss, autograd, threads. Does not know: how tokens were produced,
 rewards, workers, the optimizer.
@@ -30,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -201,9 +202,8 @@ class OverlappedUpdate:
     background thread re-raise in `drain`.
     """
 
-    def __init__(self, grads: GroupGradients, wrap: Callable[[Callable[[], None]], None] = lambda f: f()):
+    def __init__(self, grads: GroupGradients):
         self.grads = grads
-        self._wrap = wrap  # context for each group's computation (e.g. deterministic kernels)
         self._queue: deque[tuple[int, Sequence[Sample]]] = deque()
         self._cond = threading.Condition()
         self._gate = False
@@ -269,7 +269,7 @@ class OverlappedUpdate:
     def _compute(self, item: tuple[int, Sequence[Sample]]) -> None:
         t0 = time.perf_counter()
         try:
-            self._wrap(lambda: self.grads.add(*item))
+            self.grads.add(*item)
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread in drain()
             with self._cond:
                 self._error = self._error or e
