@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tailrl.rl.grpo import group_advantages, policy_loss, sequence_logprobs
+from tailrl.rl.grpo import GRPOConfig, group_advantages, policy_loss, sequence_logprobs
 
 
 def test_group_advantages_hand_computed():
@@ -175,3 +175,11 @@ def test_one_step_moves_policy_towards_rewarded_token():
     p_after = torch.softmax(bias.detach(), -1)
     assert p_after[3] > probs[3] + 0.01
     assert int((p_after - probs).argmax()) == 3  # token 3 gained the most mass
+
+
+def test_lr_warmup_ramp_hand_computed():
+    assert [GRPOConfig(lr=1e-4).lr_at(s) for s in (1, 2)] == [1e-4, 1e-4]
+    ramp = GRPOConfig(lr=1e-4, lr_warmup_steps=3)
+    assert [ramp.lr_at(s) for s in (1, 2, 3, 4, 9)] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4], rel=1e-12)
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        GRPOConfig(lr_warmup_steps=-1)

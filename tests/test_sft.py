@@ -105,3 +105,24 @@ def test_cli_writes_then_reuses(char_model_dir, tmp_path, capsys):
     assert main(argv) == 0
     assert "reusing the cold start" in capsys.readouterr().err
     assert main(["sft", "--model", str(char_model_dir), "--task", "rg:chain_sum", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_warmup_solution_sequences_are_the_solutions_with_the_targets_hidden_states(char_model_dir):
+    """The drafter warm-up's extra data: prompt + worked solution + end of turn, for problems
+    after the sampled prompts, each with the target's hidden state at every position but the last."""
+    from tailrl.speculative.drafter.warmup import WarmupConfig, solution_data
+
+    cfg = WarmupConfig(model=str(char_model_dir), task=TASK, num_prompts=3, holdout_prompts=1, solutions=2)
+    target, tok, task = load_model(char_model_dir, "fp32"), load_tokenizer(char_model_dir), worked_task(TASK)
+    seqs = solution_data(target, tok, cfg)
+    assert len(seqs) == 2
+    for j, s in enumerate(seqs):
+        problem = task.sample(0, 3 + j)  # seed 0, after the 3 sampled prompts
+        ref = example(task, tok, problem, tok.convert_tokens_to_ids(tok.eos_token))
+        assert s.tokens.tolist() == [*ref.prompt_ids, *ref.token_ids] and s.prompt_len == len(ref.prompt_ids)
+        assert tok.decode(ref.token_ids[:-1]) == task.solution(problem)
+        with torch.no_grad():
+            h = target.hidden(s.tokens[None], torch.arange(len(s.tokens))[None])[0]
+        torch.testing.assert_close(s.hidden, h[:-1], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="prompts file"):
+        WarmupConfig(prompts="p.jsonl", solutions=4)

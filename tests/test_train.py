@@ -72,8 +72,9 @@ def tiny_configs(model_dir: Path, task: Path, **train_overrides) -> dict:
     return {
         "train": TrainConfig(**train_kw),
         # lr large enough that a tiny model's rollouts change from step to step; kl and
-        # clip-higher on so that the resume test covers the reference model too.
-        "grpo": GRPOConfig(lr=3e-2, micro_batch=5, kl_coef=0.05, clip_high=0.28),
+        # clip-higher on so that the resume test covers the reference model too, and a warm-up
+        # that the resumed step must pick up from the step number.
+        "grpo": GRPOConfig(lr=3e-2, lr_warmup_steps=1, micro_batch=5, kl_coef=0.05, clip_high=0.28),
         # max_batch below num_prompts * group_size: requests queue and slots are refilled.
         "engine": EngineConfig(max_batch=8),
     }
@@ -194,6 +195,7 @@ def test_metrics_config_and_plots(straight_run, char_model_dir, task_file):
     out, events = straight_run
     records = RunDir(out).read_metrics()
     assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["lr"] for r in records] == [1.5e-2, 3e-2, 3e-2]  # the one warm-up step at half the lr
     for r in records:
         assert REQUIRED <= set(r)
         assert len(r["response_lens"]) == 3 * 4

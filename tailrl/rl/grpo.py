@@ -23,6 +23,9 @@ class GRPOConfig:
 
     lr: float = field(default=1e-5, metadata={"help": "AdamW learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    lr_warmup_steps: int = field(
+        default=0, metadata={"help": "RL steps over which the lr ramps linearly up to lr (0 = none)"}
+    )
     micro_batch: int = field(
         default=4,
         metadata={"help": "responses per forward/backward (packed with their shared prompt); gradients accumulate"},
@@ -45,11 +48,17 @@ class GRPOConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
-        for name in ("weight_decay", "grad_clip", "clip_low", "kl_coef"):
+        for name in ("lr_warmup_steps", "weight_decay", "grad_clip", "clip_low", "kl_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.clip_high is not None and self.clip_high < 0:
             raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of RL step `step` (1-based). A ramp, because Adam's first updates
+        move every weight by about lr whatever its gradient (the second-moment estimate starts
+        from one sample), which at the lr a short RL run needs undoes the cold start."""
+        return self.lr * min(1.0, step / (self.lr_warmup_steps + 1))
 
     @property
     def clip_upper(self) -> float:

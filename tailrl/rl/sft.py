@@ -130,6 +130,16 @@ def worked_task(name: str) -> WorkedTask:
     return task
 
 
+def stop_token(tokenizer: Any, model: Transformer) -> int:
+    """The token a worked solution ends with: the chat template's end of turn, which must be what
+    the engine stops at."""
+    stop_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    if stop_id not in model.cfg.eos_token_ids:
+        raise ValueError(f"the tokenizer's end token {tokenizer.eos_token!r} is not among the model's EOS ids "
+                         f"{list(model.cfg.eos_token_ids)}; generation would not stop where solutions end")
+    return stop_id
+
+
 def example(task: WorkedTask, tokenizer: Any, problem: Problem, stop_id: int) -> Sample:
     """One training example: the RL chat prompt, then the solution's tokens and end of turn."""
     response = tokenizer.encode(task.solution(problem), add_special_tokens=False) + [stop_id]
@@ -249,11 +259,7 @@ def sft(cfg: SFTConfig, out: str | Path | None = None, on_event: Callable[[Any],
     compute = DTYPES[resolve_dtype(cfg.autocast)]
     torch.manual_seed(cfg.seed)
     model = load_model(model_dir, "fp32").requires_grad_(True)
-    # Solutions end with the chat template's end of turn, which must be what the engine stops at.
-    stop_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-    if stop_id not in model.cfg.eos_token_ids:
-        raise ValueError(f"the tokenizer's end token {tokenizer.eos_token!r} is not among the model's EOS ids "
-                         f"{list(model.cfg.eos_token_ids)}; generation would not stop where solutions end")
+    stop_id = stop_token(tokenizer, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     problems = [task.sample(cfg.seed + _HELDOUT, i) for i in range(cfg.eval_problems)]
     heldout = [example(task, tokenizer, p, stop_id) for p in problems]

@@ -392,12 +392,14 @@ def train(
             grad_norm = clip(t, work)
             with sigint_deferred():  # from here to the checkpoint, all or nothing
                 if work.trained:
+                    for group in t.optimizer.param_groups:
+                        group["lr"] = t.gc.lr_at(step)
                     t.optimizer.step()
                 t.pool.publish_weights(t.policy)  # 4. the next rollout samples from the updated policy
                 t_train = time.perf_counter()
                 state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
                 metrics = step_metrics(step, tc, work.completions, work.texts, work.rewards, work.skipped,
-                                       work.stats, grad_norm, step_times(work, t_train - t_start), t.pool, t.gc.lr,
+                                       work.stats, grad_norm, step_times(work, t_train - t_start), t.pool, t.gc.lr_at(step),
                                        configs["tuner"].bucket_edges, configs["speculation"].draft_depth)
                 t.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:

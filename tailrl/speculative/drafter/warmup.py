@@ -3,7 +3,12 @@
 TLT trains its drafter offline before RL starts; this is that step, sized for minutes on a CPU.
 1. Prompts: the default task's (chat template + tailrl.rl.tasks.format_prompt) or a prompts
    file; group_size responses each, sampled by tailrl.engine.Engine with hidden-state capture.
-   The last `holdout_prompts` prompts' responses are held out.
+   The last `holdout_prompts` prompts' responses are held out. Optionally, the task's worked
+   solutions to `solutions` further problems, teacher-forced through the target: one forward
+   each instead of a sampled rollout, so data is cheap where sampling is the budget. The labels
+   are the target's own hidden states and head on that text either way (the drafter learns to
+   predict the target, not the text), so a correct solution is as good a training sequence as a
+   sampled one wherever the policy writes like its solutions.
 2. Draft vocabulary: the draft_vocab_size most frequent response tokens (EOS always in), topped
    up with the lowest unused ids (BPE ids roughly follow corpus frequency).
 3. Training (tailrl.speculative.drafter.training) under a time and/or step budget; held-out loss is
@@ -31,6 +36,7 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig, Request
 from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
+from tailrl.rl.sft import example, stop_token, worked_task
 from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
 from tailrl.speculative.drafter.model import Drafter, load_drafter, save_drafter
@@ -60,6 +66,8 @@ class WarmupConfig:
     group_size: int = field(default=4, metadata={"help": "responses per prompt"})
     max_new_tokens: int = field(default=128, metadata={"help": "most tokens per response"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the responses"})
+    solutions: int = field(default=0, metadata={"help": "also train on the task's worked solutions to this many "
+                                                   "further problems (teacher-forced; 0 = none)"})
     holdout_prompts: int = field(default=8, metadata={"help": "prompts whose responses are held out for evaluation"})
     seconds: float = field(default=150.0, metadata={"help": "training time budget, seconds (0 = no time limit)"})
     steps: int = field(default=0, metadata={"help": "most optimiser steps (0 = no step limit)"})
@@ -83,6 +91,8 @@ class WarmupConfig:
             raise ValueError("give a time budget (seconds > 0) or a step budget (steps > 0)")
         if self.group_size < 1 or self.max_new_tokens < 1 or self.draft_vocab_size < 1:
             raise ValueError("group_size, max_new_tokens and draft_vocab_size must be >= 1")
+        if self.solutions < 0 or (self.solutions and self.prompts):
+            raise ValueError("solutions must be >= 0 and come from the task, not a prompts file")
 
 
 @dataclass
@@ -143,6 +153,21 @@ def sample_data(
     return groups
 
 
+def solution_data(target, tokenizer, cfg: WarmupConfig) -> list[TrainSeq]:
+    """The task's worked solutions to cfg.solutions problems after the sampled prompts, with the
+    target's hidden states over prompt and solution (one no-cache forward each)."""
+    task = worked_task(cfg.task)
+    stop = stop_token(tokenizer, target)
+    seqs = []
+    with torch.inference_mode():
+        for j in range(cfg.solutions):
+            s = example(task, tokenizer, task.sample(cfg.seed, cfg.num_prompts + j), stop)
+            tokens = torch.tensor([*s.prompt_ids, *s.token_ids])
+            hidden = target.hidden(tokens[None, :-1], torch.arange(len(tokens) - 1)[None])[0].float()
+            seqs.append(TrainSeq(tokens, hidden, len(s.prompt_ids)))
+    return seqs
+
+
 def build_draft_vocab(responses: list[TrainSeq], size: int, vocab_size: int, eos: tuple[int, ...]) -> list[int]:
     """The `size` most frequent response tokens, EOS first, topped up with the lowest unused ids."""
     counts = Counter(t for s in responses for t in s.tokens[s.prompt_len :].tolist())
@@ -169,9 +194,10 @@ def warmup(cfg: WarmupConfig, out: Path, on_progress: Callable[[WarmupProgress],
     # dtype auto samples in the dtype the rollouts use (tailrl.loading.resolve_dtype), so the
     # drafter learns from the hidden states it will be fed.
     target = load_model(cfg.model, dtype=cfg.dtype)
-    prompts = prompt_ids(cfg, load_tokenizer(cfg.model))
+    tokenizer = load_tokenizer(cfg.model)
+    prompts = prompt_ids(cfg, tokenizer)
     groups = sample_data(target, prompts, cfg, on_progress)
-    train_seqs = [s for g in groups[: -cfg.holdout_prompts] for s in g]
+    train_seqs = [s for g in groups[: -cfg.holdout_prompts] for s in g] + solution_data(target, tokenizer, cfg)
     held = [s for g in groups[-cfg.holdout_prompts :] for s in g]
     sample_seconds = time.perf_counter() - t0
 
