@@ -140,3 +140,27 @@ def test_by_prompt_splits_adjacent_runs():
     a, b = (1, 2), (3,)
     s = [Sample(a, [5], 1.0), Sample(a, [6], -1.0), Sample(b, [7], 0.5), Sample(a, [8], 0.1)]
     assert [len(g) for g in by_prompt(s)] == [2, 1, 1]
+
+
+def test_drop_truncated_keeps_the_groups_advantages_and_leaves_the_cut_response_out():
+    """DAPO's overlong filtering, by hand: rewards (1, 0, 0, 0), the last response cut off at the
+    length limit. Advantages come from all four, (r - 0.25) / std with std = 0.5 (unbiased), and
+    only the three finished responses are trained on."""
+    from tailrl.engine import Completion
+    from tailrl.rl.phases import score_group
+    from tailrl.rl.tasks import Problem
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "right" if ids[0] == 1 else "wrong"
+
+    comps = [Completion((7,), [t, 5], [0.0, 0.0], reason, 0, 0) for t, reason in
+             [(1, "eos"), (2, "eos"), (2, "eos"), (2, "length")]]
+    problem = Problem("q", "a")
+    def score(problem, text):
+        return float(text == "right")
+    kept = score_group(problem, comps, Tok(), score, 5.0, drop_truncated=True)
+    full = score_group(problem, comps, Tok(), score, 5.0)
+    assert [s.advantage for s in full.samples] == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    assert [s.advantage for s in kept.samples] == [s.advantage for s in full.samples[:3]]
+    assert kept.rewards.rewards == full.rewards.rewards == [1.0, 0.0, 0.0, 0.0]

@@ -38,6 +38,10 @@ class GRPOConfig:
     kl_coef: float = field(
         default=0.0, metadata={"help": "weight of the k3 KL to the initial policy (0 = no reference model)"}
     )
+    drop_truncated: bool = field(
+        default=False, metadata={"help": "leave responses cut off at max_new_tokens out of the loss (DAPO's overlong "
+                                         "filtering); their group's advantages still count them"}
+    )
     autocast: bool = field(
         default=False, metadata={"help": "the update's forward and backward in bf16 autocast (fp32 master weights "
                                          "and optimizer); faster where bf16 matmuls are native, other numerics"}

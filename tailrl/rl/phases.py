@@ -42,16 +42,20 @@ class ScoredGroup:
 
 
 def score_group(problem: Problem, completions: Sequence[Completion], tokenizer: Any,
-                score: Callable[[Problem, str], float], timeout_s: float) -> ScoredGroup:
+                score: Callable[[Problem, str], float], timeout_s: float, drop_truncated: bool = False) -> ScoredGroup:
     """Decode a group's responses, reward them (a reward that raises or hangs scores 0 and is
-    counted) and attach group-normalised advantages."""
+    counted) and attach group-normalised advantages; with drop_truncated, responses cut off at
+    the length limit get an advantage (they count in the group's mean and spread) but no sample:
+    their reward says where the limit was, not what a finished answer earns, and their many
+    tokens would otherwise dominate the token-mean loss."""
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     rewards = safe_rewards(score, [(problem, t) for t in texts], timeout_s)
     table = torch.tensor(rewards.rewards, dtype=torch.float64)[None]  # (1, G)
     if not table.max() > table.min():
         return ScoredGroup(texts, rewards, [])
     adv = group_advantages(table)[0]  # (G,)
-    return ScoredGroup(texts, rewards, [Sample(c.prompt_ids, c.token_ids, float(a)) for c, a in zip(completions, adv)])
+    return ScoredGroup(texts, rewards, [Sample(c.prompt_ids, c.token_ids, float(a)) for c, a in zip(completions, adv)
+                                        if not (drop_truncated and c.finish_reason == "length")])
 
 
 @dataclass
@@ -107,7 +111,8 @@ def run_step(pool: Any, step: int, inputs: StepInputs, policy: Transformer, cfg:
     completions = pool.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens, on_progress=on_progress)
     t1 = time.perf_counter()
     G = inputs.group_size
-    groups = [score_group(p, completions[g * G : (g + 1) * G], inputs.tokenizer, inputs.score, inputs.reward_timeout_s)
+    groups = [score_group(p, completions[g * G : (g + 1) * G], inputs.tokenizer, inputs.score, inputs.reward_timeout_s,
+                          cfg.drop_truncated)
               for g, p in enumerate(inputs.problems)]
     t2 = time.perf_counter()
     update = OverlappedUpdate(grads)  # its gate never opens before drain: the update after the rollout
@@ -139,7 +144,7 @@ def _overlapped(pool: Any, step: int, inputs: StepInputs, grads: GroupGradients,
         if left[g] == 0:
             t = time.perf_counter()
             groups[g] = score_group(inputs.problems[g], finished[g], inputs.tokenizer, inputs.score,
-                                    inputs.reward_timeout_s)
+                                    inputs.reward_timeout_s, grads.cfg.drop_truncated)
             reward_s += time.perf_counter() - t
             update.submit(g, groups[g].samples)
 
