@@ -30,10 +30,14 @@ from tailrl.rl.sft import SFTConfig, sft, worked_task
 from tailrl.rl.train import TrainConfig
 from tailrl.speculative.drafter.warmup import WarmupConfig, WarmupProgress, warmup
 
-# Warm-up sized for a CPU: a few minutes of sampling and training before the first RL step.
+# Warm-up sized for a CPU: a few minutes of sampling and training before the first RL step. The
+# drafter's acceptance grows with training steps well past two minutes, so most of the budget
+# is training; worked solutions (teacher-forced, cheap) keep the longer training from
+# overfitting the few sampled responses. Measurements: docs/workload.md.
 WARMUP_PROMPTS = 24
 WARMUP_GROUP = 4
-WARMUP_SECONDS = 120.0
+WARMUP_SECONDS = 240.0
+WARMUP_SOLUTIONS = 256
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,8 @@ def prepare(configs: dict[str, Any], on_event: Callable[[Any], None],
         elif name == "drafter warm-up":
             cfg = warmup_config(tc)
             on_event(Phase(index, total, name, f"sampling {cfg.num_prompts} x {cfg.group_size} responses from the "
-                                               f"policy, then {cfg.seconds:.0f} s of drafter training (cached)"))
+                                               f"policy" + (f" and {cfg.solutions} worked solutions" if cfg.solutions else "")
+                                               + f", then {cfg.seconds:.0f} s of drafter training (cached)"))
             drafter, reused = cached_warmup(cfg, on_warmup)
             on_event(Notice(f"drafter {'reused from' if reused else 'written to'} {drafter}"))
             spec = dataclasses.replace(spec, drafter=str(drafter))
@@ -104,10 +109,16 @@ def cold_start_config(tc: TrainConfig) -> SFTConfig:
 
 
 def warmup_config(tc: TrainConfig) -> WarmupConfig:
-    """Warm-up on the policy's own answers to the task, at the rollout's temperature and length."""
+    """Warm-up on the policy's own answers to the task, at the rollout's temperature and length,
+    and on the task's worked solutions where it has them."""
+    try:
+        worked_task(tc.task)
+        solutions = WARMUP_SOLUTIONS
+    except ValueError:
+        solutions = 0
     return WarmupConfig(model=tc.model, task=tc.task, num_prompts=WARMUP_PROMPTS, group_size=WARMUP_GROUP,
                         holdout_prompts=4, max_new_tokens=tc.max_new_tokens, temperature=tc.temperature,
-                        seconds=WARMUP_SECONDS, eval_greedy=False)
+                        solutions=solutions, seconds=WARMUP_SECONDS, eval_greedy=False)
 
 
 def cached_warmup(cfg: WarmupConfig, on_progress: Callable[[WarmupProgress], None] | None) -> tuple[Path, bool]:

@@ -23,7 +23,7 @@ def tiny_phases(char_model_dir, tmp_path, monkeypatch):
         eval_problems=2, eval_max_new_tokens=4))
     monkeypatch.setattr(pipeline, "warmup_config", lambda tc: WarmupConfig(
         model=tc.model, task=tc.task, num_prompts=3, group_size=2, holdout_prompts=1, max_new_tokens=8,
-        seconds=0, steps=2, batch_tokens=16, draft_vocab_size=32, eval_greedy=False))
+        solutions=2, seconds=0, steps=2, batch_tokens=16, draft_vocab_size=32, eval_greedy=False))
     runs = {"sft": 0, "warmup": 0}
     real_sft, real_warmup = pipeline.sft, pipeline.warmup
 
@@ -85,3 +85,10 @@ def test_regime_plot_is_drawn(tmp_path):
                   response_len_max=80, response_len_p50=12.0, accept_len_ceiling=4.5)
     written = write_plots([record, dict(record, step=2)], tmp_path)
     assert tmp_path / "regime.png" in written and (tmp_path / "regime.png").stat().st_size > 0
+
+
+def test_the_default_warmup_adds_worked_solutions_only_where_the_task_has_them(tmp_path):
+    assert pipeline.warmup_config(TrainConfig()).solutions == pipeline.WARMUP_SOLUTIONS
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"prompt": "1+1=", "answer": 2}\n')
+    assert pipeline.warmup_config(TrainConfig(task=str(plain))).solutions == 0
