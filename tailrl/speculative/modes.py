@@ -27,14 +27,13 @@ SPEC_MODES = ("off", "on", "auto")
 # sampled token (docs/lossless.md).
 EXACT_CHAINS = "a tree node's attention reads its ancestors across masked siblings, which rounds differently"
 # Shapes the tuner chooses among in auto mode. Chains suit the n-gram drafter (its branches are
-# rarely right); long n-gram chains pay on repetitive text. The learned drafter gets two chains
-# and a wide, shallow tree: where the sampled text is high-entropy (a small model's tail at
-# temperature 1) even the target's own top-1 token is often not the sampled one, so depth does
-# not pay but width can, where a wide verify costs little more than one token. The 2-token chains
-# are the cheapest verify where verification is not nearly free. Measurements:
-# docs/performance.md.
+# rarely right); long n-gram chains pay on repetitive text. The learned drafter gets chains of
+# 2, 4 and 6: on worked solutions at temperature 1 the target's own top-1 is the sampled token
+# ~94% of the time, so depth pays, and a chain's verify is the cheapest per proposed token. (A
+# wide tree paid on the earlier, high-entropy default; at 33+ running its 16-node verify costs
+# more than its extra acceptance, and exact mode cannot use it.) Measurements: docs/performance.md.
 NGRAM_ARMS = (Arm("ngram", 2, 1, 2), Arm("ngram", 4, 1, 4), Arm("ngram", 8, 1, 8))
-DRAFTER_ARMS = (Arm("drafter", 2, 1, 2), Arm("drafter", 4, 1, 4), Arm("drafter", 2, 8, 16))
+DRAFTER_ARMS = (Arm("drafter", 2, 1, 2), Arm("drafter", 4, 1, 4), Arm("drafter", 6, 1, 6))
 
 
 @dataclass(frozen=True)
@@ -87,15 +86,13 @@ def install(engine: Engine, cfg: SpeculationConfig, tuner_cfg: TunerConfig | Non
     if cfg.spec == "off":
         engine.decoder = PlainDecoder()
         return None
-    exact = engine.cfg.exact
-    if cfg.spec == "on" and exact and cfg.topk > 1:
+    if cfg.spec == "on" and engine.cfg.exact and cfg.topk > 1:
         raise ValueError(f"exact mode speculates with chains only (--topk 1), got --topk {cfg.topk}: {EXACT_CHAINS}")
     props = proposers(cfg, engine)
     if cfg.spec == "on":
         engine.decoder = fixed(cfg.arm, props[cfg.arm.kind], observers)
         return None
-    arms = [PLAIN, *NGRAM_ARMS, *(DRAFTER_ARMS if "drafter" in props else ())]
-    arms = [a for a in arms if not exact or a.topk <= 1]
+    arms = [PLAIN, *NGRAM_ARMS, *(DRAFTER_ARMS if "drafter" in props else ())]  # chains: exact mode's too
     tuner = Tuner(arms, tuner_cfg or TunerConfig(), seed=seed)
     if tuner_state is not None:
         tuner.load_state_dict(tuner_state)
