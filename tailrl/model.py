@@ -213,6 +213,11 @@ class CacheView:
         return ~self.mask[:, None, None]
 
     @cached_property
+    def sees_all(self) -> bool:
+        """Whether every query may attend every key."""
+        return bool(self.mask.all())
+
+    @cached_property
     def rows(self) -> torch.Tensor:
         """Each new token's row in the view, beside write_pos for indexing the cache.  # (B, T)"""
         b, t = self.write_pos.shape
@@ -302,9 +307,13 @@ class Attention(nn.Module):
         ck[view.rows, :, view.write_pos] = k.transpose(1, 2)
         cv[view.rows, :, view.write_pos] = v.transpose(1, 2)
         keys = ck[:, :, : view.kv_len]  # (B, K, S, D)
+        if not exact and b == 1 and t == 1 and view.sees_all:
+            # One query attending every key: no mask, and SDPA's fused kernel costs about half
+            # the two small matmuls below.
+            return F.scaled_dot_product_attention(q, keys, cv[:, :, : view.kv_len], enable_gqa=True)
         g = self.h // self.k
         # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
-        # copies for GQA, and on CPU it beats SDPA for bf16 decode.
+        # copies for GQA, and on CPU it beats masked SDPA for bf16 decode.
         n = g * t
         if not exact:
             scores = (q.reshape(b, self.k, n, d) @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)

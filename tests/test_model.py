@@ -41,20 +41,39 @@ def test_logits_match_transformers(tmp_path, kind, extra):
     assert (got - ref).abs().max().item() <= ATOL
 
 
-def test_cached_decode_equals_full_forward(tiny_dir):
+@pytest.mark.parametrize("rows", [3, 1])  # one row: its decode steps take the unmasked SDPA path
+def test_cached_decode_equals_full_forward(tiny_dir, rows):
     model = load_model(tiny_dir, dtype="fp32")
     torch.manual_seed(0)
-    ids = torch.randint(0, 96, (3, 30))
-    pos = torch.arange(30).expand(3, 30)
+    ids = torch.randint(0, 96, (3, 30))[:rows]
+    pos = torch.arange(30).expand(rows, 30)
     full = model(ids, pos)
-    cache = KVCache(model.cfg, slots=3, capacity=64, dtype=torch.float32, device="cpu")
+    cache = KVCache(model.cfg, slots=rows, capacity=64, dtype=torch.float32, device="cpu")
     # Prefill 20 tokens, then decode the remaining 10 one at a time.
-    mask = torch.ones(20, 20).tril().bool().expand(3, 20, 20)
+    mask = torch.ones(20, 20).tril().bool().expand(rows, 20, 20)
     out = [model(ids[:, :20], pos[:, :20], CacheView(cache, 0, pos[:, :20], 20, mask))]
     for t in range(20, 30):
-        m = torch.ones(3, 1, t + 1, dtype=torch.bool)
+        m = torch.ones(rows, 1, t + 1, dtype=torch.bool)
         out.append(model(ids[:, t : t + 1], pos[:, t : t + 1], CacheView(cache, 0, pos[:, t : t + 1], t + 1, m)))
     assert (torch.cat(out, 1) - full).abs().max().item() <= ATOL
+
+
+def test_one_row_with_a_hidden_key_is_masked(tiny_dir):
+    """The unmasked shortcut is only for a row that sees every key: hiding key 5 from a
+    one-row decode step must give what the same row gets beside a second, unmasked row."""
+    model = load_model(tiny_dir, dtype="fp32")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (2, 21))
+    pos = torch.arange(21).expand(2, 21)
+    cache = KVCache(model.cfg, slots=2, capacity=64, dtype=torch.float32, device="cpu")
+    model(ids[:, :20], pos[:, :20], CacheView(cache, 0, pos[:, :20], 20, torch.ones(20, 20).tril().bool().expand(2, 20, 20)))
+    m = torch.ones(2, 1, 21, dtype=torch.bool)
+    m[0, 0, 5] = False
+    both = model(ids[:, 20:], pos[:, 20:], CacheView(cache, 0, pos[:, 20:], 21, m))
+    alone = model(ids[:1, 20:], pos[:1, 20:], CacheView(cache, 0, pos[:1, 20:], 21, m[:1]))
+    assert (alone - both[:1]).abs().max().item() <= ATOL
+    unmasked = model(ids[:1, 20:], pos[:1, 20:], CacheView(cache, 0, pos[:1, 20:], 21, torch.ones(1, 1, 21, dtype=torch.bool)))
+    assert (alone - unmasked).abs().max().item() > 100 * ATOL  # the hidden key mattered
 
 
 def test_smollm2_matches_transformers(smollm2_dir):
