@@ -32,8 +32,8 @@ from tailrl.speculative.drafter.warmup import WarmupConfig, WarmupProgress, warm
 
 # Warm-up sized for a CPU: a few minutes of sampling and training before the first RL step. The
 # drafter's acceptance grows with training steps well past two minutes, so most of the budget
-# is training; worked solutions (teacher-forced, cheap) keep the longer training from
-# overfitting the few sampled responses. Measurements: docs/workload.md.
+# is training; worked solutions (teacher-forced, cheap) give the longer training more to fit
+# than the few sampled responses. Measurements: docs/workload.md.
 WARMUP_PROMPTS = 24
 WARMUP_GROUP = 4
 WARMUP_SECONDS = 240.0

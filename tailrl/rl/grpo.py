@@ -61,7 +61,7 @@ class GRPOConfig:
     def lr_at(self, step: int) -> float:
         """The learning rate of RL step `step` (1-based). A ramp, because Adam's first updates
         move every weight by about lr whatever its gradient (the second-moment estimate starts
-        from one sample), which at the lr a short RL run needs undoes the cold start."""
+        from one sample)."""
         return self.lr * min(1.0, step / (self.lr_warmup_steps + 1))
 
     @property
