@@ -35,7 +35,7 @@ def _accumulator(path):
 
 def test_train_report_to_tensorboard_has_the_metrics_jsonl_scalars(tmp_path, char_model_dir, task_file, monkeypatch):
     pytest.importorskip("tensorboard")
-    monkeypatch.setattr("tailrl.rl.train.write_plots", lambda records, out_dir: [])
+    monkeypatch.setattr("tailrl.rl.train.write_plots", lambda *args: [])
     out = tmp_path / "run"
     rc = main(["train", "--out", str(out), "--report-to", "tensorboard", "--model", str(char_model_dir),
                "--dtype", "fp32", "--task", str(task_file), "--reward", "test_train:high_chars_reward",

@@ -20,14 +20,18 @@ from safetensors.torch import load_file
 from conftest import build_hf
 from tailrl.config import ConfigError, read_toml, resolve
 from tailrl.engine import EngineConfig
-from tailrl.loading import load_model
+from tailrl.loading import load_model, load_tokenizer
+from tailrl.rl import heldout
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir, RunDirError, TrainState
 from tailrl.rl.packing import Sample, packed_logprobs
 from tailrl.rl.stream import accumulate_gradients
-from tailrl.rl.train import CONFIG_SECTIONS, TrainConfig, policy_weights, train
+from tailrl.rl.rewards import from_reward_fn
+from tailrl.rl.tasks import make_task
+from tailrl.rl.train import CONFIG_SECTIONS, TrainConfig, encode_question, policy_weights, train
+from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig
 
 # Metrics that are wall-clock measurements, so differ between runs of the same computation.
@@ -67,6 +71,7 @@ def tiny_configs(model_dir: Path, task: Path, **train_overrides) -> dict:
         # bf16 rollouts on an fp32 policy: the engine runs on a copy that each update refreshes.
         model=str(model_dir), dtype="bf16", task=str(task), reward=f"{__name__}:high_chars_reward",
         num_prompts=3, group_size=4, max_new_tokens=12, steps=3, seed=5,
+        eval_every=2, eval_problems=4,  # held-out evaluations after steps 0, 2 and 3 (the last)
     )
     train_kw.update(train_overrides)
     return {
@@ -84,6 +89,10 @@ def comparable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING | DECODE_PATH} for r in records]
 
 
+def comparable_evals(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "heldout_s"} for r in RunDir(run_dir).read_evals()]
+
+
 def final_state(run_dir: Path) -> tuple[dict, dict]:
     ckpt = RunDir(run_dir).latest_checkpoint()
     optimizer_state, _ = RunDir.load_checkpoint(ckpt)
@@ -94,7 +103,7 @@ def final_state(run_dir: Path) -> tuple[dict, dict]:
 def no_plots(request, monkeypatch):
     """Plots cost ~1 s per step here; only the tests that inspect them draw them."""
     if "straight_run" not in request.fixturenames:
-        monkeypatch.setattr("tailrl.rl.train.write_plots", lambda records, out_dir: [])
+        monkeypatch.setattr("tailrl.rl.train.write_plots", lambda *args: [])
 
 
 @pytest.fixture(scope="module")
@@ -244,12 +253,54 @@ def test_ctrl_c_then_resume_reproduces_the_uninterrupted_run(straight_run, tmp_p
     result = train(tiny_configs(char_model_dir, task_file), out, resume=True)
     assert result.step == 3 and not result.interrupted
     assert comparable(RunDir(out).read_metrics()) == comparable(RunDir(straight).read_metrics())
+    assert comparable_evals(out) == comparable_evals(straight)
     weights, optimizer_state = final_state(out)
     want_weights, want_optimizer = final_state(straight)
     assert weights.keys() == want_weights.keys()
     assert all(torch.equal(weights[k], want_weights[k]) for k in weights)
     for a, b in zip(optimizer_state["state"].values(), want_optimizer["state"].values()):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_heldout_evaluations_score_the_policy_after_their_step(straight_run, char_model_dir, task_file):
+    straight, _ = straight_run
+    evals = RunDir(straight).read_evals()
+    assert [e["step"] for e in evals] == [0, 2, 3]  # before the first step, every 2 steps, after the last
+    assert all(e["heldout_problems"] == 4 and 0.0 <= e["heldout_reward"] <= 1.0 for e in evals)
+    # The evaluation after the last step is the final checkpoint's: the same problems, seeds and
+    # reward, evaluated from the saved weights (the bf16 rollout copy casts the same fp32 values).
+    tc = tiny_configs(char_model_dir, task_file)["train"]
+    tokenizer = load_tokenizer(char_model_dir)
+    held = heldout.heldout_set(make_task(tc.task), tc.seed, tc.eval_problems, lambda q: encode_question(tokenizer, q))
+    final = load_model(RunDir(straight).latest_checkpoint(), dtype="bf16")
+    want = heldout.evaluate(final, final, held, tc.seed, SamplingParams(tc.temperature), tc.max_new_tokens,
+                            EngineConfig(max_batch=8), tokenizer, from_reward_fn(high_chars_reward), 10.0)
+    assert {k: v for k, v in evals[-1].items() if k not in ("step", "heldout_s")} == \
+        {k: v for k, v in want.items() if k != "heldout_s"}
+
+
+def test_heldout_evaluations_do_not_change_the_run(straight_run, tmp_path, char_model_dir, task_file):
+    straight, _ = straight_run
+    train(tiny_configs(char_model_dir, task_file, eval_every=0), tmp_path / "no-eval")
+    assert RunDir(tmp_path / "no-eval").read_evals() == []
+    assert comparable(RunDir(tmp_path / "no-eval").read_metrics()) == comparable(RunDir(straight).read_metrics())
+
+
+def test_ctrl_c_in_an_evaluation_then_resume_evaluates_the_checkpoint(straight_run, tmp_path, char_model_dir,
+                                                                      task_file):
+    straight, _ = straight_run
+    out = tmp_path / "interrupted-eval"
+
+    def ctrl_c_in_the_step_2_evaluation(event):
+        if isinstance(event, Notice) and event.text.startswith("held-out evaluation after step 2"):
+            raise KeyboardInterrupt
+
+    result = train(tiny_configs(char_model_dir, task_file), out, on_event=ctrl_c_in_the_step_2_evaluation)
+    assert result.interrupted and result.step == 2
+    assert [e["step"] for e in RunDir(out).read_evals()] == [0]
+    train(tiny_configs(char_model_dir, task_file), out, resume=True)
+    assert comparable_evals(out) == comparable_evals(straight)
+    assert comparable(RunDir(out).read_metrics()) == comparable(RunDir(straight).read_metrics())
 
 
 _KILLER = textwrap.dedent(
@@ -260,7 +311,7 @@ _KILLER = textwrap.dedent(
     from tailrl.rl.progress import RolloutProgress
     from tailrl.rl.train import train
 
-    tailrl.rl.train.write_plots = lambda records, out_dir: []
+    tailrl.rl.train.write_plots = lambda *args: []
 
     def kill_in_step_3(event):
         if isinstance(event, RolloutProgress) and event.step == 3:
@@ -283,6 +334,7 @@ def test_sigkill_mid_step_loses_only_that_step(straight_run, tmp_path, char_mode
     assert [r["step"] for r in RunDir(out).read_metrics()] == [1, 2]
     train(tiny_configs(char_model_dir, task_file), out, resume=True)
     assert comparable(RunDir(out).read_metrics()) == comparable(RunDir(straight).read_metrics())
+    assert comparable_evals(out) == comparable_evals(straight)
 
 
 def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_file):

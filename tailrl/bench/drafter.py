@@ -56,7 +56,7 @@ def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool, steps: int) 
     from tailrl.rl.train import TrainConfig
 
     train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                        steps=steps, seed=cfg.seed)
+                        steps=steps, seed=cfg.seed, eval_every=0)
     return {
         "train": train,
         "engine": EngineConfig(exact=cfg.exact),

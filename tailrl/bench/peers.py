@@ -118,7 +118,7 @@ def run_tailrl(cfg: BenchPeersConfig, out: Path) -> dict[str, Any]:
         # fp32 as on the TRL side; one checkpoint at the end (its save is not in step_s anyway).
         "train": TrainConfig(model=cfg.model, dtype="fp32", task=cfg.task, num_prompts=cfg.num_prompts,
                              group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=1.0, top_p=1.0,
-                             steps=cfg.total_steps, seed=cfg.seed, checkpoint_every=cfg.total_steps),
+                             steps=cfg.total_steps, seed=cfg.seed, checkpoint_every=cfg.total_steps, eval_every=0),
         "grpo": GRPOConfig(lr=cfg.lr, micro_batch=cfg.micro_batch, clip_low=0.2, grad_clip=1.0, kl_coef=0.0),
         "speculation": RolloutSpeculationConfig(spec=cfg.spec, drafter=cfg.drafter),
     }

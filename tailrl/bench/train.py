@@ -86,7 +86,7 @@ def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) ->
     sd = run in SPECULATE
     train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts,
                         group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, steps=steps, seed=cfg.seed,
-                        overlap_batch=TrainConfig.overlap_batch if run in OVERLAP else 0)
+                        overlap_batch=TrainConfig.overlap_batch if run in OVERLAP else 0, eval_every=0)
     return {
         "train": train,
         "engine": EngineConfig(exact=cfg.exact),

@@ -1,6 +1,7 @@
 """PNG plots of a run, redrawn from its metrics records after every step.
 
-- rewards.png: mean reward per step, its moving average, and the share of answers in the format.
+- rewards.png: mean reward per step, its moving average, the share of answers in the format, and
+  the held-out evaluations' mean reward (tailrl.rl.heldout).
 - lengths.png: every response's length per step (the long tail made visible) with the median,
   90th percentile and max, and a histogram of the latest step.
 - times.png: the step time split into rollout, reward, train and the rest.
@@ -22,6 +23,7 @@ know: how they were measured.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -63,7 +65,7 @@ def log_counts(ax: Any) -> None:
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-def plot_rewards(records: Sequence[dict[str, Any]], path: Path) -> None:
+def plot_rewards(records: Sequence[dict[str, Any]], path: Path, evals: Sequence[dict[str, Any]] = ()) -> None:
     steps = np.array([r["step"] for r in records])
     mean = np.array([r["reward_mean"] for r in records])
     fig = _figure(7, 4)
@@ -75,6 +77,9 @@ def plot_rewards(records: Sequence[dict[str, Any]], path: Path) -> None:
     ax.plot(steps, trend, lw=2, label=f"average of the last {window} steps")
     if all("format_rate" in r for r in records):
         ax.plot(steps, [r["format_rate"] for r in records], ls="--", label="answer in format")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["heldout_reward"] for e in evals], "s-", ms=5, color="C3",
+                label=f"held-out ({evals[-1]['heldout_problems']} fixed problems)")
     ax.set(xlabel="step", ylabel="reward", title="Reward per step")
     ax.set_ylim(min(0.0, float(mean.min())) - 0.02, max(1.0, float(mean.max())) + 0.02)
     _integer_steps(ax)
@@ -192,13 +197,14 @@ def plot_decoding(records: Sequence[dict[str, Any]], path: Path) -> None:
     _save(fig, path)
 
 
-def write_plots(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Redraw every plot from all records so far; returns the files written."""
+def write_plots(records: Sequence[dict[str, Any]], out_dir: Path, evals: Sequence[dict[str, Any]] = ()) -> list[Path]:
+    """Redraw every plot from all records so far (and the held-out evaluations, on the rewards
+    plot); returns the files written."""
     if not records:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    plots = [("rewards", plot_rewards), ("lengths", plot_lengths), ("times", plot_times)]
+    plots = [("rewards", partial(plot_rewards, evals=evals)), ("lengths", plot_lengths), ("times", plot_times)]
     if all("batch_timeline" in r for r in records):  # runs from before tailrl.speculative.report lack it
         plots.append(("decoding", plot_decoding))
     if all("tail_share" in r and "rollout_share" in r for r in records):  # older runs lack them

@@ -4,6 +4,7 @@ Layout of a run directory:
 
     config.toml                 the resolved config (tailrl.config.dump_toml)
     metrics.jsonl               one JSON object per completed step
+    eval.jsonl                  one JSON object per held-out evaluation (tailrl.rl.heldout)
     plots/*.png                 written by tailrl.rl.plots
     checkpoints/step_000012/    model.safetensors + config.json + tokenizer files (a model
                                 directory tailrl.loading.load_model reads), optimizer.pt,
@@ -38,6 +39,7 @@ from tailrl.config import ConfigError, dump_toml, read_toml, resolve
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
 CHECKPOINTS = "checkpoints"
 _STEP_PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
@@ -105,12 +107,33 @@ def _write_text(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
+def _append_record(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """Complete records in order; a torn last line (a kill mid-write) is skipped."""
+    records = []
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 class RunDir:
     """One training run's directory. Use `create` for a new run and `open` to resume one."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.metrics_path = self.path / METRICS_FILE
+        self.evals_path = self.path / EVAL_FILE
         self.plots_dir = self.path / "plots"
         self.checkpoints_dir = self.path / CHECKPOINTS
 
@@ -165,27 +188,24 @@ class RunDir:
     # ---- metrics --------------------------------------------------------------------------
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        _append_record(self.metrics_path, record)
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        """Complete records in order; a torn last line (a kill mid-write) is skipped."""
-        records = []
-        if not self.metrics_path.exists():
-            return records
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return records
+        return _read_records(self.metrics_path)
+
+    def append_eval(self, record: dict[str, Any]) -> None:
+        _append_record(self.evals_path, record)
+
+    def read_evals(self) -> list[dict[str, Any]]:
+        return _read_records(self.evals_path)
 
     def truncate_metrics(self, step: int) -> None:
-        """Keep the records of steps <= `step`: those after a checkpoint are recomputed on resume."""
-        kept = [r for r in self.read_metrics() if r.get("step", 0) <= step]
-        _write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        """Keep the records of steps <= `step` (metrics and evaluations): those after a
+        checkpoint are recomputed on resume."""
+        for path in (self.metrics_path, self.evals_path):
+            if path.exists():
+                kept = [r for r in _read_records(path) if r.get("step", 0) <= step]
+                _write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     # ---- checkpoints ----------------------------------------------------------------------
 

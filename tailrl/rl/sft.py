@@ -42,18 +42,16 @@ from tailrl.loading import (
 )
 from tailrl.model import Transformer
 from tailrl.rl.guards import sigint_deferred
-from tailrl.rl.tasks import DEFAULT_TASK, Problem, extract_answer, make_task
+from tailrl.rl.tasks import DEFAULT_TASK, HELDOUT_STREAM, Problem, extract_answer, make_task
 from tailrl.rl.packing import Sample, packed_logprobs
 from tailrl.rl.train import encode_question, policy_weights
 from tailrl.rl.worked import WorkedTask
 from tailrl.sampling import SamplingParams, derive_seed
 
 SFT_FILE = "sft.json"  # settings, hash, and how the run ended, inside the output directory
-# Training and held-out problems come from seed streams of their own, apart from each other and
-# from the RL run's (which reads the stream of its run seed); a JSONL task has one pool of
-# problems, so there they can overlap.
+# Training problems come from a seed stream of their own, apart from the held-out stream
+# (tailrl.rl.tasks.HELDOUT_STREAM) and the RL run's (its run seed).
 _TRAIN = 2_000_003
-_HELDOUT = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -185,7 +183,7 @@ def evaluate(model: Transformer, task: WorkedTask, tokenizer: Any, cfg: SFTConfi
     prompts = [s.prompt_ids for s in heldout]
     accuracy, formats, lens = {}, {}, {}
     for label, temperature in (("greedy", 0.0), (f"T={cfg.eval_temperature:g}", cfg.eval_temperature)):
-        requests = [Request(p, derive_seed(cfg.seed, _HELDOUT, i), group=i) for i, p in enumerate(prompts)]
+        requests = [Request(p, derive_seed(cfg.seed, HELDOUT_STREAM, i), group=i) for i, p in enumerate(prompts)]
         out = engine.generate(requests, SamplingParams(temperature), cfg.eval_max_new_tokens)
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in out]
         answers = [extract_answer(t) for t in texts]
@@ -261,7 +259,7 @@ def sft(cfg: SFTConfig, out: str | Path | None = None, on_event: Callable[[Any],
     model = load_model(model_dir, "fp32").requires_grad_(True)
     stop_id = stop_token(tokenizer, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    problems = [task.sample(cfg.seed + _HELDOUT, i) for i in range(cfg.eval_problems)]
+    problems = [task.sample(cfg.seed + HELDOUT_STREAM, i) for i in range(cfg.eval_problems)]
     heldout = [example(task, tokenizer, p, stop_id) for p in problems]
     evals: list[EvalResult] = []
     start, step, interrupted = time.perf_counter(), 0, False

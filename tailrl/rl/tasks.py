@@ -25,6 +25,7 @@ from tailrl.sampling import derive_seed
 
 __all__ = [
     "DEFAULT_TASK",
+    "HELDOUT_STREAM",
     "JsonlTask",
     "Problem",
     "ReasoningGymTask",
@@ -38,6 +39,10 @@ __all__ = [
 # The task of `tailrl train` with no arguments: heavy-tailed running-total sums with worked
 # solutions (tailrl.rl.worked; docs/workload.md says why and how it was sized).
 DEFAULT_TASK = "sums"
+# The stream of held-out problems: task.sample(seed + HELDOUT_STREAM, i). Apart from the RL run's
+# stream (its run seed) and the cold start's training stream; a JSONL task has one pool of
+# problems, so there they can overlap.
+HELDOUT_STREAM = 1_000_003
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from tailrl.engine import EngineConfig, Request
 from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig
+from tailrl.rl import heldout
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.phases import StepInputs, StepWork, run_step
 from tailrl.rl.plots import write_plots
@@ -71,7 +72,7 @@ from tailrl.workers.spot import SpotConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 # Fields that cannot change a run's results, so a resume may change them.
-RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints")
+RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_problems")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,10 @@ class TrainConfig:
     overlap_batch: int = field(
         default=8, metadata={"help": "compute finished groups' gradients while at most this many sequences decode "
                                      "(the rollout's tail); 0 = the update waits for the whole rollout"})
+    eval_every: int = field(
+        default=10, metadata={"help": "mean reward on fixed held-out problems before the first step, every N steps "
+                                      "and after the last (eval.jsonl; 0 = never)"})
+    eval_problems: int = field(default=128, metadata={"help": "held-out problems per evaluation, one response each"})
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -120,11 +125,12 @@ class TrainConfig:
             raise ValueError(f"temperature must be > 0 (greedy makes a group's responses identical), got {self.temperature}")
         if self.overlap_batch < 0:
             raise ValueError(f"overlap_batch must be >= 0, got {self.overlap_batch}")
-        for name in ("num_prompts", "max_new_tokens", "checkpoint_every", "keep_checkpoints"):
+        for name in ("num_prompts", "max_new_tokens", "checkpoint_every", "keep_checkpoints", "eval_problems"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.steps < 0 or self.seed < 0:
-            raise ValueError(f"steps and seed must be >= 0, got {self.steps} and {self.seed}")
+        if self.steps < 0 or self.seed < 0 or self.eval_every < 0:
+            raise ValueError(f"steps, seed and eval_every must be >= 0, got {self.steps}, {self.seed} and "
+                             f"{self.eval_every}")
         if not 0.0 <= self.format_weight <= 1.0:
             raise ValueError(f"format_weight must be in [0, 1], got {self.format_weight}")
         if not self.reward_timeout_s > 0:
@@ -284,6 +290,7 @@ class Trainer:
     pool: WorkerPool
     emit: Callable[[Any], None]
     saved_step: int  # the step of the newest checkpoint; -1 before the first
+    heldout: heldout.HeldOut | None  # the evaluation's problems; None: evaluations are off
 
 
 def start_run(configs: dict[str, Any], out_dir: str | Path | None, resume: bool,
@@ -322,8 +329,10 @@ def start_run(configs: dict[str, Any], out_dir: str | Path | None, resume: bool,
     pool = start_pool(configs["workers"], configs["spot"], rollout_model, setup, state.extra.get("workers"))
     where = "on the policy" if rollout_model is policy else f"on a {dtype} copy"
     emit(Notice(f"policy in {tc.train_dtype} on {device}; rollouts {where}"))
+    held = (heldout.heldout_set(task, tc.seed, tc.eval_problems, lambda q: encode_question(tokenizer, q))
+            if tc.eval_every else None)
     return Trainer(tc, gc, configs, run, task, reward_fn, tokenizer, model_dir, device, policy, rollout_model, ref,
-                   optimizer, state, pool, emit, saved_step=state.step if checkpoint is not None else -1)
+                   optimizer, state, pool, emit, saved_step=state.step if checkpoint is not None else -1, heldout=held)
 
 
 def rollout_and_gradient(t: Trainer, step: int) -> StepWork:
@@ -360,10 +369,27 @@ def save(t: Trainer) -> None:
     t.emit(Notice(f"saved {path}"))
 
 
+def evaluate_heldout(t: Trainer) -> None:
+    """The held-out evaluation of the policy after the current step, when one is due and not
+    yet recorded (a resume evaluates the checkpoint's policy if a kill came first)."""
+    tc, step = t.tc, t.state.step
+    if t.heldout is None or not heldout.due(step, tc.eval_every, tc.steps) or not heldout.missing(t.run.read_evals(), step):
+        return
+    t.emit(Notice(f"held-out evaluation after step {step}: {len(t.heldout.problems)} problems, one response each"))
+    with deterministic(t.device):
+        record = heldout.evaluate(t.policy, t.rollout_model, t.heldout, tc.seed,
+                                  SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
+                                  t.configs["engine"], t.tokenizer, t.reward_fn, tc.reward_timeout_s)
+    t.run.append_eval({"step": step, **record})
+    t.emit(Notice(f"held-out after step {step}: reward {record['heldout_reward']:.3f}, format "
+                  f"{record['heldout_format_rate']:.2f}, mean length {record['heldout_len_mean']:.0f} "
+                  f"({record['heldout_s']:.0f} s)"))
+
+
 def plot(t: Trainer) -> None:
     """Redraw the run's plots; a plot must never stop training."""
     try:
-        write_plots(t.run.read_metrics(), t.run.plots_dir)
+        write_plots(t.run.read_metrics(), t.run.plots_dir, t.run.read_evals())
     except Exception as e:  # noqa: BLE001
         t.emit(Notice(f"warning: plots not written: {e!r}"))
 
@@ -385,6 +411,7 @@ def train(
     t = start_run(configs, out_dir, resume, on_event or (lambda event: None))
     tc, state = t.tc, t.state
     try:
+        evaluate_heldout(t)  # the starting policy (or, on a resume, an evaluation a kill cut short)
         while state.step < tc.steps:
             step = state.step + 1
             t_start = time.perf_counter()
@@ -395,6 +422,7 @@ def train(
                     for group in t.optimizer.param_groups:
                         group["lr"] = t.gc.lr_at(step)
                     t.optimizer.step()
+                    t.optimizer.zero_grad(set_to_none=True)  # a policy-sized buffer, unused until the next step
                 t.pool.publish_weights(t.policy)  # 4. the next rollout samples from the updated policy
                 t_train = time.perf_counter()
                 state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
@@ -404,8 +432,9 @@ def train(
                 t.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     save(t)  # 5. checkpoint
-            plot(t)
             t.emit(StepDone(tc.steps, metrics))
+            evaluate_heldout(t)
+            plot(t)
     except KeyboardInterrupt:
         if t.saved_step != state.step:
             save(t)
