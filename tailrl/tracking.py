@@ -160,16 +160,20 @@ def tee(*consumers: Callable[[Any], None]) -> Callable[[Any], None]:
 
 
 class TrainTracking:
-    """Consumes tailrl.rl.train's events: each StepDone's metrics record, at its step."""
+    """Consumes tailrl.rl.train's events: each StepDone's metrics record, and each EvalDone's
+    held-out record, at its step."""
 
     def __init__(self, reporter: Reporter):
         self.reporter = reporter
 
     def __call__(self, event: Any) -> None:
-        from tailrl.rl.progress import StepDone
+        from tailrl.rl.progress import EvalDone, StepDone
 
         if isinstance(event, StepDone):
             log_record(self.reporter, int(event.metrics["step"]), event.metrics)
+        elif isinstance(event, EvalDone):
+            step = int(event.record["step"])
+            log_record(self.reporter, step, {k: v for k, v in event.record.items() if k != "step"})
 
 
 class WarmupTracking:

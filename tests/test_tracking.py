@@ -40,7 +40,7 @@ def test_train_report_to_tensorboard_has_the_metrics_jsonl_scalars(tmp_path, cha
     rc = main(["train", "--out", str(out), "--report-to", "tensorboard", "--model", str(char_model_dir),
                "--dtype", "fp32", "--task", str(task_file), "--reward", "test_train:high_chars_reward",
                "--num-prompts", "2", "--group-size", "3", "--max-new-tokens", "8", "--steps", "2", "--seed", "5",
-               "--spec", "off"])
+               "--spec", "off", "--eval-problems", "4"])
     assert rc == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
@@ -50,6 +50,11 @@ def test_train_report_to_tensorboard_has_the_metrics_jsonl_scalars(tmp_path, cha
             events = ea.Scalars(key)
             assert [e.step for e in events] == [1, 2], key
             assert [e.value for e in events] == [float(np.float32(r[key])) for r in records], key
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2]  # before the first step and after the last
+    for key in evals[0]:
+        if key != "step":
+            assert [(e.step, e.value) for e in ea.Scalars(key)] == [(r["step"], float(np.float32(r[key]))) for r in evals]
     for r, h in zip(records, ea.Histograms("response_lens")):
         v = h.histogram_value
         assert (v.num, v.min, v.max, v.sum) == (len(r["response_lens"]), min(r["response_lens"]),

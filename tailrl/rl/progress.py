@@ -1,7 +1,8 @@
 """What a person watching a run sees: progress events from the training loop, and a printer.
 
-The loop emits RolloutProgress many times per step, StepDone once per step and Notice for
-one-off messages (resumed, saved, interrupted); any callable taking an event can display them.
+The loop emits RolloutProgress many times per step, StepDone once per step, EvalDone after a
+held-out evaluation and Notice for one-off messages (resumed, saved, interrupted); any callable
+taking an event can display them.
 ConsolePrinter redraws one live line on a terminal and prints one summary line per step.
 
 Knows: the events and the metrics record's fields. Does not know: how they were computed.
@@ -35,8 +36,20 @@ class StepDone:
 
 
 @dataclass(frozen=True)
+class EvalDone:
+    """After a held-out evaluation (tailrl.rl.heldout): its eval.jsonl record."""
+
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Notice:
     text: str
+
+
+def eval_line(e: dict[str, Any]) -> str:
+    return (f"held-out after step {e['step']}: reward {e['heldout_reward']:.3f} on {e['heldout_problems']} problems, "
+            f"format {e['heldout_format_rate']:.2f}, mean length {e['heldout_len_mean']:.0f} ({e['heldout_s']:.0f} s)")
 
 
 def summary_line(m: dict[str, Any], steps: int) -> str:
@@ -81,4 +94,6 @@ class ConsolePrinter:
             self.stream.write(("\r\033[K" if self.live else "") + summary_line(event.metrics, event.steps) + "\n")
         elif isinstance(event, Notice):
             self.stream.write(("\r\033[K" if self.live else "") + event.text + "\n")
+        elif isinstance(event, EvalDone):
+            self.stream.write(("\r\033[K" if self.live else "") + eval_line(event.record) + "\n")
         self.stream.flush()

@@ -57,7 +57,7 @@ from tailrl.rl import heldout
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.phases import StepInputs, StepWork, run_step
 from tailrl.rl.plots import write_plots
-from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
+from tailrl.rl.progress import ConsolePrinter, EvalDone, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
 from tailrl.rl.rewards import ProblemReward, from_reward_fn, load_reward, task_reward
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
 from tailrl.rl.stream import UpdateStats
@@ -380,10 +380,9 @@ def evaluate_heldout(t: Trainer) -> None:
         record = heldout.evaluate(t.policy, t.rollout_model, t.heldout, tc.seed,
                                   SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
                                   t.configs["engine"], t.tokenizer, t.reward_fn, tc.reward_timeout_s)
-    t.run.append_eval({"step": step, **record})
-    t.emit(Notice(f"held-out after step {step}: reward {record['heldout_reward']:.3f}, format "
-                  f"{record['heldout_format_rate']:.2f}, mean length {record['heldout_len_mean']:.0f} "
-                  f"({record['heldout_s']:.0f} s)"))
+    record = {"step": step, **record}
+    t.run.append_eval(record)
+    t.emit(EvalDone(record))
 
 
 def plot(t: Trainer) -> None:
