@@ -10,6 +10,7 @@ Knows: file layouts, the default model's package, dtype names. Does not know: sa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -30,6 +31,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)
 
 
+@functools.cache
 def _cpu_has_native_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()

@@ -42,9 +42,11 @@ class GRPOConfig:
         default=False, metadata={"help": "leave responses cut off at max_new_tokens out of the loss (DAPO's overlong "
                                          "filtering); their group's advantages still count them"}
     )
-    autocast: bool = field(
-        default=False, metadata={"help": "the update's forward and backward in bf16 autocast (fp32 master weights "
-                                         "and optimizer); faster where bf16 matmuls are native, other numerics"}
+    autocast: str = field(
+        default="auto", metadata={"help": "compute dtype of the update's forward and backward (master weights and "
+                                          "optimizer stay in the policy's dtype); auto: bf16 where bf16 matmuls are "
+                                          "native (CUDA, CPUs with avx512_bf16 or AMX), else fp32",
+                                  "choices": ("auto", "bf16", "fp32")}
     )
 
     def __post_init__(self) -> None:
@@ -52,6 +54,8 @@ class GRPOConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.autocast not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"autocast must be auto, bf16 or fp32, got {self.autocast!r}")
         for name in ("lr_warmup_steps", "weight_decay", "grad_clip", "clip_low", "kl_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

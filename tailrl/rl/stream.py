@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from tailrl.loading import resolve_dtype
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig, policy_loss
 from tailrl.rl.packing import Sample, packed_logprobs
@@ -72,9 +73,10 @@ def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig,
     sums = dict.fromkeys(STAT_NAMES, 0.0)
     tokens = 0
     device_type = params[0].device.type
+    bf16 = resolve_dtype(cfg.autocast, params[0].device) == "bf16"
     for first in range(0, len(samples), cfg.micro_batch):
         pack = samples[first : first + cfg.micro_batch]
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
             logprobs = packed_logprobs(policy, pack, temperature)  # (1, N)
         ref_logprobs = None
         if ref is not None:
