@@ -3,7 +3,8 @@
 `train` runs one RL step per iteration of one loop, readable top to bottom, each stage a call:
 `rollout_and_gradient` (the rollout, each group's rewards and advantages, the gradient of the
 token-mean loss: tailrl.rl.phases, overlapped with the rollout's tail unless overlap_batch is
-0), `clip`, then the optimizer step, publishing the weights and the checkpoint (`save`). The
+0), `clip`, then the optimizer step, publishing the weights and the checkpoint (`save`), and,
+every eval_every steps, the held-out evaluation (`evaluate_heldout`, tailrl.rl.heldout). The
 update's tensor plumbing is tailrl.rl.packing and tailrl.rl.stream. The rollout goes through
 tailrl.workers (`start_pool`): one engine in this process by default, or several worker
 processes / Ray actors, whose idle time in the long tail trains the drafter.
