@@ -53,8 +53,8 @@ import torch
 from tailrl.engine import EngineConfig, Request
 from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
 from tailrl.model import Transformer
-from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl import heldout
+from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.phases import StepInputs, StepWork, run_step
 from tailrl.rl.plots import write_plots
