@@ -26,7 +26,9 @@ from typing import Any, Callable
 
 from tailrl.loading import cache_root, model_fingerprint, resolve_model_dir
 from tailrl.rl.progress import Notice
+from tailrl.rl.rewards import load_reward
 from tailrl.rl.sft import SFTConfig, sft, worked_task
+from tailrl.rl.tasks import make_task
 from tailrl.rl.train import TrainConfig
 from tailrl.speculative.drafter.warmup import WarmupConfig, WarmupProgress, warmup
 
@@ -65,6 +67,7 @@ def prepare(configs: dict[str, Any], on_event: Callable[[Any], None],
 
     on_event gets Phase and Notice events and tailrl.rl.sft's progress events.
     """
+    check_inputs(configs)
     tc, spec = configs["train"], configs["speculation"]
     names = phases(configs)
     total = len(names)
@@ -101,6 +104,19 @@ def prepare(configs: dict[str, Any], on_event: Callable[[Any], None],
                                                f"speculation {spec.spec}"
                                                + (f" with drafter {spec.drafter}" if spec.drafter else "")))
     return configs
+
+
+def check_inputs(configs: dict[str, Any]) -> None:
+    """Raise ValueError (or ModelError) for a task, reward, model or drafter that a later phase
+    would refuse, so bad input fails before minutes of cold start and warm-up, not after."""
+    tc, spec = configs["train"], configs["speculation"]
+    make_task(tc.task)
+    if tc.reward is not None:
+        load_reward(tc.reward)
+    if tc.model is not None:
+        resolve_model_dir(tc.model)
+    if spec.drafter is not None and not Path(spec.drafter).expanduser().is_dir():
+        raise ValueError(f"drafter directory not found: {spec.drafter}")
 
 
 def cold_start_config(tc: TrainConfig) -> SFTConfig:

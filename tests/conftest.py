@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 # One thread: tests are many tiny ops, where a second thread mostly adds synchronisation, and on
 # a shared 2-core machine it made some test files ~10x slower.
 torch.set_num_threads(1)
+
+SHALLOW_LAYERS = 2  # decoder layers kept by smollm2_shallow_dir (SmolLM2 has 30)
 
 TINY = dict(
     vocab_size=96,
@@ -60,6 +64,31 @@ def smollm2_dir():
     from tailrl.loading import default_model_dir
 
     return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_shallow_dir(smollm2_dir, tmp_path_factory):
+    """SmolLM2 cut to its first SHALLOW_LAYERS decoder layers: the real weights, shapes, vocabulary
+    and tied head, so every matmul a forward runs has the real model's row, key and feature
+    counts (what kernel choice, and so row invariance, depends on), at a fraction of the depth.
+    Tests of properties that hold layer by layer (exact forwards, speculation's token equality)
+    use it where the full model in bf16 costs minutes on CPUs that emulate bf16 matmuls."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("smollm2-shallow")
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    config["num_hidden_layers"] = SHALLOW_LAYERS
+    (path / "config.json").write_text(json.dumps(config))
+    kept = {k: v for k, v in load_file(smollm2_dir / "model.safetensors").items()
+            if not (m := re.match(r"model\.layers\.(\d+)\.", k)) or int(m.group(1)) < SHALLOW_LAYERS}
+    save_file(kept, path / "model.safetensors")
+    for f in smollm2_dir.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, path / f.name)
+    return path
 
 
 @pytest.fixture(scope="session")

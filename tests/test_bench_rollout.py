@@ -1,5 +1,6 @@
-"""`tailrl bench rollout` on the real model, tiny: the report's shape and that every mode emits
-plain decoding's tokens (--exact: fp32 row-invariant forwards, tailrl.model)."""
+"""`tailrl bench rollout` on the real model cut to two layers (conftest.smollm2_shallow_dir), tiny:
+the report's shape and that every mode emits plain decoding's tokens (--exact: fp32 row-invariant
+forwards, tailrl.model). The bench's code path does not depend on the model's depth."""
 
 import json
 
@@ -7,9 +8,9 @@ from tailrl.bench.suite import _rollout
 from tailrl.cli import main
 
 
-def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_dir, tmp_path, capsys):
+def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_shallow_dir, tmp_path, capsys):
     plot = tmp_path / "rollout.png"
-    code = main(["bench", "rollout", "--model", str(smollm2_dir), "--dtype", "fp32", "--num-prompts", "2",
+    code = main(["bench", "rollout", "--model", str(smollm2_shallow_dir), "--dtype", "fp32", "--num-prompts", "2",
                  "--group-size", "2", "--max-new-tokens", "12", "--reps", "2", "--modes", "off,ngram,auto", "--exact",
                  "--plot", str(plot), "--json"])
     assert code == 0

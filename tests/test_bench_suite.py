@@ -9,9 +9,9 @@ from tailrl.bench.suite import END, START, BenchAllConfig, update_results_md
 from tailrl.cli import main
 
 
-def test_bench_all_writes_json_and_rewrites_only_the_results_section(smollm2_dir, tmp_path, capsys):
+def test_bench_all_writes_json_and_rewrites_only_the_results_section(smollm2_shallow_dir, tmp_path, capsys):
     config = tmp_path / "bench.toml"
-    config.write_text(f'[generate]\nmodel = "{smollm2_dir}"\ndtype = "fp32"\nbatch_sizes = [1, 2]\nmax_new_tokens = 3\n')
+    config.write_text(f'[generate]\nmodel = "{smollm2_shallow_dir}"\ndtype = "fp32"\nbatch_sizes = [1, 2]\nmax_new_tokens = 3\n')
     page = tmp_path / "results.md"
     page.write_text(f"# title\n\nbefore\n{START}\nold numbers\n{END}\nafter\n")
     results = tmp_path / "results"

@@ -79,6 +79,22 @@ def test_task_without_solutions_starts_from_the_base_model(tiny_phases):
     assert any("no cold start" in e.text for e in events if isinstance(e, Notice))
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--task", "nosuchtask"], "unknown task 'nosuchtask'"),
+    (["--reward", "nosuchmodule:f"], "nosuchmodule"),
+    (["--model", "/nonexistent/model"], "model directory not found"),
+    (["--drafter", "/nonexistent/drafter"], "drafter directory not found"),
+])
+def test_bad_input_fails_before_any_phase_starts(tiny_phases, tmp_path, capsys, flags, message):
+    from tailrl.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tailrl: error: ") and message in err and err.count("\n") == 1  # one line, no phase
+    assert not out.exists() and tiny_phases == {"sft": 0, "warmup": 0}
+
+
 def test_regime_plot_is_drawn(tmp_path):
     record = dict(step=1, reward_mean=0.3, format_rate=1.0, response_lens=[10, 12, 80], max_new_tokens=128,
                   rollout_s=8.0, reward_s=0.1, train_s=1.9, step_s=10.0, rollout_share=0.8, tail_share=0.5,

@@ -24,7 +24,7 @@ from tailrl.loading import load_model, load_tokenizer
 from tailrl.rl import heldout
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
-from tailrl.rl.progress import ConsolePrinter, Notice, RolloutProgress, StepDone
+from tailrl.rl.progress import ConsolePrinter, EvalProgress, Notice, RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir, RunDirError, TrainState
 from tailrl.rl.packing import Sample, packed_logprobs
 from tailrl.rl.stream import accumulate_gradients
@@ -237,6 +237,11 @@ def test_metrics_config_and_plots(straight_run, char_model_dir, task_file):
         printer(e)
     lines = stream.getvalue().splitlines()
     assert sum(line.startswith("step 1/3 rollout:") for line in lines) == 1
+    # Each held-out evaluation shows its progress while it decodes (after steps 0, 2 and 3).
+    assert sorted({e.step for e in events if isinstance(e, EvalProgress)}) == [0, 2, 3]
+    finals = [e.progress for e in events if isinstance(e, EvalProgress) and e.progress.done == e.progress.total]
+    assert len(finals) == 3 and all(p.total == 4 for p in finals)
+    assert any(line.startswith("held-out evaluation after step 0: ") and " done, running " in line for line in lines)
     assert [line.split(" |")[0] for line in lines if " | reward " in line] == ["step 1/3", "step 2/3", "step 3/3"]
     assert all(e.text in lines for e in events if isinstance(e, Notice))
     # The saved config reads back to the run's config.

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from tailrl.engine import Engine, EngineConfig, Request
+from tailrl.engine import Engine, EngineConfig, Progress, Request
 from tailrl.model import Transformer
 from tailrl.rl.rewards import ProblemReward, safe_rewards
 from tailrl.rl.tasks import HELDOUT_STREAM, Problem, Task, extract_answer
@@ -45,14 +45,15 @@ def heldout_set(task: Task, seed: int, n: int, encode: Callable[[str], tuple[int
 
 def evaluate(policy: Transformer, like: Transformer, heldout: HeldOut, seed: int, params: SamplingParams,
              max_new_tokens: int, engine_cfg: EngineConfig, tokenizer: Any, score: ProblemReward,
-             timeout_s: float) -> dict[str, Any]:
+             timeout_s: float, on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
     """One response per held-out problem from `policy`'s weights, decoded on a copy of `like`
-    (the rollout model: its dtype, and the engine's kernels); the record of eval.jsonl."""
+    (the rollout model: its dtype, and the engine's kernels); the record of eval.jsonl.
+    on_progress: the engine's progress while it decodes."""
     t0 = time.perf_counter()
     model = copy.deepcopy(like)
     copy_weights(policy, model)  # `like` may be a worker's stale copy (Ray); the policy is current
     requests = [Request(p, derive_seed(seed, HELDOUT_STREAM, i), group=i) for i, p in enumerate(heldout.prompts)]
-    out = Engine(model, engine_cfg).generate(requests, params, max_new_tokens)
+    out = Engine(model, engine_cfg).generate(requests, params, max_new_tokens, on_progress=on_progress)
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in out]
     rewards = safe_rewards(score, list(zip(heldout.problems, texts)), timeout_s)
     n = len(out)

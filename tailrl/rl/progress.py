@@ -1,8 +1,8 @@
 """What a person watching a run sees: progress events from the training loop, and a printer.
 
-The loop emits RolloutProgress many times per step, StepDone once per step, EvalDone after a
-held-out evaluation and Notice for one-off messages (resumed, saved, interrupted); any callable
-taking an event can display them.
+The loop emits RolloutProgress many times per step, StepDone once per step, EvalProgress while a
+held-out evaluation decodes, EvalDone after it and Notice for one-off messages (resumed, saved,
+interrupted); any callable taking an event can display them.
 ConsolePrinter redraws one live line on a terminal and prints one summary line per step.
 
 Knows: the events and the metrics record's fields. Does not know: how they were computed.
@@ -36,6 +36,14 @@ class StepDone:
 
 
 @dataclass(frozen=True)
+class EvalProgress:
+    """While a held-out evaluation decodes (tailrl.rl.heldout), after the policy's `step`."""
+
+    step: int
+    progress: Progress
+
+
+@dataclass(frozen=True)
 class EvalDone:
     """After a held-out evaluation (tailrl.rl.heldout): its eval.jsonl record."""
 
@@ -50,6 +58,20 @@ class Notice:
 def eval_line(e: dict[str, Any]) -> str:
     return (f"held-out after step {e['step']}: reward {e['heldout_reward']:.3f} on {e['heldout_problems']} problems, "
             f"format {e['heldout_format_rate']:.2f}, mean length {e['heldout_len_mean']:.0f} ({e['heldout_s']:.0f} s)")
+
+
+def seconds_left(p: Progress) -> float | None:
+    """A rough estimate of a generation's remaining time from the share of sequences done (the
+    long tail finishes last, so it errs short); None before the first one finishes."""
+    return p.seconds * (p.total - p.done) / p.done if p.done else None
+
+
+def eval_progress_line(e: EvalProgress) -> str:
+    p = e.progress
+    left = seconds_left(p)
+    eta = f", ~{left / 60:.1f} min left" if left is not None else ""
+    return (f"held-out evaluation after step {e.step}: {p.done}/{p.total} done, running {p.running}, "
+            f"{p.tokens} tokens, {p.seconds:.0f} s{eta}")
 
 
 def summary_line(m: dict[str, Any], steps: int) -> str:
@@ -68,27 +90,32 @@ def summary_line(m: dict[str, Any], steps: int) -> str:
     )
 
 
+def rollout_line(e: RolloutProgress) -> str:
+    p = e.progress
+    rate = p.tokens / p.seconds if p.seconds else 0.0
+    return (f"step {e.step}/{e.steps} rollout: {p.done}/{p.total} done, running {p.running}, "
+            f"{p.tokens} tokens, {rate:.0f} tok/s")
+
+
 class ConsolePrinter:
-    """A live rollout line (redrawn in place on a terminal, every `every_s` seconds otherwise)
-    and one summary line per step."""
+    """A live rollout or evaluation line (redrawn in place on a terminal, otherwise written at most
+    every `every_s` seconds per kind) and one summary line per step."""
 
     def __init__(self, stream: TextIO = sys.stderr, every_s: float = 30.0):
         self.stream = stream
         self.live = stream.isatty()
         self.every_s = every_s
-        self._last: float | None = None  # when the last live line was written; None: never
+        self._last: dict[type, float] = {}  # when the last live line of each kind was written
 
     def __call__(self, event: Any) -> None:
-        if isinstance(event, RolloutProgress):
-            p = event.progress
+        if isinstance(event, (RolloutProgress, EvalProgress)):
             now = time.monotonic()
             # No clock origin is assumed: monotonic() may be near zero on a machine just booted.
-            if not self.live and self._last is not None and now - self._last < self.every_s:
+            last = self._last.get(type(event))
+            if not self.live and last is not None and now - last < self.every_s:
                 return
-            self._last = now
-            rate = p.tokens / p.seconds if p.seconds else 0.0
-            line = (f"step {event.step}/{event.steps} rollout: {p.done}/{p.total} done, running {p.running}, "
-                    f"{p.tokens} tokens, {rate:.0f} tok/s")
+            self._last[type(event)] = now
+            line = rollout_line(event) if isinstance(event, RolloutProgress) else eval_progress_line(event)
             self.stream.write(f"\r\033[K{line}" if self.live else line + "\n")
         elif isinstance(event, StepDone):
             self.stream.write(("\r\033[K" if self.live else "") + summary_line(event.metrics, event.steps) + "\n")

@@ -58,7 +58,7 @@ from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.phases import StepInputs, StepWork, run_step
 from tailrl.rl.plots import write_plots
-from tailrl.rl.progress import ConsolePrinter, EvalDone, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
+from tailrl.rl.progress import ConsolePrinter, EvalDone, EvalProgress, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
 from tailrl.rl.rewards import ProblemReward, from_reward_fn, load_reward, task_reward
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
 from tailrl.rl.stream import UpdateStats
@@ -380,7 +380,8 @@ def evaluate_heldout(t: Trainer) -> None:
     with deterministic(t.device):
         record = heldout.evaluate(t.policy, t.rollout_model, t.heldout, tc.seed,
                                   SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
-                                  t.configs["engine"], t.tokenizer, t.reward_fn, tc.reward_timeout_s)
+                                  t.configs["engine"], t.tokenizer, t.reward_fn, tc.reward_timeout_s,
+                                  lambda progress: t.emit(EvalProgress(step, progress)))
     record = {"step": step, **record}
     t.run.append_eval(record)
     t.emit(EvalDone(record))
