@@ -19,7 +19,7 @@ from tailrl import config as cfglib
 from tailrl.bench.suite import BENCHES
 from tailrl.engine import EngineConfig, Progress
 from tailrl.sampling import SamplingParams
-from tailrl.workers.runtimes import WorkerError
+from tailrl.rollout.protocol import WorkerError
 
 
 def progress_printer(label: str = "") -> Callable[[Progress], None]:
@@ -121,9 +121,9 @@ def _run_generate(args: argparse.Namespace) -> None:
 # ---- train ------------------------------------------------------------------------------------
 
 def _train_sections() -> dict[str, type]:
-    from tailrl.rl.train import CONFIG_SECTIONS
+    from tailrl.pipeline import TRAIN_SECTIONS
 
-    return CONFIG_SECTIONS
+    return TRAIN_SECTIONS
 
 
 def _add_train(sub) -> None:
@@ -145,17 +145,17 @@ def _add_report_to(p: argparse.ArgumentParser) -> None:
                         "(offline unless WANDB_MODE or WANDB_API_KEY is set); repeatable")
 
 
-def _reporters(args: argparse.Namespace, directory: Path, configs: dict[str, Any]):
+def _reporters(args: argparse.Namespace, directory: Path, sections: dict[str, object]):
     import dataclasses
 
     from tailrl.tracking import open_reporters
 
-    config = {name: dataclasses.asdict(c) for name, c in configs.items()}
+    config = {name: dataclasses.asdict(c) for name, c in sections.items()}
     return open_reporters(args.report_to, directory, directory.name, config)
 
 
 def _run_train(args: argparse.Namespace) -> None:
-    from tailrl.pipeline import prepare
+    from tailrl.pipeline import prepare, run_config
     from tailrl.rl.run_dir import CONFIG_FILE, default_out_dir
     from tailrl.rl.train import train
     from tailrl.tracking import TrainTracking, tee
@@ -166,14 +166,14 @@ def _run_train(args: argparse.Namespace) -> None:
     if args.resume and toml is None:
         # The run's own resolved config; flags may still change what resume allows (e.g. --steps).
         toml = cfglib.read_toml(Path(args.resume) / CONFIG_FILE)
-    configs = cfglib.resolve(_train_sections(), args, toml)
+    cfg = run_config(cfglib.resolve(_train_sections(), args, toml))
     out = Path(args.resume or args.out or default_out_dir())
     show = run_printer()
     if not args.resume:  # a resumed run keeps the model and drafter it started with
-        configs = prepare(configs, on_event=show, on_warmup=show)
-    reporters = _reporters(args, out, configs)
+        cfg = prepare(cfg, on_event=show, on_warmup=show)
+    reporters = _reporters(args, out, cfg.sections())
     try:
-        result = train(configs, out, resume=bool(args.resume), on_event=tee(show, TrainTracking(reporters)))
+        result = train(cfg, out, resume=bool(args.resume), on_event=tee(show, TrainTracking(reporters)))
     finally:
         reporters.close()
     state = "interrupted; resume with --resume" if result.interrupted else "done"
@@ -185,8 +185,8 @@ def run_printer() -> Callable[[Any], None]:
     training loop's. A redrawn progress line is ended before the next message."""
     from tailrl.pipeline import Phase
     from tailrl.rl.sft import EvalResult, SFTProgress
-    from tailrl.rl.train import ConsolePrinter
-    from tailrl.speculative.drafter.warmup import WarmupProgress
+    from tailrl.rl.progress import ConsolePrinter
+    from tailrl.warmup import WarmupProgress
 
     loop, cold, warm = ConsolePrinter(), sft_printer(), warmup_printer()
     redrawn = [False]  # the last thing printed is a progress line without its newline
@@ -265,7 +265,7 @@ def _add_drafter(sub) -> None:
     w.add_argument("--out", metavar="DIR", required=True, help="drafter directory to write")
     w.add_argument("--config", metavar="FILE.toml", help="TOML file with a [warmup] table")
     _add_report_to(w)
-    cfglib.add_arguments(w, _sections({"warmup": "tailrl.speculative.drafter.warmup:WarmupConfig"}))
+    cfglib.add_arguments(w, _sections({"warmup": "tailrl.warmup:WarmupConfig"}))
     w.set_defaults(run=_run_warmup)
     e = d.add_parser("export", help="write a drafter as an EAGLE checkpoint for a serving engine")
     e.add_argument("drafter_dir", metavar="DRAFTER_DIR")
@@ -287,11 +287,11 @@ def warmup_printer() -> Callable[[Any], None]:
 
 
 def _run_warmup(args: argparse.Namespace) -> None:
-    from tailrl.speculative.drafter.warmup import warmup
+    from tailrl.warmup import warmup
     from tailrl.tracking import WarmupTracking, tee
 
     toml = cfglib.read_toml(args.config) if args.config else None
-    cfg = cfglib.resolve(_sections({"warmup": "tailrl.speculative.drafter.warmup:WarmupConfig"}), args, toml)["warmup"]
+    cfg = cfglib.resolve(_sections({"warmup": "tailrl.warmup:WarmupConfig"}), args, toml)["warmup"]
     tracking = WarmupTracking(_reporters(args, Path(args.out), {"warmup": cfg}))
 
     try:

@@ -4,7 +4,7 @@ Reasoning RL starts from a policy that already writes worked solutions, and TLT 
 drafter up on that policy before RL. So a new `tailrl train` run that names no model first
 fine-tunes the default model on the task's worked solutions (tailrl.rl.sft, cached by a hash of
 base model, task and settings), and, with speculation on and no drafter named, warms a drafter
-up on that policy's own samples (tailrl.speculative.drafter.warmup, cached by a hash of the
+up on that policy's own samples (tailrl.warmup, cached by a hash of the
 policy and the warm-up settings). A second run with the same inputs finds both in the cache.
 Every phase is also a command of its own (`tailrl sft`, `tailrl drafter warmup`,
 `tailrl train --model DIR --drafter DIR`); naming a model or a drafter skips its phase.
@@ -22,15 +22,17 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable, Mapping
 
 from tailrl.loading import cache_root, model_fingerprint, resolve_model_dir
+from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.progress import Notice
 from tailrl.rl.rewards import load_reward
 from tailrl.rl.sft import SFTConfig, sft, worked_task
 from tailrl.rl.tasks import make_task
-from tailrl.rl.train import TrainConfig
-from tailrl.speculative.drafter.warmup import WarmupConfig, WarmupProgress, warmup
+from tailrl.rl.train import RunConfig, TrainConfig
+from tailrl.rollout import native
+from tailrl.warmup import WarmupConfig, WarmupProgress, warmup
 
 # Warm-up sized for a CPU: a few minutes of sampling and training before the first RL step. The
 # drafter's acceptance grows with training steps well past two minutes, so most of the budget
@@ -40,6 +42,17 @@ WARMUP_PROMPTS = 24
 WARMUP_GROUP = 4
 WARMUP_SECONDS = 240.0
 WARMUP_SOLUTIONS = 256
+
+
+# `tailrl train`'s configuration sections (flags and TOML tables), by name.
+TRAIN_SECTIONS: dict[str, type] = {"train": TrainConfig, "grpo": GRPOConfig, **native.SECTIONS}
+
+
+def run_config(sections: Mapping[str, object]) -> RunConfig:
+    """A run's typed config from its sections by name (those left out take their defaults), on
+    tailrl's native engine."""
+    return RunConfig(native.NativeRolloutConfig.from_sections(dict(sections)),
+                     train=sections.get("train") or TrainConfig(), grpo=sections.get("grpo") or GRPOConfig())
 
 
 @dataclass(frozen=True)
@@ -52,24 +65,30 @@ class Phase:
     detail: str
 
 
-def phases(configs: dict[str, Any]) -> list[str]:
-    """The phases a new run with these configs goes through, in order."""
-    tc, spec = configs["train"], configs["speculation"]
+def phases(cfg: RunConfig) -> list[str]:
+    """The phases a new run with this config goes through, in order."""
+    tc, spec = cfg.train, _native(cfg).speculation
     out = ["cold start"] if tc.model is None and tc.cold_start else []
     if spec.spec != "off" and spec.drafter is None and tc.warmup_drafter:
         out.append("drafter warm-up")
     return [*out, "GRPO"]
 
 
-def prepare(configs: dict[str, Any], on_event: Callable[[Any], None],
-            on_warmup: Callable[[WarmupProgress], None] | None = None) -> dict[str, Any]:
-    """Run (or find cached) the phases before GRPO; the configs GRPO then runs with.
+def _native(cfg: RunConfig) -> native.NativeRolloutConfig:
+    if not isinstance(cfg.rollout, native.NativeRolloutConfig):
+        raise TypeError("the default run's phases prepare a run on the native engine")
+    return cfg.rollout
+
+
+def prepare(cfg: RunConfig, on_event: Callable[[object], None],
+            on_warmup: Callable[[WarmupProgress], None] | None = None) -> RunConfig:
+    """Run (or find cached) the phases before GRPO; the config GRPO then runs with.
 
     on_event gets Phase and Notice events and tailrl.rl.sft's progress events.
     """
-    check_inputs(configs)
-    tc, spec = configs["train"], configs["speculation"]
-    names = phases(configs)
+    check_inputs(cfg)
+    tc, rollout = cfg.train, _native(cfg)
+    names = phases(cfg)
     total = len(names)
     if "cold start" in names:
         try:
@@ -78,38 +97,37 @@ def prepare(configs: dict[str, Any], on_event: Callable[[Any], None],
             on_event(Notice(f"no cold start: {e}; RL starts from the base model"))
             names.remove("cold start")
             total -= 1
-    configs = dict(configs)
     for index, name in enumerate(names, start=1):
         if name == "cold start":
-            cfg = cold_start_config(tc)
-            on_event(Phase(index, total, name, f"fine-tuning the default model on {cfg.steps} x {cfg.batch_size} "
-                                               f"worked solutions of {tc.task} (cached after the first run)"))
-            result = sft(cfg, on_event=on_event)
+            sft_cfg = cold_start_config(tc)
+            on_event(Phase(index, total, name, f"fine-tuning the default model on {sft_cfg.steps} x "
+                                               f"{sft_cfg.batch_size} worked solutions of {tc.task} (cached after "
+                                               f"the first run)"))
+            result = sft(sft_cfg, on_event=on_event)
             if result.interrupted:
                 raise KeyboardInterrupt
             on_event(Notice(f"cold start {'reused from' if result.cached else 'written to'} {result.out_dir}"))
             tc = dataclasses.replace(tc, model=str(result.out_dir))
-            configs["train"] = tc
         elif name == "drafter warm-up":
-            cfg = warmup_config(tc)
-            on_event(Phase(index, total, name, f"sampling {cfg.num_prompts} x {cfg.group_size} responses from the "
-                                               f"policy" + (f" and {cfg.solutions} worked solutions" if cfg.solutions else "")
-                                               + f", then {cfg.seconds:.0f} s of drafter training (cached)"))
-            drafter, reused = cached_warmup(cfg, on_warmup)
+            wcfg = warmup_config(tc)
+            on_event(Phase(index, total, name, f"sampling {wcfg.num_prompts} x {wcfg.group_size} responses from the "
+                                               f"policy" + (f" and {wcfg.solutions} worked solutions" if wcfg.solutions else "")
+                                               + f", then {wcfg.seconds:.0f} s of drafter training (cached)"))
+            drafter, reused = cached_warmup(wcfg, on_warmup)
             on_event(Notice(f"drafter {'reused from' if reused else 'written to'} {drafter}"))
-            spec = dataclasses.replace(spec, drafter=str(drafter))
-            configs["speculation"] = spec
+            rollout = dataclasses.replace(rollout, speculation=dataclasses.replace(rollout.speculation, drafter=str(drafter)))
         else:
+            spec = rollout.speculation
             on_event(Phase(index, total, name, f"{tc.steps} steps of {tc.num_prompts} x {tc.group_size} responses, "
                                                f"speculation {spec.spec}"
                                                + (f" with drafter {spec.drafter}" if spec.drafter else "")))
-    return configs
+    return dataclasses.replace(cfg, train=tc, rollout=rollout)
 
 
-def check_inputs(configs: dict[str, Any]) -> None:
+def check_inputs(cfg: RunConfig) -> None:
     """Raise ValueError (or ModelError) for a task, reward, model or drafter that a later phase
     would refuse, so bad input fails before minutes of cold start and warm-up, not after."""
-    tc, spec = configs["train"], configs["speculation"]
+    tc, spec = cfg.train, _native(cfg).speculation
     make_task(tc.task)
     if tc.reward is not None:
         load_reward(tc.reward)

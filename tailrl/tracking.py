@@ -9,7 +9,7 @@ they count (accept_hist[d] = verifies that accepted d drafts). Strings and the r
 segments are left out: they are no series.
 
 Consumers of progress events: `TrainTracking` (tailrl.rl.train's StepDone) and
-`WarmupTracking` (tailrl.speculative.drafter.warmup's WarmupProgress and its report). Another
+`WarmupTracking` (tailrl.warmup's WarmupProgress and its report). Another
 command feeds a Reporter through `log_record` from its own events the same way.
 
 Knows: record shapes, the two backends' writer calls, where they write. Does not know: how any
@@ -184,7 +184,7 @@ class WarmupTracking:
         self.reporter = reporter
 
     def __call__(self, event: Any) -> None:
-        from tailrl.speculative.drafter.warmup import WarmupProgress
+        from tailrl.warmup import WarmupProgress
 
         if isinstance(event, WarmupProgress) and event.phase == "train" and event.loss is not None:
             self.reporter.log(event.done, {"train/loss": event.loss}, {})

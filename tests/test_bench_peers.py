@@ -39,7 +39,7 @@ def tiny_chat_dir(smollm2_dir, tmp_path_factory):
 def test_trl_tokenizes_prompts_as_tailrl_does(smollm2_dir):
     from tailrl.loading import load_tokenizer
     from tailrl.rl.tasks import format_prompt
-    from tailrl.rl.train import encode_question
+    from tailrl.rl.tasks import encode_question
 
     tok = load_tokenizer(smollm2_dir)
     question = "What is 3 + 4?"

@@ -397,7 +397,7 @@ def _qwen2_dir(tmp_path):
 
 @pytest.mark.slow
 def test_warmup_on_smollm2_writes_a_drafter_and_its_curves(tmp_path, smollm2_dir):
-    from tailrl.speculative.drafter.warmup import WarmupConfig, warmup
+    from tailrl.warmup import WarmupConfig, warmup
 
     cfg = WarmupConfig(model=str(smollm2_dir), num_prompts=6, holdout_prompts=2, group_size=2, max_new_tokens=32,
                        seconds=0, steps=15, batch_tokens=512, draft_vocab_size=512)

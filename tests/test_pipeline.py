@@ -9,8 +9,9 @@ from tailrl import pipeline
 from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import Notice
 from tailrl.rl.sft import SFTConfig
-from tailrl.rl.train import CONFIG_SECTIONS, TrainConfig
-from tailrl.speculative.drafter.warmup import WarmupConfig
+from tailrl.pipeline import TRAIN_SECTIONS, run_config
+from tailrl.rl.train import TrainConfig
+from tailrl.warmup import WarmupConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig
 
 
@@ -42,21 +43,21 @@ def tiny_phases(char_model_dir, tmp_path, monkeypatch):
 
 
 def default_configs(**train):
-    configs = {name: cls() for name, cls in CONFIG_SECTIONS.items()}
+    configs = {name: cls() for name, cls in TRAIN_SECTIONS.items()}
     configs["train"] = TrainConfig(**{"task": "sums(max_terms=3, max_value=9)", **train})
     return configs
 
 
 def test_phases_run_once_then_come_from_the_cache(tiny_phases):
     events = []
-    first = pipeline.prepare(default_configs(), events.append)
+    first = pipeline.prepare(run_config(default_configs()), events.append)
     phases = [(e.index, e.total, e.name) for e in events if isinstance(e, pipeline.Phase)]
     assert phases == [(1, 3, "cold start"), (2, 3, "drafter warm-up"), (3, 3, "GRPO")]
-    model, drafter = first["train"].model, first["speculation"].drafter
+    model, drafter = first.train.model, first.rollout.speculation.drafter
     assert model and drafter and "sft" in model and "drafters" in drafter
     again = []
-    second = pipeline.prepare(default_configs(), again.append)
-    assert (second["train"].model, second["speculation"].drafter) == (model, drafter)
+    second = pipeline.prepare(run_config(default_configs()), again.append)
+    assert (second.train.model, second.rollout.speculation.drafter) == (model, drafter)
     assert tiny_phases == {"sft": 1, "warmup": 1}  # the second run trained nothing
     assert sum("reused" in e.text for e in again if isinstance(e, Notice)) == 2
 
@@ -64,9 +65,9 @@ def test_phases_run_once_then_come_from_the_cache(tiny_phases):
 def test_named_model_and_spec_off_skip_their_phases(tiny_phases, char_model_dir):
     configs = default_configs(model=str(char_model_dir))
     configs["speculation"] = RolloutSpeculationConfig(spec="off")
-    assert pipeline.phases(configs) == ["GRPO"]
-    out = pipeline.prepare(configs, lambda e: None)
-    assert out["train"].model == str(char_model_dir) and out["speculation"].drafter is None
+    assert pipeline.phases(run_config(configs)) == ["GRPO"]
+    out = pipeline.prepare(run_config(configs), lambda e: None)
+    assert out.train.model == str(char_model_dir) and out.rollout.speculation.drafter is None
     assert tiny_phases == {"sft": 0, "warmup": 0}
 
 
@@ -74,8 +75,8 @@ def test_task_without_solutions_starts_from_the_base_model(tiny_phases):
     configs = default_configs(task="rg:chain_sum(max_terms=2, max_digits=1)")
     configs["speculation"] = RolloutSpeculationConfig(spec="off")
     events = []
-    out = pipeline.prepare(configs, events.append)
-    assert out["train"].model is None and tiny_phases["sft"] == 0
+    out = pipeline.prepare(run_config(configs), events.append)
+    assert out.train.model is None and tiny_phases["sft"] == 0
     assert any("no cold start" in e.text for e in events if isinstance(e, Notice))
 
 

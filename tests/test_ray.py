@@ -11,11 +11,12 @@ import pytest
 
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
-from tailrl.workers.pool import WorkerConfig, start_pool
-from tailrl.workers.runtimes import WorkerError
+from tailrl.pipeline import run_config
+from tailrl.workers.pool import WorkerConfig
+from tailrl.rollout.protocol import WorkerError
 from tailrl.workers.spot import SpotConfig
 from test_workers import (  # noqa: F401 - target, straight_fp32, task_file, no_plots are fixtures
-    PARAMS, no_plots, reference, requests, same_run, setup, straight_fp32, target, task_file, tiny_configs,
+    PARAMS, no_plots, reference, requests, same_run, start_pool, straight_fp32, target, task_file, tiny_configs,
 )
 
 ray = pytest.importorskip("ray")
@@ -30,7 +31,7 @@ def local_ray():
 
 def test_ray_workers_give_the_in_process_tokens(target):  # noqa: F811
     reqs = requests()
-    pool = start_pool(WorkerConfig(workers=2, ray=True), SpotConfig(), target, setup())
+    pool = start_pool(WorkerConfig(workers=2, ray=True), SpotConfig(), target)
     try:
         got = pool.generate(1, reqs, PARAMS, 20)
         assert [c.token_ids for c in got] == [c.token_ids for c in reference(target, reqs)]
@@ -54,7 +55,7 @@ def test_ray_workers_give_the_in_process_tokens(target):  # noqa: F811
 
 
 def test_a_killed_ray_actor_is_reported_with_rank_and_step(target):  # noqa: F811
-    pool = start_pool(WorkerConfig(workers=2, ray=True), SpotConfig(), target, setup())
+    pool = start_pool(WorkerConfig(workers=2, ray=True), SpotConfig(), target)
     try:
         os.kill(pool.runtime.pids[1], signal.SIGKILL)
         with pytest.raises(WorkerError, match=r"^worker 1 died \(Ray actor: .*\) in step 5$"):
@@ -66,5 +67,5 @@ def test_a_killed_ray_actor_is_reported_with_rank_and_step(target):  # noqa: F81
 def test_a_run_on_ray_actors_is_the_local_run(straight_fp32, tmp_path, char_model_dir, task_file):  # noqa: F811
     configs = tiny_configs(char_model_dir, task_file, dtype="fp32")
     configs["workers"] = WorkerConfig(workers=2, ray=True)
-    train(configs, tmp_path / "ray")
+    train(run_config(configs), tmp_path / "ray")
     assert same_run(RunDir(tmp_path / "ray").read_metrics(), RunDir(straight_fp32).read_metrics())

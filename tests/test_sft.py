@@ -110,7 +110,7 @@ def test_cli_writes_then_reuses(char_model_dir, tmp_path, capsys):
 def test_warmup_solution_sequences_are_the_solutions_with_the_targets_hidden_states(char_model_dir):
     """The drafter warm-up's extra data: prompt + worked solution + end of turn, for problems
     after the sampled prompts, each with the target's hidden state at every position but the last."""
-    from tailrl.speculative.drafter.warmup import WarmupConfig, solution_data
+    from tailrl.warmup import WarmupConfig, solution_data
 
     cfg = WarmupConfig(model=str(char_model_dir), task=TASK, num_prompts=3, holdout_prompts=1, solutions=2)
     target, tok, task = load_model(char_model_dir, "fp32"), load_tokenizer(char_model_dir), worked_task(TASK)

@@ -106,7 +106,7 @@ class _Recorder:
 
 
 def test_warmup_tracking_logs_each_step_loss_then_the_report():
-    from tailrl.speculative.drafter.warmup import WarmupProgress, WarmupReport
+    from tailrl.warmup import WarmupProgress, WarmupReport
     from tailrl.tracking import WarmupTracking
 
     rec = _Recorder()

@@ -30,7 +30,11 @@ from tailrl.rl.packing import Sample, packed_logprobs
 from tailrl.rl.stream import accumulate_gradients
 from tailrl.rl.rewards import from_reward_fn
 from tailrl.rl.tasks import make_task
-from tailrl.rl.train import CONFIG_SECTIONS, TrainConfig, encode_question, policy_weights, train
+from tailrl.pipeline import TRAIN_SECTIONS, run_config
+from tailrl.rollout.native import NativeRolloutConfig
+from tailrl.rl.run_dir import policy_weights
+from tailrl.rl.tasks import encode_question
+from tailrl.rl.train import TrainConfig, train
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig
 
@@ -111,7 +115,7 @@ def straight_run(tmp_path_factory, char_model_dir, task_file):
     """Three uninterrupted steps: the reference the resume tests must reproduce."""
     out = tmp_path_factory.mktemp("runs") / "straight"
     events = []
-    result = train(tiny_configs(char_model_dir, task_file), out, on_event=events.append)
+    result = train(run_config(tiny_configs(char_model_dir, task_file)), out, on_event=events.append)
     assert result.step == 3 and not result.interrupted
     return out, events
 
@@ -245,8 +249,8 @@ def test_metrics_config_and_plots(straight_run, char_model_dir, task_file):
     assert [line.split(" |")[0] for line in lines if " | reward " in line] == ["step 1/3", "step 2/3", "step 3/3"]
     assert all(e.text in lines for e in events if isinstance(e, Notice))
     # The saved config reads back to the run's config.
-    saved = resolve(CONFIG_SECTIONS, toml=read_toml(out / "config.toml"))
-    assert saved == {**resolve(CONFIG_SECTIONS), **tiny_configs(char_model_dir, task_file)}  # spec, tuner: defaults
+    saved = resolve(TRAIN_SECTIONS, toml=read_toml(out / "config.toml"))
+    assert saved == {**resolve(TRAIN_SECTIONS), **tiny_configs(char_model_dir, task_file)}  # spec, tuner: defaults
     for name in ("rewards", "lengths", "times", "decoding"):
         assert (out / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # One checkpoint kept; it is a loadable model directory, and training changed the weights.
@@ -265,12 +269,12 @@ def test_ctrl_c_then_resume_reproduces_the_uninterrupted_run(straight_run, tmp_p
         if isinstance(event, RolloutProgress) and event.step == 3 and event.progress.done >= 2:
             raise KeyboardInterrupt
 
-    result = train(tiny_configs(char_model_dir, task_file), out, on_event=ctrl_c_in_step_3)
+    result = train(run_config(tiny_configs(char_model_dir, task_file)), out, on_event=ctrl_c_in_step_3)
     assert result.interrupted and result.step == 2
     assert [p.name for p in RunDir(out).checkpoints()] == ["step_000002"]
     assert [r["step"] for r in RunDir(out).read_metrics()] == [1, 2]
 
-    result = train(tiny_configs(char_model_dir, task_file), out, resume=True)
+    result = train(run_config(tiny_configs(char_model_dir, task_file)), out, resume=True)
     assert result.step == 3 and not result.interrupted
     assert comparable(RunDir(out).read_metrics()) == comparable(RunDir(straight).read_metrics())
     assert comparable_evals(out) == comparable_evals(straight)
@@ -293,15 +297,16 @@ def test_heldout_evaluations_score_the_policy_after_their_step(straight_run, cha
     tokenizer = load_tokenizer(char_model_dir)
     held = heldout.heldout_set(make_task(tc.task), tc.seed, tc.eval_problems, lambda q: encode_question(tokenizer, q))
     final = load_model(RunDir(straight).latest_checkpoint(), dtype="bf16")
-    want = heldout.evaluate(final, final, held, tc.seed, SamplingParams(tc.temperature), tc.max_new_tokens,
-                            EngineConfig(max_batch=8), tokenizer, from_reward_fn(high_chars_reward), 10.0)
+    rollout = NativeRolloutConfig(engine=EngineConfig(max_batch=8), speculation=SpeculationConfig(spec="off")).open(final, 0)
+    want = heldout.evaluate(rollout, held, tc.seed, SamplingParams(tc.temperature), tc.max_new_tokens, tokenizer,
+                            from_reward_fn(high_chars_reward), 10.0)
     assert {k: v for k, v in evals[-1].items() if k not in ("step", "heldout_s")} == \
         {k: v for k, v in want.items() if k != "heldout_s"}
 
 
 def test_heldout_evaluations_do_not_change_the_run(straight_run, tmp_path, char_model_dir, task_file):
     straight, _ = straight_run
-    train(tiny_configs(char_model_dir, task_file, eval_every=0), tmp_path / "no-eval")
+    train(run_config(tiny_configs(char_model_dir, task_file, eval_every=0)), tmp_path / "no-eval")
     assert RunDir(tmp_path / "no-eval").read_evals() == []
     assert comparable(RunDir(tmp_path / "no-eval").read_metrics()) == comparable(RunDir(straight).read_metrics())
 
@@ -315,10 +320,10 @@ def test_ctrl_c_in_an_evaluation_then_resume_evaluates_the_checkpoint(straight_r
         if isinstance(event, Notice) and event.text.startswith("held-out evaluation after step 2"):
             raise KeyboardInterrupt
 
-    result = train(tiny_configs(char_model_dir, task_file), out, on_event=ctrl_c_in_the_step_2_evaluation)
+    result = train(run_config(tiny_configs(char_model_dir, task_file)), out, on_event=ctrl_c_in_the_step_2_evaluation)
     assert result.interrupted and result.step == 2
     assert [e["step"] for e in RunDir(out).read_evals()] == [0]
-    train(tiny_configs(char_model_dir, task_file), out, resume=True)
+    train(run_config(tiny_configs(char_model_dir, task_file)), out, resume=True)
     assert comparable_evals(out) == comparable_evals(straight)
     assert comparable(RunDir(out).read_metrics()) == comparable(RunDir(straight).read_metrics())
 
@@ -328,6 +333,7 @@ _KILLER = textwrap.dedent(
     import os, signal, sys
     from test_train import tiny_configs
     import tailrl.rl.train
+    from tailrl.pipeline import run_config
     from tailrl.rl.progress import RolloutProgress
     from tailrl.rl.train import train
 
@@ -337,7 +343,7 @@ _KILLER = textwrap.dedent(
         if isinstance(event, RolloutProgress) and event.step == 3:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    train(tiny_configs(sys.argv[1], sys.argv[2]), sys.argv[3], on_event=kill_in_step_3)
+    train(run_config(tiny_configs(sys.argv[1], sys.argv[2])), sys.argv[3], on_event=kill_in_step_3)
     """
 )
 
@@ -352,7 +358,7 @@ def test_sigkill_mid_step_loses_only_that_step(straight_run, tmp_path, char_mode
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert [r["step"] for r in RunDir(out).read_metrics()] == [1, 2]
-    train(tiny_configs(char_model_dir, task_file), out, resume=True)
+    train(run_config(tiny_configs(char_model_dir, task_file)), out, resume=True)
     assert comparable(RunDir(out).read_metrics()) == comparable(RunDir(straight).read_metrics())
     assert comparable_evals(out) == comparable_evals(straight)
 
@@ -365,7 +371,7 @@ def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_f
         configs = tiny_configs(char_model_dir, task_file, dtype="fp32", steps=2)
         configs["speculation"] = SpeculationConfig(spec=mode, draft_depth=3, num_draft_tokens=3)
         configs["engine"] = EngineConfig(max_batch=8, exact=True)
-        train(configs, tmp_path / mode)
+        train(run_config(configs), tmp_path / mode)
         runs[mode] = RunDir(tmp_path / mode).read_metrics()
     assert all(r["spec_verify_steps"] == 0 for r in runs["off"])
     assert all(r["spec_verify_steps"] > 0 for r in runs["on"])  # it did speculate
@@ -416,7 +422,7 @@ def test_checkpoints_are_atomic(tmp_path, char_model_dir, task_file):
 def test_failing_reward_is_counted_and_skips_the_update(tmp_path, char_model_dir, task_file):
     out = tmp_path / "run"
     configs = tiny_configs(char_model_dir, task_file, steps=1, reward=f"{__name__}:failing_reward")
-    train(configs, out)
+    train(run_config(configs), out)
     (r,) = RunDir(out).read_metrics()
     assert r["reward_failures"] == 12 and r["reward_mean"] == 0.0
     assert r["groups_skipped"] == 3 and r["loss"] == 0.0 and r["train_tokens"] == 0
@@ -430,24 +436,24 @@ def test_failing_reward_is_counted_and_skips_the_update(tmp_path, char_model_dir
 
 def test_bad_configs_and_directories_fail_clearly(straight_run, tmp_path, char_model_dir, task_file):
     with pytest.raises(ConfigError, match="group_size must be >= 2"):
-        resolve(CONFIG_SECTIONS, toml={"train": {"group_size": 1}})
+        resolve(TRAIN_SECTIONS, toml={"train": {"group_size": 1}})
     too_long = tiny_configs(char_model_dir, task_file, max_new_tokens=400)
     with pytest.raises(ValueError, match="exceeds the model's context of 512 tokens"):
-        train(too_long, tmp_path / "long")
+        train(run_config(too_long), tmp_path / "long")
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(RunDirError, match="cannot write the output directory"):
-        train(tiny_configs(char_model_dir, task_file), blocker / "run")
+        train(run_config(tiny_configs(char_model_dir, task_file)), blocker / "run")
     with pytest.raises(RunDirError, match="no checkpoint"):
-        train(too_long, tmp_path / "long", resume=True)
+        train(run_config(too_long), tmp_path / "long", resume=True)
 
     out, _ = straight_run
     with pytest.raises(RunDirError, match="already holds a run"):
-        train(tiny_configs(char_model_dir, task_file), out)
+        train(run_config(tiny_configs(char_model_dir, task_file)), out)
     changed = tiny_configs(char_model_dir, task_file, steps=5)  # steps may change on resume, lr may not
     changed["grpo"] = dataclasses.replace(changed["grpo"], lr=1e-3)
     with pytest.raises(ConfigError, match=r"grpo\.lr: 0\.03 -> 0\.001$"):
-        train(changed, out, resume=True)
+        train(run_config(changed), out, resume=True)
 
 
 def test_the_first_rollout_line_prints_on_a_machine_just_booted(monkeypatch):
@@ -508,7 +514,7 @@ def test_the_overlapped_update_gives_the_synchronous_run(straight_run, tmp_path,
     # rollout. Same tokens, rewards, losses and gradient norms; same weights and optimizer bits.
     straight, _ = straight_run
     out = tmp_path / "sync"
-    train(tiny_configs(char_model_dir, task_file, overlap_batch=0), out)
+    train(run_config(tiny_configs(char_model_dir, task_file, overlap_batch=0)), out)
     a, b = RunDir(out).read_metrics(), RunDir(straight).read_metrics()
     assert comparable(a) == comparable(b)
     assert all(r["groups_in_rollout"] == 0 for r in a)

@@ -19,14 +19,17 @@ from tailrl.rl.progress import RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
 from tailrl.loading import load_model
+from tailrl.model import Transformer
 from tailrl.sampling import SamplingParams, derive_seed
 from tailrl.speculative.drafter.model import Drafter, save_drafter
 from tailrl.speculative.drafter.training import TrainSeq
 from tailrl.speculative.modes import SpeculationConfig
 from tailrl.tuner import TunerConfig
 from tailrl.workers.buffer import DataBuffer, train_seq
-from tailrl.workers.pool import WorkerConfig, merge_stats, shard_indices, start_pool
-from tailrl.workers.runtimes import WorkerError
+from tailrl.pipeline import run_config
+from tailrl.rollout.native import NativeRolloutConfig
+from tailrl.workers.pool import WorkerConfig, WorkerPool, merge_stats, shard_indices
+from tailrl.rollout.protocol import WorkerError
 from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, run_spot
 from tailrl.workers.worker import RolloutWorker, SpotBeat, WorkerSetup
 from test_train import comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
@@ -55,8 +58,10 @@ def reference(target, reqs, max_new_tokens=20):
     return Engine(target, EngineConfig()).generate(reqs, PARAMS, max_new_tokens)
 
 
-def setup(spec: SpeculationConfig = SpeculationConfig()) -> dict:
-    return dict(engine=EngineConfig(max_batch=8), speculation=spec, tuner=TunerConfig(), seed=0)
+def start_pool(workers: WorkerConfig, spot: SpotConfig, target: Transformer,
+               spec: SpeculationConfig = SpeculationConfig(), state: dict | None = None) -> WorkerPool:
+    """The native rollout on `workers`, as a run opens it (seed 0)."""
+    return NativeRolloutConfig(EngineConfig(max_batch=8), spec, TunerConfig(), workers, spot).open(target, 0, state)
 
 
 # ---- pieces -----------------------------------------------------------------------------------
@@ -176,7 +181,7 @@ def test_process_workers_give_the_in_process_tokens(target, tiny_dir):
     reqs = requests()
     want = reference(target, reqs)
     for workers in (1, 2, 3):
-        pool = start_pool(WorkerConfig(workers=workers), SpotConfig(), target, setup())
+        pool = start_pool(WorkerConfig(workers=workers), SpotConfig(), target)
         finished: list = []
         try:
             got = pool.generate(1, reqs, PARAMS, 20, on_finished=lambda i, c: finished.append((i, c.token_ids)))
@@ -192,7 +197,7 @@ def test_process_workers_give_the_in_process_tokens(target, tiny_dir):
 def test_worker_tuners_learn_from_each_others_rollouts(target):
     # Every decode step rewards its worker's tuner once; before its next rollout each worker
     # also counts the other's rewards, and a checkpoint keeps what is not delivered yet.
-    pool = start_pool(WorkerConfig(workers=2), SpotConfig(), target, setup(SpeculationConfig(spec="auto")))
+    pool = start_pool(WorkerConfig(workers=2), SpotConfig(), target, SpeculationConfig(spec="auto"))
     try:
         pool.generate(1, requests(step=1), PARAMS, 20)
         first = pool.stats.steps
@@ -210,7 +215,7 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
     # Rank 0 is paused (SIGSTOP) so rank 1 finishes first and trains the drafter until rank 0,
     # resumed, finishes: a long tail made on purpose. Tokens stay those of plain decoding.
     spec = SpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=3, num_draft_tokens=3)
-    pool = start_pool(WorkerConfig(workers=2), SpotConfig(drafter_batch_tokens=64), target, setup(spec))
+    pool = start_pool(WorkerConfig(workers=2), SpotConfig(drafter_batch_tokens=64), target, spec)
     seen = threading.Event()
     on_beat = pool.runtime.on_beat
 
@@ -232,7 +237,7 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
         finally:
             os.kill(rank0, signal.SIGCONT)
         t.join(120)
-        m = pool.last_metrics
+        m = pool.report().metrics()
         assert m["drafter_version"] == 0 and m["drafter_micro_steps"] >= 2 and m["drafter_loss"] > 0
         assert m["idle_seconds_harvested"] > 0 and m["preempt_latency_s"] > 0
         assert pool.drafter.version == 1 and pool.drafter.micro_steps == m["drafter_micro_steps"]
@@ -240,8 +245,8 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
         # The next rollout drafts with version 1 on every worker; still the same tokens.
         reqs2 = requests(step=2, prompts=2)
         out2 = pool.generate(2, reqs2, PARAMS, 20)
-        assert pool.last_metrics["drafter_version"] == 1 and pool.published == 1
-        assert pool.last_metrics["drafter_accept_len"] >= 1.0
+        assert pool.report().drafter_version == 1 and pool.published == 1
+        assert pool.report().drafter_accept_len >= 1.0
         assert [c.token_ids for c in out2] == [c.token_ids for c in reference(target, reqs2)]
         state = pool.state_dict()
         # The second rollout may have had an idle worker too (timing), training version 2.
@@ -259,11 +264,11 @@ def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, draft
     for workers in (1, 2):
         state = {"tuners": [None] * workers, "drafter": dataclasses.asdict(DrafterState(3, weights, None, 7)),
                  "buffer": buffer.state_dict()}
-        pool = start_pool(WorkerConfig(workers=workers), SpotConfig(), target, setup(spec), state)
+        pool = start_pool(WorkerConfig(workers=workers), SpotConfig(), target, spec, state)
         try:
             assert pool.drafter.version == 3 and pool.buffer.tokens == 14
             out = pool.generate(1, reqs, PARAMS, 20)
-            assert pool.last_metrics["drafter_version"] == 3 and pool.last_metrics["drafter_accept_len"] >= 1
+            assert pool.report().drafter_version == 3 and pool.report().drafter_accept_len >= 1
             assert [c.token_ids for c in out] == [c.token_ids for c in reference(target, reqs)]
             if workers == 1:
                 in_use = pool.runtime.worker.in_use.state_dict()
@@ -273,7 +278,7 @@ def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, draft
 
 
 def test_a_killed_worker_is_reported_with_rank_and_step(target):
-    pool = start_pool(WorkerConfig(workers=2), SpotConfig(), target, setup())
+    pool = start_pool(WorkerConfig(workers=2), SpotConfig(), target)
     try:
         os.kill(pool.runtime.pids[1], signal.SIGKILL)
         with pytest.raises(WorkerError, match=r"^worker 1 died \(exit code -9\) in step 4$"):
@@ -285,7 +290,7 @@ def test_a_killed_worker_is_reported_with_rank_and_step(target):
 def test_a_hung_worker_is_detected_by_timeout(target):
     # The live worker must beat within the timeout even on a loaded machine (a decode step of the
     # tiny model takes milliseconds), so 10 s leaves a wide margin; the stopped one never beats.
-    pool = start_pool(WorkerConfig(workers=2, worker_timeout_s=10), SpotConfig(), target, setup())
+    pool = start_pool(WorkerConfig(workers=2, worker_timeout_s=10), SpotConfig(), target)
     try:
         os.kill(pool.runtime.pids[0], signal.SIGSTOP)
         with pytest.raises(WorkerError, match=r"^worker 0 sent nothing for 10 s \(hung\) in step 3$"):
@@ -305,7 +310,7 @@ def straight_fp32(tmp_path_factory, char_model_dir, task_file):
     """Three steps with the in-process engine (fp32 rollouts, so a batch's composition cannot
     flip a token by rounding): the reference for runs on several workers."""
     out = tmp_path_factory.mktemp("runs") / "straight"
-    train(tiny_configs(char_model_dir, task_file, dtype="fp32"), out)
+    train(run_config(tiny_configs(char_model_dir, task_file, dtype="fp32")), out)
     return out
 
 
@@ -332,10 +337,10 @@ def test_killing_a_worker_stops_the_run_resumably(straight_fp32, tmp_path, char_
     configs["workers"] = WorkerConfig(workers=2)
     with pytest.raises(WorkerError, match=rf"^worker 1 died \(exit code -9\) in step 3; the run stopped after "
                                           rf"step 2, resume with --resume {out}$"):
-        train(configs, out, on_event=kill_worker_1_in_step_3)
+        train(run_config(configs), out, on_event=kill_worker_1_in_step_3)
     assert [p.name for p in RunDir(out).checkpoints()] == ["step_000002"]
     assert [r["step"] for r in RunDir(out).read_metrics()] == [1, 2]
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("tailrl-worker")]
     # Resumed on two workers, the run is the in-process engine's run.
-    train(configs, out, resume=True)
+    train(run_config(configs), out, resume=True)
     assert same_run(RunDir(out).read_metrics(), RunDir(straight_fp32).read_metrics())

@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 from tailrl.bench.train import TwoRunsConfig
 from tailrl.engine import EngineConfig
+from tailrl.rl.train import RunConfig, TrainConfig
+from tailrl.rollout.native import NativeRolloutConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig
 from tailrl.workers.pool import WorkerConfig
 from tailrl.workers.spot import SpotConfig
@@ -51,19 +53,15 @@ class BenchDrafterConfig(TwoRunsConfig):
             raise ValueError(f"the adaptive drafter is spot-trained on idle workers: need workers >= 2, got {self.workers}")
 
 
-def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool, steps: int) -> dict[str, Any]:
-    """The train() sections of one run, stopping after `steps` steps."""
-    from tailrl.rl.train import TrainConfig
+def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool, steps: int) -> RunConfig:
+    """The train() config of one run, stopping after `steps` steps."""
 
     train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
                         steps=steps, seed=cfg.seed, eval_every=0)
-    return {
-        "train": train,
-        "engine": EngineConfig(exact=cfg.exact),
-        "speculation": RolloutSpeculationConfig(spec=cfg.spec, drafter=drafter),
-        "workers": WorkerConfig(workers=cfg.workers),
-        "spot": SpotConfig(spot_train=adaptive),
-    }
+    return RunConfig(NativeRolloutConfig(engine=EngineConfig(exact=cfg.exact),
+                                         speculation=RolloutSpeculationConfig(spec=cfg.spec, drafter=drafter),
+                                         workers=WorkerConfig(workers=cfg.workers), spot=SpotConfig(spot_train=adaptive)),
+                     train=train)
 
 
 def _mean(xs: list[float | None]) -> float:

@@ -290,7 +290,7 @@ def run_batch1(cfg: BenchPeersConfig) -> dict[str, Any]:
     each side. Tokens differ between sides (own random numbers): compare tokens/s."""
     from tailrl.loading import load_tokenizer, resolve_model_dir
     from tailrl.rl.tasks import make_task
-    from tailrl.rl.train import encode_question
+    from tailrl.rl.tasks import encode_question
 
     model_dir = resolve_model_dir(cfg.model)
     tok = load_tokenizer(model_dir)

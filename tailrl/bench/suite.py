@@ -109,7 +109,7 @@ def run(cfg: BenchAllConfig, configs: dict[str, Any], log: Callable[[str], None]
     names = list(cfg.only or BENCHES)
     drafter = cfg.drafter
     if drafter is None and any("drafter" in _field_names(configs[n]) for n in names):
-        from tailrl.speculative.drafter.warmup import WarmupConfig, warmup
+        from tailrl.warmup import WarmupConfig, warmup
 
         drafter = str(out / "drafter")
         log(f"warming up a drafter into {drafter} (give --drafter DIR to reuse one)")

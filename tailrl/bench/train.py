@@ -39,6 +39,8 @@ from typing import Any, Callable
 
 from tailrl.engine import EngineConfig
 from tailrl.rl.tasks import DEFAULT_TASK
+from tailrl.rl.train import RunConfig, TrainConfig
+from tailrl.rollout.native import NativeRolloutConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig
 from tailrl.workers.pool import WorkerConfig
 from tailrl.workers.spot import SpotConfig
@@ -79,21 +81,17 @@ class BenchTrainConfig(TwoRunsConfig):
     training, the default run's setting)."""
 
 
-def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) -> dict[str, Any]:
-    """The train() sections of one run, stopping after `steps` steps."""
-    from tailrl.rl.train import TrainConfig
+def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) -> RunConfig:
+    """The train() config of one run, stopping after `steps` steps."""
 
     sd = run in SPECULATE
     train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts,
                         group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, steps=steps, seed=cfg.seed,
                         overlap_batch=TrainConfig.overlap_batch if run in OVERLAP else 0, eval_every=0)
-    return {
-        "train": train,
-        "engine": EngineConfig(exact=cfg.exact),
-        "speculation": RolloutSpeculationConfig(spec="auto", drafter=drafter) if sd else RolloutSpeculationConfig(spec="off"),
-        "workers": WorkerConfig(workers=cfg.workers),
-        "spot": SpotConfig(spot_train=sd),
-    }
+    speculation = RolloutSpeculationConfig(spec="auto", drafter=drafter) if sd else RolloutSpeculationConfig(spec="off")
+    return RunConfig(NativeRolloutConfig(engine=EngineConfig(exact=cfg.exact), speculation=speculation,
+                                         workers=WorkerConfig(workers=cfg.workers), spot=SpotConfig(spot_train=sd)),
+                     train=train)
 
 
 def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -146,7 +144,7 @@ def warm_drafter(cfg: Any, out: Path, log: Callable[[str], None]) -> str:
     """cfg.drafter, or a drafter warmed up for cfg's model and task into out/warm-drafter."""
     if cfg.drafter is not None:
         return cfg.drafter
-    from tailrl.speculative.drafter.warmup import WarmupConfig, warmup
+    from tailrl.warmup import WarmupConfig, warmup
 
     drafter = str(out / "warm-drafter")
     log(f"warming up a drafter into {drafter}")
@@ -154,10 +152,10 @@ def warm_drafter(cfg: Any, out: Path, log: Callable[[str], None]) -> str:
     return drafter
 
 
-def interleaved(out: Path, runs: dict[str, Callable[[int], dict[str, Any]]], steps: int,
+def interleaved(out: Path, runs: dict[str, Callable[[int], RunConfig]], steps: int,
                 describe: Callable[[dict[str, Any]], str], log: Callable[[str], None]) -> dict[str, list[dict]]:
     """Step k of every run, then step k + 1 of every run, ...: runs[name](k) gives the train()
-    sections stopping after k steps, and each run continues its directory out/name through
+    config stopping after k steps, and each run continues its directory out/name through
     resume. Returns each run's metrics records.
 
     The order alternates per step (A B, B A, A B, ...): all runs share this process, and going

@@ -9,29 +9,28 @@ gradient has the same bits either way, on any CPU; only where the time goes diff
 
 In the overlapped schedule the background thread computes only in the rollout's tail (at most
 `overlap_batch` sequences running): with fewer sequences than cores to keep busy, a core is
-better spent on the update than on decoding. When the engine runs in this process (one worker),
-it decodes on one torch thread less while the update has work, and on all of them otherwise.
+better spent on the update than on decoding, so the rollout is asked to lend one
+(Rollout.lend_core) while the update has work.
 
-Knows: the order of a step's phases, groups, rewards, advantages, threads. Does not know: how the
-engine decodes, the loss (tailrl.rl.stream), the optimizer.
+Knows: the order of a step's phases, groups, rewards, advantages. Does not know: how the
+rollout decodes (tailrl.rollout.protocol), the loss (tailrl.rl.stream), the optimizer.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from tailrl.engine import Completion, Progress, Request
 from tailrl.model import Transformer
+from tailrl.rollout.protocol import Completion, Progress, Request, Rollout, SamplingParams
 from tailrl.rl.grpo import GRPOConfig, group_advantages
 from tailrl.rl.packing import Sample
 from tailrl.rl.rewards import RewardBatch, safe_rewards
 from tailrl.rl.stream import GroupGradients, OverlappedUpdate, UpdateStats
-from tailrl.rl.tasks import Problem
-from tailrl.sampling import SamplingParams
+from tailrl.rl.tasks import Problem, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class ScoredGroup:
     samples: list[Sample]  # empty when the group's rewards are all equal (no signal: it sits out)
 
 
-def score_group(problem: Problem, completions: Sequence[Completion], tokenizer: Any,
+def score_group(problem: Problem, completions: Sequence[Completion], tokenizer: Tokenizer,
                 score: Callable[[Problem, str], float], timeout_s: float, drop_truncated: bool = False) -> ScoredGroup:
     """Decode a group's responses, reward them (a reward that raises or hangs scores 0 and is
     counted) and attach group-normalised advantages; with drop_truncated, responses cut off at
@@ -95,20 +94,20 @@ class StepInputs:
     params: SamplingParams
     max_new_tokens: int
     group_size: int
-    tokenizer: Any
+    tokenizer: Tokenizer
     score: Callable[[Problem, str], float]
     reward_timeout_s: float
 
 
-def run_step(pool: Any, step: int, inputs: StepInputs, policy: Transformer, cfg: GRPOConfig, temperature: float,
+def run_step(rollout: Rollout, step: int, inputs: StepInputs, policy: Transformer, cfg: GRPOConfig, temperature: float,
              ref: Transformer | None, overlap_batch: int, on_progress: Callable[[Progress], None]) -> StepWork:
     """Rollout, rewards and the gradient (written into the policy's .grad); overlapped when
     overlap_batch > 0, else synchronous."""
     grads = GroupGradients(policy, cfg, temperature, len(inputs.problems), ref)
     if overlap_batch > 0:
-        return _overlapped(pool, step, inputs, grads, overlap_batch, on_progress)
+        return _overlapped(rollout, step, inputs, grads, overlap_batch, on_progress)
     t0 = time.perf_counter()
-    completions = pool.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens, on_progress=on_progress)
+    completions = rollout.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens, on_progress=on_progress)
     t1 = time.perf_counter()
     G = inputs.group_size
     groups = [score_group(p, completions[g * G : (g + 1) * G], inputs.tokenizer, inputs.score, inputs.reward_timeout_s,
@@ -125,7 +124,7 @@ def run_step(pool: Any, step: int, inputs: StepInputs, policy: Transformer, cfg:
                                                  "update_in_rollout_s": 0.0, "groups_in_rollout": 0})
 
 
-def _overlapped(pool: Any, step: int, inputs: StepInputs, grads: GroupGradients, overlap_batch: int,
+def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGradients, overlap_batch: int,
                 on_progress: Callable[[Progress], None]) -> StepWork:
     G, P = inputs.group_size, len(inputs.problems)
     finished: list[list[Completion | None]] = [[None] * G for _ in range(P)]
@@ -133,8 +132,6 @@ def _overlapped(pool: Any, step: int, inputs: StepInputs, grads: GroupGradients,
     groups: list[ScoredGroup | None] = [None] * P
     update = OverlappedUpdate(grads)
     reward_s = 0.0
-    decode_threads = torch.get_num_threads()
-    in_process = pool.in_process
 
     def on_finished(index: int, completion: Completion) -> None:
         nonlocal reward_s
@@ -155,19 +152,16 @@ def _overlapped(pool: Any, step: int, inputs: StepInputs, grads: GroupGradients,
             update.open_gate()
         else:
             update.close_gate()
-        if in_process and decode_threads > 1:  # hand one core to the update, or take it back
-            torch.set_num_threads(decode_threads - 1 if tail else decode_threads)
+        rollout.lend_core(tail)
 
     t0 = time.perf_counter()
     try:
-        completions = pool.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens,
-                                    on_progress=progress, on_finished=on_finished,
-                                    policy_busy=lambda: update.active)
+        completions = rollout.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens,
+                                       on_progress=progress, on_finished=on_finished,
+                                       policy_busy=lambda: update.active)
     except BaseException:
         update.abort()
         raise
-    finally:
-        torch.set_num_threads(decode_threads)
     t1 = time.perf_counter()
     in_rollout = update.seconds_so_far()
     update.drain()

@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from tailrl.config import ConfigError, dump_toml, read_toml, resolve
+from tailrl.model import Transformer
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -263,3 +264,11 @@ class RunDir:
         optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
         raw = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
         return optimizer_state, TrainState(**raw)
+
+
+def policy_weights(model: Transformer) -> dict[str, torch.Tensor]:
+    """The state dict to save: contiguous tensors, a tied LM head left out (the config says so)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state

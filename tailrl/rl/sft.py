@@ -42,9 +42,9 @@ from tailrl.loading import (
 )
 from tailrl.model import Transformer
 from tailrl.rl.guards import sigint_deferred
-from tailrl.rl.tasks import DEFAULT_TASK, HELDOUT_STREAM, Problem, extract_answer, make_task
+from tailrl.rl.run_dir import policy_weights
+from tailrl.rl.tasks import DEFAULT_TASK, HELDOUT_STREAM, Problem, encode_question, extract_answer, make_task
 from tailrl.rl.packing import Sample, packed_logprobs
-from tailrl.rl.train import encode_question, policy_weights
 from tailrl.rl.worked import WorkedTask
 from tailrl.sampling import SamplingParams, derive_seed
 

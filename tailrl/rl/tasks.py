@@ -1,7 +1,8 @@
-"""Tasks: problems with checkable answers, the prompt template, and answer extraction.
+"""Tasks by name (reasoning-gym datasets, JSONL files, the procedural worked tasks) and the prompt.
 
 A task turns (run seed, index) into a Problem deterministically, so the data order of a run is
-a pure function of its seed and resumes exactly, and scores an extracted answer in [0, 1].
+a pure function of its seed and resumes exactly, and scores an extracted answer in [0, 1]
+(the contract: tailrl.rl.problems).
 
 Knows: reasoning-gym datasets and their scorers, JSONL problem files, math_verify, the chat
 prompt and the answer format. Does not know: tokenizers, models, how completions were
@@ -13,14 +14,14 @@ from __future__ import annotations
 import ast
 import difflib
 import json
-import re
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from tailrl.rl.problems import Problem, Task, extract_answer
+from tailrl.rl.worked import PROCEDURAL, jsonl_solution, rg_solution
 from tailrl.sampling import derive_seed
 
 __all__ = [
@@ -45,25 +46,6 @@ DEFAULT_TASK = "sums"
 HELDOUT_STREAM = 1_000_003
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One question, its reference answer, and what the task's scorer needs besides them."""
-
-    question: str
-    answer: str
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-class Task(Protocol):
-    name: str
-
-    def sample(self, rng_seed: int, index: int) -> Problem:
-        """The index-th problem of the stream for rng_seed; the same pair gives the same problem."""
-
-    def score(self, problem: Problem, answer_text: str) -> float:
-        """Score an extracted answer in [0, 1]."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Prompt template and answer format
 
@@ -78,9 +60,6 @@ EXAMPLE = [
     {"role": "user", "content": "What is 7 + 5?"},
     {"role": "assistant", "content": "7 + 5 = 12.\n<answer>12</answer>"},
 ]
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-
-
 def format_prompt(question: str) -> list[dict[str, str]]:
     """Chat messages: instructions, one worked example, then the question.
 
@@ -90,16 +69,25 @@ def format_prompt(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE, {"role": "user", "content": question}]
 
 
-def extract_answer(completion: str) -> str | None:
-    """The text inside the last <answer>...</answer> pair, stripped; None if there is none.
+class Tokenizer(Protocol):
+    """What tailrl asks of a model's tokenizer (a transformers tokenizer is one)."""
 
-    The last pair wins because the model may quote the format before answering.
-    """
-    found = _ANSWER_TAG.findall(completion)
-    if not found:
-        return None
-    answer = found[-1].strip()
-    return answer or None
+    chat_template: str | None
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = ...,
+                            tokenize: bool = ...) -> str: ...
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def encode_question(tokenizer: Tokenizer, question: str) -> tuple[int, ...]:
+    """The chat prompt of a question (format_prompt), ending where the answer starts."""
+    if not tokenizer.chat_template:
+        raise ValueError("the model's tokenizer has no chat template; tailrl prompts are chat messages")
+    text = tokenizer.apply_chat_template(format_prompt(question), add_generation_prompt=True, tokenize=False)
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +161,6 @@ class ReasoningGymTask:
 
     def solution(self, problem: Problem) -> str:
         """The item's worked solution (tailrl.rl.worked.rg_solution); ValueError if it has none."""
-        from tailrl.rl.worked import rg_solution
-
         return rg_solution(problem.meta["entry"])
 
     def score(self, problem: Problem, answer_text: str) -> float:
@@ -254,8 +240,6 @@ class JsonlTask:
 
     def solution(self, problem: Problem) -> str:
         """The row's `solution` field (tailrl.rl.worked.jsonl_solution); ValueError if it has none."""
-        from tailrl.rl.worked import jsonl_solution
-
         return jsonl_solution(problem.meta, problem.answer)
 
     def score(self, problem: Problem, answer_text: str) -> float:
@@ -306,8 +290,6 @@ def make_task(name: str, **difficulty: Any) -> Task:
         if difficulty:
             raise ValueError(f"JSONL tasks take no settings, got {sorted(difficulty)}")
         return JsonlTask(name)
-    from tailrl.rl.worked import PROCEDURAL
-
     dataset, settings = _parse_rg_name(name.removeprefix("rg:"))
     if not name.startswith("rg:") and dataset in PROCEDURAL:
         try:

@@ -4,10 +4,12 @@
 `rollout_and_gradient` (the rollout, each group's rewards and advantages, the gradient of the
 token-mean loss: tailrl.rl.phases, overlapped with the rollout's tail unless overlap_batch is
 0), `clip`, then the optimizer step, publishing the weights and the checkpoint (`save`), and,
-every eval_every steps, the held-out evaluation (`evaluate_heldout`, tailrl.rl.heldout). The
-update's tensor plumbing is tailrl.rl.packing and tailrl.rl.stream. The rollout goes through
-tailrl.workers (`start_pool`): one engine in this process by default, or several worker
-processes / Ray actors, whose idle time in the long tail trains the drafter.
+every eval_every steps, the held-out evaluation (`evaluate_heldout`, tailrl.rl.heldout); the
+stages are methods of `Trainer`, which holds what lives from step to step. The update's tensor
+plumbing is tailrl.rl.packing and tailrl.rl.stream. The rollout is whatever `RunConfig.rollout`
+opens behind the Rollout protocol (tailrl.rollout.protocol): tailrl's native engine, in this
+process by default, or several worker processes / Ray actors whose idle time in the long tail
+trains the drafter.
 
 Weights. The policy trains in `train_dtype` (fp32 master weights: an AdamW update of lr ~1e-5
 relative to a weight vanishes in bf16's 8-bit mantissa). Rollouts run in `dtype`; when it
@@ -27,13 +29,11 @@ Skipped groups. A group whose rewards are all equal has zero advantages; it is l
 update (neither computed nor counted in the token mean, as DAPO's dynamic sampling drops it) but
 counts in the reward metrics.
 
-Speculative rollouts ([speculation] section, tailrl.speculative.modes) are lossless: they change
-speed, not the distribution of tokens. With `exact` (engine option) the engine's forwards are
-row-invariant (tailrl.model), a verify computes a one-token step's logits bit for bit and the
-tokens are identical too; without it a near-tie can flip a token (docs/lossless.md). In auto
-mode the tuner picks arms by measured speed; its state is checkpointed.
+Speculative rollouts are the rollout's business, and lossless: they change speed, not the
+distribution of tokens (docs/lossless.md); the rollout reports what its decoding did, and its
+state (tuners, drafter, data buffer) is checkpointed with the run's.
 
-Knows: tasks, rewards, the tokenizer, the rollout's interface, AdamW, the run directory.
+Knows: tasks, rewards, the tokenizer, the Rollout protocol, AdamW, the run directory.
 Does not know: how the engine produces tokens (plain or speculative), where workers run.
 
 Shapes: P prompts, G group_size.
@@ -41,16 +41,16 @@ Shapes: P prompts, G group_size.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from tailrl.engine import EngineConfig, Request
 from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
 from tailrl.model import Transformer
 from tailrl.rl import heldout
@@ -58,18 +58,15 @@ from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.phases import StepInputs, StepWork, run_step
 from tailrl.rl.plots import write_plots
-from tailrl.rl.progress import ConsolePrinter, EvalDone, EvalProgress, Notice, RolloutProgress, StepDone  # ConsolePrinter: for the CLI
-from tailrl.rl.rewards import ProblemReward, from_reward_fn, load_reward, task_reward
-from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, restore_rng
+from tailrl.rl.progress import EvalDone, EvalProgress, Notice, RolloutProgress, StepDone
+from tailrl.rl.rewards import ProblemReward, RewardBatch, from_reward_fn, load_reward, task_reward
+from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, policy_weights, restore_rng
 from tailrl.rl.stream import UpdateStats
-from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, extract_answer, format_prompt, make_task
-from tailrl.sampling import SamplingParams, derive_seed
-from tailrl.speculative.modes import RolloutSpeculationConfig
-from tailrl.speculative.report import chain_ceiling, rollout_report
-from tailrl.tuner import TunerConfig
-from tailrl.workers.pool import WorkerConfig, WorkerPool, start_pool
-from tailrl.workers.runtimes import WorkerError
-from tailrl.workers.spot import SpotConfig
+from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, Tokenizer, encode_question, extract_answer, make_task
+from tailrl.rollout.protocol import (
+    Completion, Request, Rollout, RolloutConfig, RolloutReport, SamplingParams, WorkerError,
+)
+from tailrl.sampling import derive_seed
 
 DEVICES = ("auto", "cpu", "cuda")
 # Fields that cannot change a run's results, so a resume may change them.
@@ -141,10 +138,17 @@ class TrainConfig:
                 raise ValueError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
 
 
-CONFIG_SECTIONS: dict[str, type] = {
-    "train": TrainConfig, "grpo": GRPOConfig, "engine": EngineConfig, "speculation": RolloutSpeculationConfig, "tuner": TunerConfig,
-    "workers": WorkerConfig, "spot": SpotConfig,
-}
+@dataclass(frozen=True)
+class RunConfig:
+    """A run's configuration, typed: the loop's sections and the rollout's (its engine's own)."""
+
+    rollout: RolloutConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+    def sections(self) -> dict[str, object]:
+        """Every section by name, as config.toml holds them."""
+        return {"train": self.train, "grpo": self.grpo, **self.rollout.sections()}
 
 
 @dataclass(frozen=True)
@@ -157,14 +161,6 @@ class TrainResult:
 # ---- one run's steps ---------------------------------------------------------------------
 
 
-def policy_weights(model: Transformer) -> dict[str, torch.Tensor]:
-    """The state dict to save: contiguous tensors, a tied LM head left out (the config says so)."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    return state
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -173,15 +169,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def encode_question(tokenizer: Any, question: str) -> tuple[int, ...]:
-    """The chat prompt of a question (tailrl.rl.tasks.format_prompt), ending where the answer starts."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the model's tokenizer has no chat template; tailrl prompts are chat messages")
-    text = tokenizer.apply_chat_template(format_prompt(question), add_generation_prompt=True, tokenize=False)
-    return tuple(tokenizer.encode(text, add_special_tokens=False))
-
-
-def rollout_requests(task: Task, tokenizer: Any, tc: TrainConfig, step: int, data_cursor: int,
+def rollout_requests(task: Task, tokenizer: Tokenizer, tc: TrainConfig, step: int, data_cursor: int,
                      context: int) -> tuple[list[Problem], list[Request]]:
     """The problems of a step (the task's seeded stream at the data cursor) and group_size
     requests per problem, each seeded by (run seed, step, prompt, sample)."""
@@ -202,7 +190,7 @@ def _check_context(prompts: Sequence[tuple[int, ...]], first_index: int, max_new
             )
 
 
-def tokens_digest(completions: Sequence[Any]) -> str:
+def tokens_digest(completions: Sequence[Completion]) -> str:
     """A fingerprint of a rollout's token ids in request order: two runs sampled the same tokens
     iff their digests match (what `tailrl bench train` compares)."""
     h = hashlib.sha256()
@@ -212,11 +200,10 @@ def tokens_digest(completions: Sequence[Any]) -> str:
     return h.hexdigest()
 
 
-def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str], rewards: Any,
+def step_metrics(step: int, tc: TrainConfig, completions: list[Completion], texts: list[str], rewards: RewardBatch,
                  skipped: int, stats: UpdateStats, grad_norm: float, times: dict[str, float],
-                 pool: WorkerPool, lr: float, bucket_edges: Sequence[int], depth: int) -> dict[str, Any]:
-    """The metrics record of one step (one line of metrics.jsonl); `depth`: the chain depth of
-    accept_len_ceiling (the --spec on draft depth)."""
+                 rollout: RolloutReport, lr: float) -> dict[str, object]:
+    """The metrics record of one step (one line of metrics.jsonl)."""
     lens = np.array([len(c.token_ids) for c in completions])
     r = np.array(rewards.rewards)
     return {
@@ -234,13 +221,7 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
         "truncated": sum(c.finish_reason == "length" for c in completions),
         "max_new_tokens": tc.max_new_tokens,
         "tokens_generated": int(lens.sum()),
-        "rollout_tok_s": pool.stats.tokens_per_s,
-        "prefill_s": pool.stats.prefill_seconds,
-        "decode_steps": pool.stats.steps,
-        "spec_verify_steps": pool.stats.spec.verify_steps,
-        "spec_accept_len": pool.stats.spec.accept_len,
-        "accept_len_ceiling": chain_ceiling([c.top1 for c in completions], depth),
-        **rollout_report(pool.stats, bucket_edges),
+        **rollout.metrics(),  # decoding, speculation, the tail, the drafter and spot training
         **times,
         "rollout_share": times["rollout_s"] / times["step_s"] if times["step_s"] else 0.0,
         "loss": stats.loss,
@@ -254,7 +235,6 @@ def step_metrics(step: int, tc: TrainConfig, completions: list, texts: list[str]
         "response_lens": lens.tolist(),
         "rewards": r.tolist(),
         "tokens_sha256": tokens_digest(completions),
-        **pool.last_metrics,  # drafter version, spot training, idle seconds
     }
 
 
@@ -272,15 +252,14 @@ def step_times(work: StepWork, step_s: float) -> dict[str, float]:
 
 @dataclass
 class Trainer:
-    """The parts of one run that live from step to step (built by `start_run`)."""
+    """One run's parts that live from step to step (built by `start_run`), and the stages of a
+    step that `train` calls in order."""
 
-    tc: TrainConfig
-    gc: GRPOConfig
-    configs: dict[str, Any]
+    cfg: RunConfig
     run: RunDir
     task: Task
     reward_fn: ProblemReward
-    tokenizer: Any
+    tokenizer: Tokenizer
     model_dir: Path
     device: torch.device
     policy: Transformer  # trains, in tc.train_dtype
@@ -288,23 +267,92 @@ class Trainer:
     ref: Transformer | None  # the frozen initial policy, for the KL term
     optimizer: torch.optim.Optimizer
     state: TrainState
-    pool: WorkerPool
-    emit: Callable[[Any], None]
+    rollout: Rollout
+    emit: Callable[[object], None]
     saved_step: int  # the step of the newest checkpoint; -1 before the first
     heldout: heldout.HeldOut | None  # the evaluation's problems; None: evaluations are off
 
+    @property
+    def tc(self) -> TrainConfig:
+        return self.cfg.train
 
-def start_run(configs: dict[str, Any], out_dir: str | Path | None, resume: bool,
-              emit: Callable[[Any], None]) -> Trainer:
+    @property
+    def gc(self) -> GRPOConfig:
+        return self.cfg.grpo
+
+    def rollout_and_gradient(self, step: int) -> StepWork:
+        """The step's rollout, rewards and advantages, and the gradient of the token-mean PPO-clip
+        loss in the policy's .grad (tailrl.rl.phases). Problems come from the task's seeded
+        stream at the data cursor; each response's sampling seed is keyed by (run seed, step,
+        prompt, sample), so the tokens do not depend on batching or on a resume."""
+        tc = self.tc
+        problems, requests = rollout_requests(self.task, self.tokenizer, tc, step, self.state.data_cursor,
+                                              self.rollout_model.cfg.max_position_embeddings)
+        inputs = StepInputs(problems, requests, SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
+                            tc.group_size, self.tokenizer, self.reward_fn, tc.reward_timeout_s)
+        self.optimizer.zero_grad(set_to_none=True)
+        with deterministic(self.device):
+            return run_step(self.rollout, step, inputs, self.policy, self.gc, tc.temperature, self.ref, tc.overlap_batch,
+                            lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)))
+
+    def clip(self, work: StepWork) -> float:
+        """Clip the gradient's global norm; its norm before clipping (0 when no group trained)."""
+        if not work.trained:
+            return 0.0
+        max_norm = self.gc.grad_clip if self.gc.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm))
+
+    def save(self) -> None:
+        """Checkpoint the policy, optimizer, random state and the rollout's state."""
+        self.state.rng = capture_rng()
+        self.state.extra["workers"] = self.rollout.state_dict()  # tuners, drafter version and optimizer, buffer
+        path = self.run.save_checkpoint(policy_weights(self.policy), self.optimizer.state_dict(), self.state,
+                                        self.model_dir, self.tc.keep_checkpoints)
+        self.saved_step = self.state.step
+        self.emit(Notice(f"saved {path}"))
+
+    def evaluate_heldout(self) -> None:
+        """The held-out evaluation of the policy after the current step, when one is due and not
+        yet recorded (a resume evaluates the checkpoint's policy if a kill came first). It decodes
+        on a rollout of its own (plain, in this process, on a copy of the rollout model), so the
+        training rollout's state is untouched."""
+        tc, step = self.tc, self.state.step
+        if (self.heldout is None or not heldout.due(step, tc.eval_every, tc.steps)
+                or not heldout.missing(self.run.read_evals(), step)):
+            return
+        self.emit(Notice(f"held-out evaluation after step {step}: {len(self.heldout.problems)} problems, one response each"))
+        rollout = self.cfg.rollout.for_evaluation().open(copy.deepcopy(self.rollout_model), tc.seed)
+        try:
+            rollout.publish_weights(self.policy)  # the rollout model may be a worker's stale copy
+            with deterministic(self.device):
+                record = heldout.evaluate(rollout, self.heldout, tc.seed, SamplingParams(tc.temperature, tc.top_p, tc.top_k),
+                                          tc.max_new_tokens, self.tokenizer, self.reward_fn, tc.reward_timeout_s,
+                                          lambda progress: self.emit(EvalProgress(step, progress)))
+        finally:
+            rollout.close()
+        record = {"step": step, **record}
+        self.run.append_eval(record)
+        self.emit(EvalDone(record))
+
+    def plot(self) -> None:
+        """Redraw the run's plots; a plot must never stop training."""
+        try:
+            write_plots(self.run.read_metrics(), self.run.plots_dir, self.run.read_evals())
+        except Exception as e:  # noqa: BLE001
+            self.emit(Notice(f"warning: plots not written: {e!r}"))
+
+
+def start_run(cfg: RunConfig, out_dir: str | Path | None, resume: bool, emit: Callable[[object], None]) -> Trainer:
     """Open the run directory, load the models (from the last checkpoint on a resume), restore
-    the optimizer and random state, start the rollout workers."""
-    tc, gc = configs["train"], configs["grpo"]
+    the optimizer and random state, open the rollout."""
+    tc, gc = cfg.train, cfg.grpo
+    sections = cfg.sections()
     if resume:
         if out_dir is None:
             raise ValueError("resume needs the run directory")
-        run = RunDir.open(out_dir, configs, may_change=RESUMABLE_CHANGES)
+        run = RunDir.open(out_dir, sections, may_change=RESUMABLE_CHANGES)
     else:
-        run = RunDir.create(out_dir if out_dir is not None else default_out_dir(), configs)
+        run = RunDir.create(out_dir if out_dir is not None else default_out_dir(), sections)
     task = make_task(tc.task)
     reward_fn = task_reward(task, tc.format_weight) if tc.reward is None else from_reward_fn(load_reward(tc.reward))
     model_dir = resolve_model_dir(tc.model)
@@ -326,128 +374,62 @@ def start_run(configs: dict[str, Any], out_dir: str | Path | None, resume: bool,
     else:
         torch.manual_seed(tc.seed)
         emit(Notice(f"run directory {run.path}"))
-    setup = dict(engine=configs["engine"], speculation=configs["speculation"], tuner=configs["tuner"], seed=tc.seed)
-    pool = start_pool(configs["workers"], configs["spot"], rollout_model, setup, state.extra.get("workers"))
+    rollout = cfg.rollout.open(rollout_model, tc.seed, state.extra.get("workers"))
     where = "on the policy" if rollout_model is policy else f"on a {dtype} copy"
     emit(Notice(f"policy in {tc.train_dtype} on {device}; rollouts {where}"))
     held = (heldout.heldout_set(task, tc.seed, tc.eval_problems, lambda q: encode_question(tokenizer, q))
             if tc.eval_every else None)
-    return Trainer(tc, gc, configs, run, task, reward_fn, tokenizer, model_dir, device, policy, rollout_model, ref,
-                   optimizer, state, pool, emit, saved_step=state.step if checkpoint is not None else -1, heldout=held)
+    return Trainer(cfg, run, task, reward_fn, tokenizer, model_dir, device, policy, rollout_model, ref, optimizer,
+                   state, rollout, emit, saved_step=state.step if checkpoint is not None else -1, heldout=held)
 
 
-def rollout_and_gradient(t: Trainer, step: int) -> StepWork:
-    """The step's rollout, rewards and advantages, and the gradient of the token-mean PPO-clip
-    loss in the policy's .grad (tailrl.rl.phases). Problems come from the task's seeded stream at
-    the data cursor; each response's sampling seed is keyed by (run seed, step, prompt, sample),
-    so the tokens do not depend on batching or on a resume."""
-    tc = t.tc
-    problems, requests = rollout_requests(t.task, t.tokenizer, tc, step, t.state.data_cursor,
-                                          t.rollout_model.cfg.max_position_embeddings)
-    inputs = StepInputs(problems, requests, SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
-                        tc.group_size, t.tokenizer, t.reward_fn, tc.reward_timeout_s)
-    t.optimizer.zero_grad(set_to_none=True)
-    with deterministic(t.device):
-        return run_step(t.pool, step, inputs, t.policy, t.gc, tc.temperature, t.ref, tc.overlap_batch,
-                        lambda progress: t.emit(RolloutProgress(step, tc.steps, progress)))
-
-
-def clip(t: Trainer, work: StepWork) -> float:
-    """Clip the gradient's global norm; its norm before clipping (0 when no group trained)."""
-    if not work.trained:
-        return 0.0
-    max_norm = t.gc.grad_clip if t.gc.grad_clip > 0 else float("inf")
-    return float(torch.nn.utils.clip_grad_norm_(t.policy.parameters(), max_norm))
-
-
-def save(t: Trainer) -> None:
-    """Checkpoint the policy, optimizer, random state and the workers' state."""
-    t.state.rng = capture_rng()
-    t.state.extra["workers"] = t.pool.state_dict()  # tuners, drafter version and optimizer, buffer
-    path = t.run.save_checkpoint(policy_weights(t.policy), t.optimizer.state_dict(), t.state, t.model_dir,
-                                 t.tc.keep_checkpoints)
-    t.saved_step = t.state.step
-    t.emit(Notice(f"saved {path}"))
-
-
-def evaluate_heldout(t: Trainer) -> None:
-    """The held-out evaluation of the policy after the current step, when one is due and not
-    yet recorded (a resume evaluates the checkpoint's policy if a kill came first)."""
-    tc, step = t.tc, t.state.step
-    if t.heldout is None or not heldout.due(step, tc.eval_every, tc.steps) or not heldout.missing(t.run.read_evals(), step):
-        return
-    t.emit(Notice(f"held-out evaluation after step {step}: {len(t.heldout.problems)} problems, one response each"))
-    with deterministic(t.device):
-        record = heldout.evaluate(t.policy, t.rollout_model, t.heldout, tc.seed,
-                                  SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
-                                  t.configs["engine"], t.tokenizer, t.reward_fn, tc.reward_timeout_s,
-                                  lambda progress: t.emit(EvalProgress(step, progress)))
-    record = {"step": step, **record}
-    t.run.append_eval(record)
-    t.emit(EvalDone(record))
-
-
-def plot(t: Trainer) -> None:
-    """Redraw the run's plots; a plot must never stop training."""
-    try:
-        write_plots(t.run.read_metrics(), t.run.plots_dir, t.run.read_evals())
-    except Exception as e:  # noqa: BLE001
-        t.emit(Notice(f"warning: plots not written: {e!r}"))
-
-
-def train(
-    configs: dict[str, Any],
-    out_dir: str | Path | None = None,
-    resume: bool = False,
-    on_event: Callable[[Any], None] | None = None,
-) -> TrainResult:
-    """Run GRPO as configured: configs maps CONFIG_SECTIONS' names to their dataclasses.
+def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = False,
+          on_event: Callable[[object], None] | None = None) -> TrainResult:
+    """Run GRPO as configured.
 
     A new run writes to `out_dir` (default runs/<timestamp>); `resume=True` continues the run
     in `out_dir` from its last checkpoint and reproduces what an uninterrupted run computes.
     Ctrl-C saves the last completed step and returns with `interrupted=True`.
     """
-    # Sections left out run with their defaults (and are saved as such).
-    configs = {name: configs.get(name) or cls() for name, cls in CONFIG_SECTIONS.items()}
-    t = start_run(configs, out_dir, resume, on_event or (lambda event: None))
+    t = start_run(cfg, out_dir, resume, on_event or (lambda event: None))
     tc, state = t.tc, t.state
     try:
-        evaluate_heldout(t)  # the starting policy (or, on a resume, an evaluation a kill cut short)
+        t.evaluate_heldout()  # the starting policy (or, on a resume, an evaluation a kill cut short)
         while state.step < tc.steps:
             step = state.step + 1
             t_start = time.perf_counter()
-            work = rollout_and_gradient(t, step)  # 1-3. rollout, rewards and advantages, the gradient
-            grad_norm = clip(t, work)
+            work = t.rollout_and_gradient(step)  # 1-3. rollout, rewards and advantages, the gradient
+            grad_norm = t.clip(work)
             with sigint_deferred():  # from here to the checkpoint, all or nothing
                 if work.trained:
                     for group in t.optimizer.param_groups:
                         group["lr"] = t.gc.lr_at(step)
                     t.optimizer.step()
                     t.optimizer.zero_grad(set_to_none=True)  # a policy-sized buffer, unused until the next step
-                t.pool.publish_weights(t.policy)  # 4. the next rollout samples from the updated policy
+                t.rollout.publish_weights(t.policy)  # 4. the next rollout samples from the updated policy
                 t_train = time.perf_counter()
                 state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
                 metrics = step_metrics(step, tc, work.completions, work.texts, work.rewards, work.skipped,
-                                       work.stats, grad_norm, step_times(work, t_train - t_start), t.pool, t.gc.lr_at(step),
-                                       configs["tuner"].bucket_edges, configs["speculation"].draft_depth)
+                                       work.stats, grad_norm, step_times(work, t_train - t_start), t.rollout.report(),
+                                       t.gc.lr_at(step))
                 t.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
-                    save(t)  # 5. checkpoint
+                    t.save()  # 5. checkpoint
             t.emit(StepDone(tc.steps, metrics))
-            evaluate_heldout(t)
-            plot(t)
+            t.evaluate_heldout()
+            t.plot()
     except KeyboardInterrupt:
         if t.saved_step != state.step:
-            save(t)
+            t.save()
         t.emit(Notice(f"interrupted; resume with --resume {t.run.path}"))
         return TrainResult(t.run.path, state.step, interrupted=True)
     except WorkerError as e:  # the failed step applied nothing; keep the completed ones
         if t.saved_step != state.step:
-            save(t)
+            t.save()
         raise WorkerError(e.rank, f"{e.reason}; the run stopped after step {state.step}, "
                           f"resume with --resume {t.run.path}") from None
     finally:
-        t.pool.close()
+        t.rollout.close()
     if t.saved_step != state.step:  # a run of 0 steps still leaves its starting checkpoint
-        save(t)
+        t.save()
     return TrainResult(t.run.path, state.step, interrupted=False)

@@ -1,7 +1,7 @@
 """Tasks with worked solutions: the cold-start target, and a procedural family with a long tail.
 
 A worked task renders a correct step-by-step solution for any of its problems, ending in the
-answer format the verifier reads (tailrl.rl.tasks.extract_answer). `tailrl sft` trains on these
+answer format the verifier reads (tailrl.rl.problems.extract_answer). `tailrl sft` trains on these
 solutions; RL then samples the policy's own and the verifier scores only the final answer.
 
 `RunningSumTask` ("sums") is the procedural family: add n whole numbers, one line per addition
@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from tailrl.rl.tasks import Problem, Task, extract_answer
+from tailrl.rl.problems import Problem, Task, extract_answer
 from tailrl.sampling import derive_seed
 
 __all__ = ["PROCEDURAL", "RunningSumTask", "WorkedTask", "answer_line", "jsonl_solution", "rg_solution", "size_pmf"]

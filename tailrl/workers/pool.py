@@ -1,6 +1,7 @@
 """The rollout of one RL step across workers, with spot training of the drafter in the tail.
 
-`WorkerPool.generate` is the seam the RL loop calls instead of `Engine.generate`:
+`WorkerPool` is tailrl's own engine behind the Rollout protocol (tailrl.rollout.protocol;
+opened by tailrl.rollout.native). Its `generate`:
 1. Publish the newest drafter version to every worker (if it changed).
 2. Split the requests into one contiguous, equal-sized shard per worker (siblings are adjacent,
    so GRPO groups stay whole whenever the shard size allows; the sampling seeds make the tokens
@@ -13,8 +14,9 @@
 A worker that dies, raises, or sends nothing for `worker_timeout_s` ends the call with a
 WorkerError naming its rank and the step; the RL loop applies nothing of that step.
 
-Knows: shards, the buffer, drafter versions, spot scheduling, timing of idle windows. Does not
-know: how workers run (runtimes), the engine's internals, rewards or the policy update.
+Knows: shards, the buffer, drafter versions, spot scheduling, timing of idle windows, the
+decoding report. Does not know: how workers run (runtimes), the engine's internals, rewards or
+the policy update.
 """
 
 from __future__ import annotations
@@ -22,19 +24,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from safetensors.torch import load_file
+import torch
 
 from tailrl.engine import Completion, EngineStats, Progress, Request
 from tailrl.model import Transformer
+from tailrl.rollout.protocol import DrafterVersion, RolloutReport, WorkerError
 from tailrl.sampling import SamplingParams
-from tailrl.speculative.drafter.model import WEIGHTS_FILE
+from tailrl.speculative.report import chain_ceiling, rollout_report
 from tailrl.workers.buffer import DataBuffer
-from tailrl.workers.runtimes import InProcessRuntime, ProcessRuntime, WorkerError
+from tailrl.workers.runtimes import Runtime
 from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, SpotResult
-from tailrl.workers.worker import Finished, RolloutJob, ShardResult, SpotBeat, WorkerSetup
+from tailrl.workers.worker import Beat, Finished, RolloutJob, SetDrafter, ShardResult, WorkerCall, WorkerReply
 
 
 @dataclass(frozen=True)
@@ -94,14 +96,17 @@ def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
 
 
 class WorkerPool:
-    """Rollouts across a runtime's workers; the drafter's state, buffer and versions (see module doc)."""
+    """Rollouts across a runtime's workers; the drafter's state, buffer and versions (see module
+    doc). Implements tailrl.rollout.protocol.Rollout."""
 
-    def __init__(self, runtime: Any, spot: SpotConfig, drafter: DrafterState | None, timeout_s: float,
-                 tuners: list | None = None, tuner_pending: list | None = None):
+    def __init__(self, runtime: Runtime, spot: SpotConfig, drafter: DrafterState | None, timeout_s: float,
+                 ceiling_depth: int, bucket_edges: Sequence[int], tuners: list[dict | None] | None = None,
+                 tuner_pending: list[list] | None = None):
         self.runtime, self.spot, self.timeout_s = runtime, spot, timeout_s
+        self.ceiling_depth, self.bucket_edges = ceiling_depth, tuple(bucket_edges)
         # Each worker's tuner state as of its last finished rollout: what a checkpoint saves, so
         # saving never waits for (or interrupts) a rollout in flight.
-        self.tuners = tuners or [None] * runtime.size
+        self.tuners: list[dict | None] = tuners or [None] * runtime.size
         # Per worker, the rewards the other workers' tuners observed since its last rollout: the
         # tuners learn together, so each arm is explored once for all workers (Tuner.absorb).
         self.tuner_pending: list[list] = tuner_pending or [[] for _ in range(runtime.size)]
@@ -113,7 +118,7 @@ class WorkerPool:
         self.published = 0  # drafter version the workers draft with (0: the --drafter files)
         self._holders: set[int] = set()  # workers whose spot state is self.drafter (jobs to them carry none)
         self.stats = EngineStats()
-        self.last_metrics: dict[str, Any] = {}
+        self._report: RolloutReport | None = None
         self._job = 0
         self._heard: dict[int, float] = {}
         self._progress: dict[int, Progress] = {}
@@ -121,13 +126,14 @@ class WorkerPool:
         self._on_finished: Callable[[int, Completion], None] | None = None
         self._shards: list[range] = []
         self._reported: set[int] = set()  # request indices passed to _on_finished this call
+        self._threads = torch.get_num_threads()  # the caller's, while a generate call runs
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def _on_beat(self, rank: int, payload: Any) -> None:
+    def _on_beat(self, rank: int, payload: Beat) -> None:
         self._heard[rank] = time.monotonic()
         if isinstance(payload, Finished):
-            self._report(self._shards[rank][payload.index], payload.completion)
+            self._report_finished(self._shards[rank][payload.index], payload.completion)
         elif isinstance(payload, Progress):
             self._progress[rank] = payload
             if self._on_progress is not None:
@@ -136,18 +142,18 @@ class WorkerPool:
                                            sum(p.running for p in ps), sum(p.tokens for p in ps),
                                            max(p.seconds for p in ps)))
 
-    def _report(self, index: int, completion: Completion) -> None:
+    def _report_finished(self, index: int, completion: Completion) -> None:
         """on_finished once per request: from its Finished beat, or from its shard's result when
         the runtime delivered the beat late or not at all (Ray polls beats)."""
         if self._on_finished is not None and index not in self._reported:
             self._reported.add(index)
             self._on_finished(index, completion)
 
-    def _start(self, rank: int, method: str, *args: Any) -> None:
+    def _start(self, rank: int, call: WorkerCall) -> None:
         self._heard[rank] = time.monotonic()
-        self.runtime.start(rank, method, *args)
+        self.runtime.start(rank, call)
 
-    def _wait(self, waiting: set[int]) -> list[tuple[int, Any]]:
+    def _wait(self, waiting: set[int]) -> list[tuple[int, WorkerReply]]:
         replies = self.runtime.wait(0.25)
         now = time.monotonic()
         for rank, _ in replies:
@@ -157,19 +163,20 @@ class WorkerPool:
                 raise WorkerError(rank, f"sent nothing for {self.timeout_s:g} s (hung)")
         return replies
 
-    def _call_all(self, method: str, *args: Any) -> list[Any]:
-        """worker.method(*args) on every worker, in parallel; the replies in rank order."""
+    def _call_all(self, call: WorkerCall) -> list[WorkerReply]:
+        """Every worker handles `call`, in parallel; the replies in rank order."""
         for rank in range(self.runtime.size):
-            self._start(rank, method, *args)
-        out: dict[int, Any] = {}
+            self._start(rank, call)
+        out: dict[int, WorkerReply] = {}
         while len(out) < self.runtime.size:
             out.update(self._wait(set(range(self.runtime.size)) - set(out)))
         return [out[r] for r in range(self.runtime.size)]
 
-    @property
-    def in_process(self) -> bool:
-        """The engine decodes in the thread that calls generate (its torch thread count rules)."""
-        return self.runtime.in_process
+    def lend_core(self, lend: bool) -> None:
+        """An in-process engine decodes on one torch thread fewer while lent (the caller's
+        update takes that core); worker processes have cores of their own to keep."""
+        if self.runtime.in_process and self._threads > 1:
+            torch.set_num_threads(self._threads - 1 if lend else self._threads)
 
     # ---- a step's rollout -----------------------------------------------------------------
 
@@ -182,16 +189,18 @@ class WorkerPool:
         thread that called generate). Idle time goes to the policy's update first: spot training
         starts on an idle worker only while policy_busy() is False."""
         self._on_finished = on_finished
+        self._threads = torch.get_num_threads()
         try:
             return self._generate(requests, params, max_new_tokens, on_progress, policy_busy)
         except WorkerError as e:
             raise WorkerError(e.rank, f"{e.reason} in step {step}") from None
         finally:
             self._on_finished = None
+            torch.set_num_threads(self._threads)  # a core lent in the tail comes back
 
     def _generate(self, requests, params, max_new_tokens, on_progress, policy_busy) -> list[Completion]:
         if self.drafter is not None and self.drafter.version != self.published:
-            self._call_all("set_drafter", self.drafter.version, self.drafter.weights)
+            self._call_all(SetDrafter(self.drafter.version, self.drafter.weights))
             self.published = self.drafter.version
         self._on_progress, self._progress = on_progress, {}
         t0 = time.monotonic()
@@ -202,7 +211,7 @@ class WorkerPool:
             if idx:
                 job = RolloutJob([requests[i] for i in idx], params, max_new_tokens, self.tuner_pending[rank],
                                  report_finished=self._on_finished is not None)
-                self._start(rank, "rollout", job)
+                self._start(rank, job)
                 self.tuner_pending[rank] = []
                 busy.add(rank)
         results: dict[int, ShardResult] = {}
@@ -223,7 +232,7 @@ class WorkerPool:
                             self.tuner_pending[other].extend(reply.tuner_new)
                     self.buffer.add(reply.train_seqs)
                     for i, c in zip(shards[rank], reply.completions):
-                        self._report(i, c)
+                        self._report_finished(i, c)
                 else:
                     spot, stopped_at = reply, time.monotonic()
                     self._spot_done(trainer, reply)
@@ -232,37 +241,47 @@ class WorkerPool:
                 trainer = idle[0]  # the first worker done: the longest idle
                 self._job += 1
                 state = None if trainer in self._holders else self.drafter
-                self._start(trainer, "spot_train", SpotJob(self._job, state, self.buffer.training_order(), self.spot))
+                self._start(trainer, SpotJob(self._job, state, self.buffer.training_order(), self.spot))
             if not busy and trainer is not None and preempt_at is None:
                 preempt_at = time.monotonic()
                 self.runtime.preempt(trainer, self._job)
         self._on_progress = None
-        self._finish_step(results, done_at, spot, preempt_at, stopped_at)
         out: list[Completion | None] = [None] * len(requests)
         for rank, result in results.items():
             for i, c in zip(shards[rank], result.completions):
                 out[i] = c
+        self._finish_step(out, results, done_at, spot, preempt_at, stopped_at)
         return out  # type: ignore[return-value]
 
-    def _finish_step(self, results: dict[int, ShardResult], done_at: dict[int, float], spot: SpotResult | None,
-                     preempt_at: float | None, stopped_at: float | None) -> None:
-        """Merge the shards' stats, record the step's drafter metrics."""
-        self.stats = merge_stats([results[r].stats for r in sorted(results)])
+    def _finish_step(self, completions: list[Completion | None], results: dict[int, ShardResult],
+                     done_at: dict[int, float], spot: SpotResult | None, preempt_at: float | None,
+                     stopped_at: float | None) -> None:
+        """Merge the shards' stats; the step's report."""
+        self.stats = stats = merge_stats([results[r].stats for r in sorted(results)])
         end = max(done_at.values())
         idle = sum(end - t for t in done_at.values())
         harvested = min(spot.seconds, idle) if spot is not None else 0.0
         verifies = sum(r.drafter_verifies for r in results.values())
-        self.last_metrics = {
-            "drafter_version": self.published,
-            "drafter_micro_steps": spot.micro_steps if spot is not None else 0,
-            "drafter_loss": spot.loss if spot is not None else None,
-            "drafter_accept_len": sum(r.drafter_emitted for r in results.values()) / verifies if verifies else None,
-            "idle_seconds_harvested": harvested,
-            "idle_seconds_left": idle - harvested,
-            "preempt_latency_s": stopped_at - preempt_at if preempt_at is not None else 0.0,
-            "buffer_tokens": self.buffer.tokens,
-        }
+        self._report = RolloutReport(
+            rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
+            spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
+            accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None], self.ceiling_depth),
+            **rollout_report(stats, self.bucket_edges),
+            drafter_version=self.published,
+            drafter_micro_steps=spot.micro_steps if spot is not None else 0,
+            drafter_loss=spot.loss if spot is not None else None,
+            drafter_accept_len=sum(r.drafter_emitted for r in results.values()) / verifies if verifies else None,
+            idle_seconds_harvested=harvested,
+            idle_seconds_left=idle - harvested,
+            preempt_latency_s=stopped_at - preempt_at if preempt_at is not None and stopped_at is not None else 0.0,
+            buffer_tokens=self.buffer.tokens,
+        )
         self.buffer.end_step()
+
+    def report(self) -> RolloutReport:
+        if self._report is None:
+            raise RuntimeError("no rollout has run yet")
+        return self._report
 
     def _spot_done(self, rank: int, spot: SpotResult) -> None:
         """A spot job's result: the next drafter version if it trained; who holds which state."""
@@ -273,13 +292,21 @@ class WorkerPool:
         self.drafter = DrafterState(d.version + 1, spot.weights, spot.optimizer, d.micro_steps + spot.micro_steps)
         self._holders = {rank}
 
+    def publish_drafter(self, drafter: DrafterVersion) -> None:
+        """Workers draft with `drafter` from the next generate on; spot training goes on from
+        its weights with a fresh optimizer."""
+        if self.drafter is None:
+            raise ValueError("this rollout drafts with no learned drafter (--spec on/auto with --drafter)")
+        self.drafter = DrafterState(drafter.version, drafter.weights, None, self.drafter.micro_steps)
+        self._holders = set()
+
     # ---- weights, state, shutdown ---------------------------------------------------------
 
     def publish_weights(self, policy: Transformer) -> None:
         """The next rollout samples from `policy`."""
         self.runtime.publish_weights(policy)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {
             "tuners": list(self.tuners),
             "tuner_pending": [list(p) for p in self.tuner_pending],
@@ -287,7 +314,7 @@ class WorkerPool:
             "buffer": self.buffer.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict) -> None:
         """The drafter and buffer of a checkpoint (tuner states go to the runtime at start)."""
         if state.get("drafter") is not None:
             self.drafter = DrafterState(**state["drafter"])
@@ -295,36 +322,3 @@ class WorkerPool:
 
     def close(self) -> None:
         self.runtime.close()
-
-
-def start_pool(cfg: WorkerConfig, spot: SpotConfig, model: Transformer, setup_kw: dict[str, Any],
-               state: dict[str, Any] | None = None) -> WorkerPool:
-    """Workers as configured, drafting with `model` (the rollout model) and resuming `state`
-    (a WorkerPool.state_dict() from a checkpoint, or None). setup_kw: WorkerSetup's engine,
-    spec, tuner, seed."""
-    speculation = setup_kw["speculation"]
-    drafter = None
-    if speculation.drafter and speculation.spec != "off":
-        weights = load_file(Path(speculation.drafter) / WEIGHTS_FILE)  # fp32, as saved
-        drafter = DrafterState(0, weights)
-    collect = drafter is not None and spot.spot_train and cfg.workers >= 2
-    tuners = (state or {}).get("tuners")
-    if tuners is not None and len(tuners) != cfg.workers:
-        raise ValueError(f"the checkpoint holds {len(tuners)} workers' state; resume with --workers {len(tuners)}")
-    # Starting (imports, model copy, drafter) takes seconds to minutes whatever the hang timeout is.
-    start_s = max(cfg.worker_timeout_s, 300.0)
-    if cfg.use_ray:
-        from tailrl.workers.ray_runtime import RayRuntime
-
-        setup = WorkerSetup(**setup_kw, collect=collect, threads=cfg.worker_threads)
-        runtime = RayRuntime(cfg.workers, cfg.ray_address, model, setup, tuners, start_s)
-    elif cfg.workers == 1:
-        # Today's path: the engine in this process, on the trainer's rollout model, its threads as set.
-        runtime = InProcessRuntime(model, WorkerSetup(**setup_kw, collect=collect), tuners)
-    else:
-        setup = WorkerSetup(**setup_kw, collect=collect, threads=cfg.worker_threads)
-        runtime = ProcessRuntime(cfg.workers, model, setup, tuners, start_s)
-    pool = WorkerPool(runtime, spot, drafter, cfg.worker_timeout_s, tuners, (state or {}).get("tuner_pending"))
-    if state is not None:
-        pool.load_state_dict(state)
-    return pool

@@ -14,14 +14,15 @@ Knows: Ray actors, object refs, Ray's errors. Does not know: rollouts, the draft
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+import os
+from typing import Callable
 
 import numpy as np
 import torch
 
 from tailrl.model import ModelConfig, Transformer
-from tailrl.workers.runtimes import WorkerError
-from tailrl.workers.worker import Finished, RolloutWorker, WorkerSetup
+from tailrl.rollout.protocol import WorkerError
+from tailrl.workers.worker import Beat, Finished, RolloutWorker, WorkerCall, WorkerReply, WorkerSetup
 
 try:
     import ray
@@ -59,18 +60,21 @@ class _Actor:
             model.lm_head.weight = model.model.embed_tokens.weight
         self.dtype = dtype
         self.worker = RolloutWorker(rank, model.eval().requires_grad_(False), setup, tuner_state)
-        self._beats: list[Any] = []
+        self._beats: list[Beat] = []
         self._preempted = 0
         self.worker.beat = self._beats.append
         self.worker.preempted = lambda: self._preempted
 
-    def call(self, method: str, args: tuple) -> Any:
-        return getattr(self.worker, method)(*args)
+    def call(self, call: WorkerCall) -> WorkerReply:
+        return self.worker.handle(call)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         self.worker.load_weights(from_numpy(weights, self.dtype))
 
-    def beats(self) -> list[Any]:
+    def beats(self) -> list[Beat]:
         out, self._beats = self._beats, []
         # Finished beats are data, each one kept; of the others the latest says all.
         data = [b for b in out if isinstance(b, Finished)]
@@ -92,13 +96,13 @@ class RayRuntime:
         if self.owns_ray:
             ray.init(address=address, include_dashboard=False, log_to_driver=True)
         self.size, self.dtype = size, model.lm_head.weight.dtype
-        self.on_beat: Callable[[int, Any], None] = lambda rank, payload: None
+        self.on_beat: Callable[[int, Beat], None] = lambda rank, payload: None
         weights = ray.put(to_numpy(_weights(model)))
         states = tuner_states or [None] * size
         actor = ray.remote(num_cpus=setup.threads or 1, max_concurrency=2)(_Actor)
         self.actors = [actor.remote(r, model.cfg, self.dtype, weights, setup, states[r]) for r in range(size)]
-        self.calls: dict[Any, int] = {}  # pending call ref -> rank
-        self.beat_calls: dict[Any, int] = {}
+        self.calls: dict[ray.ObjectRef, int] = {}  # pending call ref -> rank
+        self.beat_calls: dict[ray.ObjectRef, int] = {}
         try:
             ray.get([a.beats.remote() for a in self.actors], timeout=start_timeout_s)  # constructed
         except GetTimeoutError:
@@ -108,10 +112,10 @@ class RayRuntime:
             self.close()
             raise WorkerError(0, f"(Ray actor) could not start: {_first_line(e)}") from None
 
-    def start(self, rank: int, method: str, *args: Any) -> None:
-        self.calls[self.actors[rank].call.remote(method, args)] = rank
+    def start(self, rank: int, call: WorkerCall) -> None:
+        self.calls[self.actors[rank].call.remote(call)] = rank
 
-    def wait(self, timeout: float) -> list[tuple[int, Any]]:
+    def wait(self, timeout: float) -> list[tuple[int, WorkerReply]]:
         self._collect_beats()
         replies = []
         if self.calls:
@@ -137,7 +141,7 @@ class RayRuntime:
             for payload in self._get(rank, ref):
                 self.on_beat(rank, payload)
 
-    def _get(self, rank: int, ref: Any) -> Any:
+    def _get(self, rank: int, ref: ray.ObjectRef) -> object:
         try:
             return ray.get(ref)
         except RayActorError as e:
@@ -156,7 +160,7 @@ class RayRuntime:
 
     @property
     def pids(self) -> list[int]:
-        return ray.get([a.call.remote("pid", ()) for a in self.actors])
+        return ray.get([a.pid.remote() for a in self.actors])
 
     def close(self) -> None:
         for a in self.actors:

@@ -1,14 +1,7 @@
 """Where workers run: in the trainer's process (one worker) or in spawned local processes.
 
 A runtime starts calls on workers and hands back their replies; it knows nothing of what the
-calls mean. Interface (tailrl.workers.ray_runtime implements the same for Ray actors):
-
-    in_process                   True when worker 0's engine decodes in the caller's thread
-    start(rank, method, *args)   begin worker[rank].method(*args)
-    wait(timeout) -> [(rank, reply)]   replies that arrived; beats go to on_beat(rank, payload)
-    preempt(rank, job_id)        ask worker[rank]'s spot job `job_id` to stop
-    publish_weights(policy)      the next rollouts sample from `policy`
-    close()
+calls mean. `Runtime` is the contract; tailrl.workers.ray_runtime implements it for Ray actors.
 
 Local processes share the rollout model: its tensors live in shared memory, every worker's
 engine reads them, and publishing copies the policy into them while the workers are idle
@@ -25,26 +18,46 @@ import copy
 import multiprocessing.connection
 import signal
 import time
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.multiprocessing as mp
 
 from tailrl.engine import Progress
 from tailrl.model import Transformer
-from tailrl.workers.worker import Finished, RolloutWorker, WorkerSetup
+from tailrl.rollout.protocol import WorkerError
+from tailrl.workers.worker import Beat, Finished, RolloutWorker, WorkerCall, WorkerReply, WorkerSetup
 
 # Seconds between beats a process worker sends (liveness and the progress line); hang detection
 # waits far longer than this.
 BEAT_EVERY_S = 0.5
 
 
-class WorkerError(RuntimeError):
-    """A worker died, hung or raised; `rank` says which."""
+class Runtime(Protocol):
+    """Where a pool's workers run, and how calls reach them."""
 
-    def __init__(self, rank: int, reason: str):
-        super().__init__(f"worker {rank} {reason}")
-        self.rank, self.reason = rank, reason
+    size: int  # workers
+    in_process: bool  # worker 0 decodes in the caller's thread (its torch threads are the caller's)
+    on_beat: Callable[[int, Beat], None]  # (rank, payload) for each beat a worker sends
+
+    def start(self, rank: int, call: WorkerCall) -> None:
+        """Begin worker[rank].handle(call)."""
+        ...
+
+    def wait(self, timeout: float) -> list[tuple[int, WorkerReply]]:
+        """The replies that arrived within `timeout` seconds, delivering beats meanwhile."""
+        ...
+
+    def preempt(self, rank: int, job_id: int) -> None:
+        """Ask worker[rank]'s spot job `job_id` to stop after its current micro-step."""
+        ...
+
+    def publish_weights(self, policy: Transformer) -> None:
+        """The next rollouts sample from `policy`."""
+        ...
+
+    def close(self) -> None:
+        ...
 
 
 @torch.no_grad()
@@ -65,14 +78,14 @@ class InProcessRuntime:
     def __init__(self, model: Transformer, setup: WorkerSetup, tuner_states: list | None = None):
         self.model = model
         self.worker = RolloutWorker(0, model, setup, (tuner_states or [None])[0])
-        self.on_beat: Callable[[int, Any], None] = lambda rank, payload: None
+        self.on_beat: Callable[[int, Beat], None] = lambda rank, payload: None
         self.worker.beat = lambda payload: self.on_beat(0, payload)
-        self._replies: list[tuple[int, Any]] = []
+        self._replies: list[tuple[int, WorkerReply]] = []
 
-    def start(self, rank: int, method: str, *args: Any) -> None:
-        self._replies.append((rank, getattr(self.worker, method)(*args)))
+    def start(self, rank: int, call: WorkerCall) -> None:
+        self._replies.append((rank, self.worker.handle(call)))
 
-    def wait(self, timeout: float) -> list[tuple[int, Any]]:
+    def wait(self, timeout: float) -> list[tuple[int, WorkerReply]]:
         out, self._replies = self._replies, []
         return out
 
@@ -87,7 +100,7 @@ class InProcessRuntime:
 
 
 def _serve(rank: int, conn, preempted, model: Transformer, setup: WorkerSetup, tuner_state: dict | None) -> None:
-    """A worker process's loop: (method, args) in, ("reply" | "beat" | "error", payload) out."""
+    """A worker process's loop: a WorkerCall in, ("reply" | "beat" | "error", payload) out."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (it closes us)
     try:
         worker = RolloutWorker(rank, model, setup, tuner_state)
@@ -96,7 +109,7 @@ def _serve(rank: int, conn, preempted, model: Transformer, setup: WorkerSetup, t
         return
     last = [0.0]
 
-    def beat(payload: Any) -> None:
+    def beat(payload: Beat) -> None:
         now = time.monotonic()
         final = isinstance(payload, Progress) and payload.done == payload.total
         if isinstance(payload, Finished):  # not a liveness signal: every one is data
@@ -115,9 +128,8 @@ def _serve(rank: int, conn, preempted, model: Transformer, setup: WorkerSetup, t
             return
         if msg is None:
             return
-        method, args = msg
         try:
-            result = getattr(worker, method)(*args)
+            result = worker.handle(msg)
         except Exception as e:  # noqa: BLE001 - the trainer decides; this process stays usable
             conn.send(("error", f"raised {type(e).__name__}: {e}"))
             continue
@@ -136,7 +148,7 @@ class ProcessRuntime:
         # gradients) stays private.
         self.model = copy.deepcopy(model).requires_grad_(False).share_memory()
         self.size = size
-        self.on_beat: Callable[[int, Any], None] = lambda rank, payload: None
+        self.on_beat: Callable[[int, Beat], None] = lambda rank, payload: None
         self.procs, self.conns, self.flags = [], [], []
         self.busy: set[int] = set()
         states = tuner_states or [None] * size
@@ -161,14 +173,14 @@ class ProcessRuntime:
             self.close()
             raise
 
-    def start(self, rank: int, method: str, *args: Any) -> None:
+    def start(self, rank: int, call: WorkerCall) -> None:
         self.busy.add(rank)
         try:
-            self.conns[rank].send((method, args))
+            self.conns[rank].send(call)
         except (BrokenPipeError, OSError):
             raise WorkerError(rank, f"died (exit code {self.procs[rank].exitcode})") from None
 
-    def wait(self, timeout: float) -> list[tuple[int, Any]]:
+    def wait(self, timeout: float) -> list[tuple[int, WorkerReply]]:
         ranks = {self.conns[r]: r for r in self.busy}
         replies = []
         for conn in multiprocessing.connection.wait(list(ranks), timeout):

@@ -3,8 +3,10 @@ requests, and spot training of the drafter when its shard is done.
 
 The same class runs in the trainer's process (one worker), in a spawned process, or in a Ray
 actor; the runtime (tailrl.workers.runtimes, tailrl.workers.ray_runtime) only moves calls and
-replies. Two hooks connect it to the runtime: `beat(payload)` (progress, also the liveness
-signal a hang is detected by) and `preempted()` (the newest spot job id the trainer asked to stop).
+replies. A call is a typed message (`WorkerCall`: a RolloutJob, a SpotJob or a SetDrafter) that
+`handle` answers. Two hooks connect it to the runtime: `beat(payload)` (progress, also the
+liveness signal a hang is detected by) and `preempted()` (the newest spot job id the trainer
+asked to stop).
 
 Replies are small: completions without hidden states; the drafter's training data (TrainSeq)
 only when spot training wants it.
@@ -20,7 +22,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -70,6 +72,18 @@ class ShardResult:
 
 
 @dataclass(frozen=True)
+class SetDrafter:
+    """Draft with this learned drafter version from the next rollout on."""
+
+    version: int
+    weights: dict[str, torch.Tensor]  # fp32 state dict
+
+
+WorkerCall = RolloutJob | SpotJob | SetDrafter
+WorkerReply = ShardResult | SpotResult | None
+
+
+@dataclass(frozen=True)
 class Finished:
     """A beat: the shard's request `index` finished (hidden states dropped)."""
 
@@ -82,6 +96,9 @@ class SpotBeat:
     """A spot trainer's liveness signal: micro-steps done in the current job."""
 
     micro_steps: int
+
+
+Beat = Progress | Finished | SpotBeat  # what a worker sends while it works
 
 
 class DrafterSteps:
@@ -110,7 +127,7 @@ class RolloutWorker:
         self.drafter_steps = DrafterSteps()
         self.tuner = install(self.engine, setup.speculation, setup.tuner, seed=setup.seed + rank, tuner_state=tuner_state,
                              observers=(self.drafter_steps,))
-        self.beat: Callable[[Any], None] = lambda payload: None
+        self.beat: Callable[[Beat], None] = lambda payload: None
         self.preempted: Callable[[], int] = lambda: 0
         self.drafter_version = 0
         self._trainer: Drafter | None = None  # the drafter copy spot jobs train (fp32)
@@ -123,6 +140,16 @@ class RolloutWorker:
         decoder = self.engine.decoder
         proposer = decoder.proposers.get("drafter") if isinstance(decoder, SpecDecoder) else None
         return proposer.drafter if proposer is not None else None
+
+    def handle(self, call: WorkerCall) -> WorkerReply:
+        """Answer one call from the trainer."""
+        if isinstance(call, RolloutJob):
+            return self.rollout(call)
+        if isinstance(call, SpotJob):
+            return self.spot_train(call)
+        if isinstance(call, SetDrafter):
+            return self.set_drafter(call)
+        raise TypeError(f"not a worker call: {type(call).__name__}")
 
     def rollout(self, job: RolloutJob) -> ShardResult:
         if self.tuner is not None:
@@ -140,13 +167,12 @@ class RolloutWorker:
         steps = self.drafter_steps
         return ShardResult(out, self.engine.stats, seqs, steps.verifies, steps.emitted, tuner, new)
 
-    def set_drafter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        """Draft with a newer drafter version from the next rollout on."""
+    def set_drafter(self, call: SetDrafter) -> None:
         drafter = self.in_use
         if drafter is None:
             raise ValueError("this worker drafts with no learned drafter (--spec on/auto with --drafter)")
-        drafter.load_state_dict(weights)  # casts to the drafter's dtype
-        self.drafter_version = version
+        drafter.load_state_dict(call.weights)  # casts to the drafter's dtype
+        self.drafter_version = call.version
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy new policy weights in (runtimes whose workers do not share the trainer's memory)."""
@@ -176,9 +202,6 @@ class RolloutWorker:
             # Version and step count are the trainer's to keep; only weights and optimizer matter here.
             self._spot_state = DrafterState(start.version, result.weights, result.optimizer)
         return result
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 def _spot_thread_init(threads: int) -> None:

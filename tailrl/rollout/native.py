@@ -1,0 +1,91 @@
+"""tailrl's own engine behind the Rollout protocol: the worker pool (tailrl.workers) and its config.
+
+One engine in the trainer's process by default (the policy's rollout copy, its torch threads
+lent to the update in the tail), or several worker processes or Ray actors with spot training
+of the learned drafter on whichever is idle first. Exact mode (bit-identical tokens with
+speculation on and off) is this engine's.
+
+Knows: which sections configure the native engine, how its workers start. Does not know: RL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from tailrl.engine import EngineConfig
+from tailrl.model import Transformer
+from tailrl.speculative.drafter.model import WEIGHTS_FILE
+from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
+from tailrl.tuner import TunerConfig
+from tailrl.workers.pool import WorkerConfig, WorkerPool
+from tailrl.workers.runtimes import InProcessRuntime, ProcessRuntime, Runtime
+from tailrl.workers.spot import DrafterState, SpotConfig
+from tailrl.workers.worker import WorkerSetup
+
+# The configuration sections of the native engine (flags and TOML tables), by name.
+SECTIONS: dict[str, type] = {
+    "engine": EngineConfig,
+    "speculation": RolloutSpeculationConfig,
+    "tuner": TunerConfig,
+    "workers": WorkerConfig,
+    "spot": SpotConfig,
+}
+
+
+@dataclass(frozen=True)
+class NativeRolloutConfig:
+    """The native engine's sections; a tailrl.rollout.protocol.RolloutConfig."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    speculation: SpeculationConfig = field(default_factory=RolloutSpeculationConfig)
+    tuner: TunerConfig = field(default_factory=TunerConfig)
+    workers: WorkerConfig = field(default_factory=WorkerConfig)
+    spot: SpotConfig = field(default_factory=SpotConfig)
+
+    @classmethod
+    def from_sections(cls, sections: dict[str, object]) -> NativeRolloutConfig:
+        """From a run's sections by name (those left out take their defaults)."""
+        return cls(**{name: sections[name] for name in SECTIONS if sections.get(name) is not None})
+
+    def sections(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def for_evaluation(self) -> NativeRolloutConfig:
+        return NativeRolloutConfig(engine=self.engine, speculation=SpeculationConfig(spec="off"))
+
+    def open(self, model: Transformer, seed: int, state: dict | None = None) -> WorkerPool:
+        """Workers as configured, decoding with `model` (the rollout model: one in-process worker
+        decodes with it directly, others with a copy) and resuming `state`."""
+        speculation, workers, spot = self.speculation, self.workers, self.spot
+        drafter = None
+        if speculation.drafter and speculation.spec != "off":
+            drafter = DrafterState(0, load_file(Path(speculation.drafter) / WEIGHTS_FILE))  # fp32, as saved
+        collect = drafter is not None and spot.spot_train and workers.workers >= 2
+        tuners = (state or {}).get("tuners")
+        if tuners is not None and len(tuners) != workers.workers:
+            raise ValueError(f"the checkpoint holds {len(tuners)} workers' state; resume with --workers {len(tuners)}")
+        setup = WorkerSetup(self.engine, speculation, self.tuner, seed, collect)
+        runtime = _runtime(workers, model, setup, tuners)
+        pool = WorkerPool(runtime, spot, drafter, workers.worker_timeout_s, speculation.draft_depth,
+                          self.tuner.bucket_edges, tuners, (state or {}).get("tuner_pending"))
+        if state is not None:
+            pool.load_state_dict(state)
+        return pool
+
+
+def _runtime(cfg: WorkerConfig, model: Transformer, setup: WorkerSetup, tuners: list | None) -> Runtime:
+    # Starting (imports, model copy, drafter) takes seconds to minutes whatever the hang timeout is.
+    start_s = max(cfg.worker_timeout_s, 300.0)
+    if cfg.use_ray:
+        from tailrl.workers.ray_runtime import RayRuntime
+
+        return RayRuntime(cfg.workers, cfg.ray_address, model, dataclasses.replace(setup, threads=cfg.worker_threads),
+                          tuners, start_s)
+    if cfg.workers == 1:
+        # The engine in this process, on the trainer's rollout model, its threads as set.
+        return InProcessRuntime(model, setup, tuners)
+    return ProcessRuntime(cfg.workers, model, dataclasses.replace(setup, threads=cfg.worker_threads), tuners, start_s)
