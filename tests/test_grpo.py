@@ -1,5 +1,6 @@
-"""GRPO math: advantages, the PPO-clip loss and the k3 KL against hand-computed numbers,
-micro-batch x accumulation equivalence, and one update moving a tiny policy the right way."""
+"""GRPO math: advantages, the PPO-clip loss against the behaviour policy with its truncated
+importance weight and the k3 KL against hand-computed numbers, micro-batch x accumulation
+equivalence, and one update moving a tiny policy the right way."""
 
 import math
 
@@ -70,6 +71,51 @@ def test_policy_loss_hand_computed_with_clipped_tokens():
     # d/d lp of -A * r / N is -A * r / N where unclipped; clipped tokens and padding get zero.
     want = torch.tensor([[-1.0, -1.1, 0.0], [0.0, 2.0 * 1.3, 0.0]], dtype=torch.float64) / 5
     torch.testing.assert_close(lp.grad, want, rtol=0, atol=1e-12)
+
+
+def test_policy_loss_against_behaviour_logprobs_hand_computed():
+    """Seven tokens with chosen ratios pi_theta / pi_behaviour, clip 0.2 and is_cap 2, plus a
+    padding token whose behaviour log-prob is -inf. Per token (A, ratio) -> pg, d pg / d lp:
+      (+1, 1.1) unclipped            -> -1.1, -1.1
+      (+1, 1.5) above 1.2: clipped   -> -1.2,  0
+      (-1, 0.5) below 0.8: clipped   ->  0.8,  0
+      (-1, 1.5) unclipped            ->  1.5,  1.5
+      (-1, 3.0) capped at 2          ->  2.0,  2.0   (the weight is 2, the direction kept)
+      (+1, 3.0) capped, then clipped -> -1.2,  0
+      (+1, 0.5) unclipped            -> -0.5, -0.5
+    Sum 0.3 over 7 tokens; clipped 3/7, capped 2/7."""
+    ratios = [1.1, 1.5, 0.5, 1.5, 3.0, 3.0, 0.5]
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)  # (1, 8)
+    behaviour = torch.tensor([[-1.0, -2.0, -0.5, -1.5, -0.7, -3.0, -1.2, float("-inf")]], dtype=torch.float64)
+    log_r = torch.tensor([[math.log(r) for r in ratios] + [0.0]], dtype=torch.float64)
+    lp = (torch.where(torch.isinf(behaviour), -2.0, behaviour) + log_r).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])
+    out = policy_loss(lp, behaviour, adv, mask, clip_low=0.2, clip_high=0.2, is_cap=2.0)
+    assert out.loss.item() == pytest.approx(0.3 / 7, abs=1e-12)
+    assert out.pg_loss == pytest.approx(0.3 / 7, abs=1e-12)
+    assert out.clip_fraction == pytest.approx(3 / 7) and out.capped_fraction == pytest.approx(2 / 7)
+    assert out.ratio_mean == pytest.approx(sum(ratios) / 7) and out.ratio_max == pytest.approx(3.0)
+    assert out.mismatch_kl == pytest.approx(sum(r - 1 - math.log(r) for r in ratios) / 7)
+    out.loss.backward()
+    want = torch.tensor([[-1.1, 0.0, 0.0, 1.5, 2.0, 0.0, -0.5, 0.0]], dtype=torch.float64) / 7
+    torch.testing.assert_close(lp.grad, want, rtol=0, atol=1e-12)
+
+    # No cap: the (-1, 3.0) token keeps weight 3 (pg 3, gradient 3); nothing else moves.
+    lp.grad = None
+    out = policy_loss(lp, behaviour, adv, mask, clip_low=0.2, clip_high=0.2, is_cap=math.inf)
+    assert out.loss.item() == pytest.approx(1.3 / 7, abs=1e-12) and out.capped_fraction == 0.0
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, want + torch.tensor([[0, 0, 0, 0, 1.0, 0, 0, 0]], dtype=torch.float64) / 7,
+                               rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="is_cap"):
+        policy_loss(lp, behaviour, adv, mask, clip_high=0.28, is_cap=1.28)
+
+
+def test_is_cap_is_validated():
+    assert GRPOConfig(is_cap=math.inf).is_cap == math.inf
+    for bad in (dict(is_cap=1.2), dict(clip_high=0.5, is_cap=1.4), dict(is_cap=math.nan)):
+        with pytest.raises(ValueError, match="is_cap must be > 1 \\+ clip_high"):
+            GRPOConfig(**bad)
 
 
 def test_policy_loss_clip_higher_is_asymmetric():

@@ -16,7 +16,7 @@ from tailrl.workers.pool import WorkerConfig
 from tailrl.rollout.protocol import WorkerError
 from tailrl.workers.spot import SpotConfig
 from test_workers import (  # noqa: F401 - target, straight_fp32, task_file, no_plots are fixtures
-    PARAMS, no_plots, reference, requests, same_run, start_pool, straight_fp32, target, task_file, tiny_configs,
+    PARAMS, exact_fp32_configs, no_plots, reference, requests, same_run, start_pool, straight_fp32, target, task_file,
 )
 
 ray = pytest.importorskip("ray")
@@ -65,7 +65,7 @@ def test_a_killed_ray_actor_is_reported_with_rank_and_step(target):  # noqa: F81
 
 
 def test_a_run_on_ray_actors_is_the_local_run(straight_fp32, tmp_path, char_model_dir, task_file):  # noqa: F811
-    configs = tiny_configs(char_model_dir, task_file, dtype="fp32")
+    configs = exact_fp32_configs(char_model_dir, task_file)
     configs["workers"] = WorkerConfig(workers=2, ray=True)
     train(run_config(configs), tmp_path / "ray")
     assert same_run(RunDir(tmp_path / "ray").read_metrics(), RunDir(straight_fp32).read_metrics())

@@ -1,4 +1,5 @@
-"""The update group by group: the same gradient bits whatever order or thread groups finish on."""
+"""The update group by group: the same gradient bits whatever order or thread groups finish on;
+the importance ratio against the rollout engine's own log-probs, end to end."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import threading
 import pytest
 import torch
 
+from tailrl.engine import Completion, Engine, EngineConfig, Request
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig
-from tailrl.rl.packing import Sample
+from tailrl.rl.packing import ON_POLICY, Sample, packed_logprobs
 from tailrl.rl.stream import GroupGradients, OverlappedUpdate, accumulate_gradients, by_prompt
+from tailrl.sampling import SamplingParams
 
 
 def _groups(vocab: int, sizes=(4, 4, 4, 4, 4), seed: int = 0) -> list[list[Sample]]:
-    """Five groups of ragged responses, one empty (a skipped group: no reward spread)."""
+    """Five groups of ragged responses, one empty (a skipped group: no reward spread). Their
+    behaviour log-probs are drawn around the tiny model's (~ -log 96 = -4.6), so ratios spread
+    over ~0.4-2.7: some tokens clip, some are capped."""
     rng = random.Random(seed)
     out = []
     for g, n in enumerate(sizes):
@@ -23,8 +28,9 @@ def _groups(vocab: int, sizes=(4, 4, 4, 4, 4), seed: int = 0) -> list[list[Sampl
         if g == 2:
             out.append([])
             continue
-        out.append([Sample(prompt, [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 12))], rng.uniform(-1.5, 1.5))
-                    for _ in range(n)])
+        lengths = [rng.randrange(1, 12) for _ in range(n)]
+        out.append([Sample(prompt, [rng.randrange(3, vocab) for _ in range(k)], rng.uniform(-1.5, 1.5),
+                           [rng.uniform(-5.5, -3.5) for _ in range(k)]) for k in lengths])
     return out
 
 
@@ -75,7 +81,6 @@ def test_the_group_sum_is_the_token_mean_gradient_of_the_batch(tiny_dir):
     # every token divided by the batch's token count, against the groups' unnormalised sums
     # divided once at the end.
     from tailrl.rl.grpo import policy_loss
-    from tailrl.rl.packing import packed_logprobs
 
     policy = load_model(tiny_dir, dtype="fp32").double().requires_grad_(True)
     groups = _groups(policy.cfg.vocab_size, seed=2)
@@ -85,12 +90,14 @@ def test_the_group_sum_is_the_token_mean_gradient_of_the_batch(tiny_dir):
     loss = 0.0
     for s in samples:
         lp = packed_logprobs(policy, [s], 0.8)
-        loss = loss + policy_loss(lp, lp.detach(), torch.full_like(lp, s.advantage), torch.ones_like(lp, dtype=torch.bool),
-                                  num_tokens=total).loss
+        behaviour = torch.tensor([s.behaviour_logprobs], dtype=lp.dtype)
+        loss = loss + policy_loss(lp, behaviour, torch.full_like(lp, s.advantage),
+                                  torch.ones_like(lp, dtype=torch.bool), num_tokens=total).loss
     loss.backward()
     want = _grads(policy)
     stats = accumulate_gradients(policy, samples, GRPOConfig(micro_batch=3), 0.8)
     assert stats.tokens == total and stats.loss == pytest.approx(loss.item(), abs=1e-12)
+    assert stats.clip_fraction > 0 and stats.capped_fraction > 0  # every branch of the loss is in the sum
     for a, b in zip(_grads(policy), want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
@@ -138,15 +145,21 @@ def test_misuse_is_refused(policy):
 
 def test_by_prompt_splits_adjacent_runs():
     a, b = (1, 2), (3,)
-    s = [Sample(a, [5], 1.0), Sample(a, [6], -1.0), Sample(b, [7], 0.5), Sample(a, [8], 0.1)]
+    s = [Sample(a, [5], 1.0, ON_POLICY), Sample(a, [6], -1.0, ON_POLICY), Sample(b, [7], 0.5, ON_POLICY),
+         Sample(a, [8], 0.1, ON_POLICY)]
     assert [len(g) for g in by_prompt(s)] == [2, 1, 1]
+
+
+def test_a_sample_needs_one_behaviour_logprob_per_token_or_none():
+    assert Sample((1,), [5, 6], 1.0, ON_POLICY).behaviour_logprobs == ()
+    with pytest.raises(ValueError, match="behaviour_logprobs has 1 entries for 2 response tokens"):
+        Sample((1,), [5, 6], 1.0, [-0.5])
 
 
 def test_drop_truncated_keeps_the_groups_advantages_and_leaves_the_cut_response_out():
     """DAPO's overlong filtering, by hand: rewards (1, 0, 0, 0), the last response cut off at the
     length limit. Advantages come from all four, (r - 0.25) / std with std = 0.5 (unbiased), and
     only the three finished responses are trained on."""
-    from tailrl.engine import Completion
     from tailrl.rl.phases import score_group
     from tailrl.rl.tasks import Problem
 
@@ -154,7 +167,7 @@ def test_drop_truncated_keeps_the_groups_advantages_and_leaves_the_cut_response_
         def decode(self, ids, skip_special_tokens=True):
             return "right" if ids[0] == 1 else "wrong"
 
-    comps = [Completion((7,), [t, 5], [0.0, 0.0], reason, 0, 0) for t, reason in
+    comps = [Completion((7,), [t, 5], [-0.5, -0.25], reason, 0, 0) for t, reason in
              [(1, "eos"), (2, "eos"), (2, "eos"), (2, "length")]]
     problem = Problem("q", "a")
     def score(problem, text):
@@ -164,3 +177,107 @@ def test_drop_truncated_keeps_the_groups_advantages_and_leaves_the_cut_response_
     assert [s.advantage for s in full.samples] == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
     assert [s.advantage for s in kept.samples] == [s.advantage for s in full.samples[:3]]
     assert kept.rewards.rewards == full.rewards.rewards == [1.0, 0.0, 0.0, 0.0]
+    assert all(s.behaviour_logprobs == [-0.5, -0.25] for s in full.samples)  # the engine's, for the ratio
+
+
+# ---- the importance ratio against the rollout engine's log-probs ---------------------------------
+
+TEMPERATURE = 0.8
+
+
+def _rollout(model) -> list[Completion]:
+    """Four groups of four 12-token responses sampled by the engine on `model`, which records
+    each token's log-prob (the behaviour policy's)."""
+    rng = random.Random(0)
+    requests = []
+    for g in range(4):
+        prompt = tuple(rng.randrange(3, 96) for _ in range(rng.randrange(3, 9)))
+        requests += [Request(prompt, seed=100 * g + j, group=g) for j in range(4)]
+    return Engine(model, EngineConfig(max_batch=16)).generate(requests, SamplingParams(temperature=TEMPERATURE), 12)
+
+
+def _samples(completions: list[Completion], behaviour: bool = True) -> list[Sample]:
+    """The responses with fixed advantages of both signs; their engine log-probs, or ON_POLICY."""
+    rng = random.Random(1)
+    return [Sample(c.prompt_ids, c.token_ids, rng.uniform(-1.5, 1.5), c.logprobs if behaviour else ON_POLICY)
+            for c in completions]
+
+
+def _flat_grad(policy) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in policy.parameters()])
+
+
+def test_an_fp32_rollout_of_the_trainers_own_model_gives_ratio_one_and_the_on_policy_gradient(policy):
+    """The engine samples with the trainer's own fp32 weights: its recorded log-probs differ from
+    the trainer's recompute only by kernel rounding (KV-cached decode steps against one packed
+    forward; ~1e-6 here), so every ratio is 1 to rounding and nothing is clipped or capped. Each
+    token's gradient term is its on-policy term (ratio 1, today's loss) times its ratio, so the
+    gradient moves by the ratio's rounding: 1e-5 relative leaves an order of magnitude of margin
+    (measured: 2e-7) while a single clipped token would move it by percents."""
+    cfg = GRPOConfig(micro_batch=4, autocast="fp32")
+    completions = _rollout(policy)
+    stats = accumulate_gradients(policy, _samples(completions), cfg, TEMPERATURE)
+    got = _flat_grad(policy)
+    on_policy = accumulate_gradients(policy, _samples(completions, behaviour=False), cfg, TEMPERATURE)
+    want = _flat_grad(policy)
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5) and abs(stats.ratio_max - 1.0) < 1e-5
+    assert stats.clip_fraction == stats.capped_fraction == 0.0 and 0.0 <= stats.mismatch_kl < 1e-10
+    assert on_policy.ratio_mean == on_policy.ratio_max == 1.0  # ON_POLICY: exactly 1 by definition
+    assert stats.tokens == on_policy.tokens == 16 * 12
+    assert (got - want).norm() / want.norm() < 1e-5
+
+
+def test_the_clip_range_changes_the_update_only_where_rollout_and_trainer_differ(policy, tiny_dir):
+    """A bf16 copy of the policy samples with log-probs a few 1e-3 off the fp32 trainer's; a clip
+    range below that (0.001) clips some tokens and changes the gradient. The fp32 policy itself
+    samples within rounding (~1e-6) of the trainer: neither range binds, and the gradient has the
+    same bits whichever is set."""
+    cases = {"bf16": load_model(tiny_dir, dtype="bf16"), "fp32": policy}
+    for dtype, model in cases.items():
+        samples = _samples(_rollout(model))
+        stats, grads = {}, {}
+        for clip in (0.2, 0.001):
+            cfg = GRPOConfig(micro_batch=4, autocast="fp32", clip_low=clip)
+            stats[clip] = accumulate_gradients(policy, samples, cfg, TEMPERATURE)
+            grads[clip] = _flat_grad(policy)
+        if dtype == "bf16":
+            assert stats[0.001].clip_fraction > 0 and stats[0.2].clip_fraction == 0
+            assert (grads[0.001] - grads[0.2]).abs().max() > 1e-4 * grads[0.2].abs().max()
+        else:
+            assert stats[0.001].clip_fraction == stats[0.2].clip_fraction == 0
+            assert torch.equal(grads[0.001], grads[0.2])
+
+
+def test_ratio_statistics_are_the_token_means_of_the_data(policy):
+    """Behaviour log-probs = the trainer's own + scale * a fixed noise (scale 0: the trainer
+    sampled). Each step's statistics must equal those computed by hand from the per-token log
+    ratios, and grow with the mismatch: ratio 1 and nothing clipped at scale 0, more tokens
+    clipped (A > 0 with ratio > 1.2, A < 0 with ratio < 0.8), capped (ratio > 2) and a larger
+    KL estimate as the scale grows."""
+    cfg = GRPOConfig(micro_batch=4, autocast="fp32")  # packs = the groups of four, as computed below
+    base = _samples(_rollout(policy))
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        own = [packed_logprobs(policy, base[g : g + 4], TEMPERATURE)[0] for g in range(0, 16, 4)]  # 4 x (48,)
+    own = torch.cat(own)  # (N,)
+    e = torch.randn(own.shape, generator=noise)
+    adv = torch.tensor([s.advantage for s in base for _ in s.token_ids])  # (N,)
+    seen = []
+    for scale in (0.0, 0.3, 1.0):
+        behaviour = own + scale * e  # (N,)
+        per_sample = torch.split(behaviour, [len(s.token_ids) for s in base])
+        samples = [Sample(s.prompt_ids, s.token_ids, s.advantage, b.tolist()) for s, b in zip(base, per_sample)]
+        stats = accumulate_gradients(policy, samples, cfg, TEMPERATURE)
+        log_r = own - behaviour
+        r = log_r.exp()
+        clipped = ((adv > 0) & (r > 1.2)) | ((adv < 0) & (r < 0.8))
+        want = dict(ratio_mean=r.mean(), ratio_max=r.max(), clip_fraction=clipped.double().mean(),
+                    capped_fraction=(r > 2.0).double().mean(), mismatch_kl=(r - 1 - log_r).mean())
+        for name, value in want.items():
+            assert getattr(stats, name) == pytest.approx(float(value), rel=1e-5, abs=1e-9), (scale, name)
+        seen.append(stats)
+    assert seen[0].ratio_mean == seen[0].ratio_max == 1.0 and seen[0].clip_fraction == seen[0].mismatch_kl == 0.0
+    assert seen[0].clip_fraction < seen[1].clip_fraction < seen[2].clip_fraction
+    assert seen[1].capped_fraction < seen[2].capped_fraction
+    assert seen[0].mismatch_kl < seen[1].mismatch_kl < seen[2].mismatch_kl
+    assert seen[1].ratio_max < seen[2].ratio_max

@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import build_hf
 from tailrl.config import ConfigError, read_toml, resolve
 from tailrl.engine import EngineConfig
 from tailrl.loading import load_model, load_tokenizer
@@ -26,7 +25,7 @@ from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.progress import ConsolePrinter, EvalProgress, Notice, RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir, RunDirError, TrainState
-from tailrl.rl.packing import Sample, packed_logprobs
+from tailrl.rl.packing import ON_POLICY, Sample, packed_logprobs
 from tailrl.rl.stream import accumulate_gradients
 from tailrl.rl.rewards import from_reward_fn
 from tailrl.rl.tasks import make_task
@@ -49,7 +48,8 @@ REQUIRED = {
     "step", "reward_mean", "reward_std", "response_len_mean", "response_len_max", "rollout_s", "reward_s",
     "train_s", "step_s", "tokens_generated", "loss", "pg_loss", "kl", "reward_failures", "reward_timeouts",
     "groups_skipped", "response_lens", "grad_norm", "sd_fraction", "plain_s", "draft_s", "verify_s",
-    "accept_hist", "by_bucket", "arm_by_bucket", "batch_timeline",
+    "accept_hist", "by_bucket", "arm_by_bucket", "batch_timeline", "clip_fraction", "ratio_mean", "ratio_max",
+    "capped_fraction", "mismatch_kl",
 }
 
 
@@ -124,13 +124,15 @@ def straight_run(tmp_path_factory, char_model_dir, task_file):
 
 
 def _ragged_samples(vocab: int) -> list[Sample]:
-    """Eight responses of lengths 1-9 to three prompts (3 + 3 + 2 responses, siblings adjacent)."""
+    """Eight responses of lengths 1-9 to three prompts (3 + 3 + 2 responses, siblings adjacent),
+    on-policy (their importance ratio is 1)."""
     g = torch.Generator().manual_seed(0)
     prompts = [tuple(torch.randint(3, vocab, (p,), generator=g).tolist()) for p in (5, 3, 7)]
     out = []
     for i in range(8):
         n = 1 + (5 * i) % 9
-        out.append(Sample(prompts[i // 3], torch.randint(3, vocab, (n,), generator=g).tolist(), float(torch.randn(1, generator=g))))
+        out.append(Sample(prompts[i // 3], torch.randint(3, vocab, (n,), generator=g).tolist(),
+                          float(torch.randn(1, generator=g)), ON_POLICY))
     return out
 
 
@@ -231,6 +233,8 @@ def test_metrics_config_and_plots(straight_run, char_model_dir, task_file):
         assert r["response_len_max"] == max(r["response_lens"]) <= 12
         assert r["groups_skipped"] == 0 and r["grad_norm"] > 0  # every group had reward spread
         assert (r["reward_failures"], r["reward_timeouts"]) == (0, 0)
+        # bf16 rollouts, fp32 policy: the ratio against the engine's log-probs sees the difference.
+        assert r["ratio_max"] > 1.0 and r["mismatch_kl"] > 0.0
     assert [e.metrics["step"] for e in events if isinstance(e, StepDone)] == [1, 2, 3]
     assert any(isinstance(e, RolloutProgress) for e in events)
     # Off a terminal the printer writes the notices, one rollout line (it is rate-limited) and a
@@ -492,7 +496,8 @@ def test_update_gradients_are_the_same_bits_call_after_call(smollm2_dir):
     policy = load_model(smollm2_dir, dtype="fp32").requires_grad_(True)
     rng = random.Random(0)
     prompt = tuple(rng.randrange(100, 20000) for _ in range(150))
-    samples = [Sample(prompt, [rng.randrange(100, 20000) for _ in range(30)], rng.uniform(-1, 1)) for _ in range(4)]
+    samples = [Sample(prompt, [rng.randrange(100, 20000) for _ in range(30)], rng.uniform(-1, 1), ON_POLICY)
+               for _ in range(4)]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

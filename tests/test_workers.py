@@ -9,7 +9,6 @@ import dataclasses
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -305,12 +304,21 @@ def test_a_hung_worker_is_detected_by_timeout(target):
 SPLIT = {"decode_steps", "idle_seconds_harvested", "idle_seconds_left", "preempt_latency_s", "arm_by_bucket"}  # batch sizes per worker
 
 
+def exact_fp32_configs(char_model_dir, task_file) -> dict:
+    """fp32 rollouts in exact mode: row-invariant forwards, so how a batch is split between
+    workers changes neither the tokens nor the log-probs the engine records for them, which the
+    update's importance ratio reads (docs/lossless.md)."""
+    configs = tiny_configs(char_model_dir, task_file, dtype="fp32")
+    configs["engine"] = EngineConfig(max_batch=8, exact=True)
+    return configs
+
+
 @pytest.fixture(scope="module")
 def straight_fp32(tmp_path_factory, char_model_dir, task_file):
-    """Three steps with the in-process engine (fp32 rollouts, so a batch's composition cannot
-    flip a token by rounding): the reference for runs on several workers."""
+    """Three steps with the in-process engine (exact_fp32_configs): the reference for runs on
+    several workers."""
     out = tmp_path_factory.mktemp("runs") / "straight"
-    train(run_config(tiny_configs(char_model_dir, task_file, dtype="fp32")), out)
+    train(run_config(exact_fp32_configs(char_model_dir, task_file)), out)
     return out
 
 
@@ -333,7 +341,7 @@ def test_killing_a_worker_stops_the_run_resumably(straight_fp32, tmp_path, char_
             os.kill(worker.pid, signal.SIGKILL)
 
     out = tmp_path / "run"
-    configs = tiny_configs(char_model_dir, task_file, dtype="fp32")
+    configs = exact_fp32_configs(char_model_dir, task_file)
     configs["workers"] = WorkerConfig(workers=2)
     with pytest.raises(WorkerError, match=rf"^worker 1 died \(exit code -9\) in step 3; the run stopped after "
                                           rf"step 2, resume with --resume {out}$"):

@@ -22,7 +22,9 @@ Not the same on both sides, by design of each library (reported, not equalised):
 - TRL's `generate` pads the batch and keeps decoding finished rows until the longest is done;
   tailrl's engine drops finished sequences and may speculate (--spec);
 - tailrl skips groups whose rewards are all equal in the update (zero advantage), TRL computes
-  them; tailrl packs a prompt once per micro-batch, TRL pads prompt + completion per row.
+  them; tailrl packs a prompt once per micro-batch, TRL pads prompt + completion per row;
+- tailrl takes the PPO ratio against the log-probs its engine recorded, TRL (without vLLM)
+  against its own recompute; with fp32 rollouts both are 1 to rounding.
 
 With --lookup, also batch 1 without a model drafter: transformers' prompt-lookup decoding
 (`prompt_lookup_num_tokens`) against tailrl's n-gram drafter, each beside its own plain decoding,

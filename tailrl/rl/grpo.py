@@ -1,8 +1,10 @@
 """GRPO as pure tensor functions: group advantages, token log-probs, the PPO-clip policy loss.
 
-Knows: rewards, log-probabilities, masks, the clipped surrogate and the k3 KL estimator, and
-the update's settings (GRPOConfig). Does not know: models, tokenizers, how tokens were
-produced; it names the optimizer's settings but never builds one.
+Knows: rewards, log-probabilities, masks, the clipped surrogate against the sampling
+(behaviour) policy with a truncated importance weight, the k3 KL estimator, and the update's
+settings (GRPOConfig). Does not know: models, tokenizers, how tokens were produced (only the
+behaviour log-probs they were recorded with); it names the optimizer's settings but never
+builds one.
 
 Shapes: P prompts, G responses per prompt (group_size), B = P * G rows, T response tokens
 (right-padded; `mask` marks real tokens), V vocabulary.
@@ -10,6 +12,7 @@ Shapes: P prompts, G responses per prompt (group_size), B = P * G rows, T respon
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,9 +34,19 @@ class GRPOConfig:
         metadata={"help": "responses per forward/backward (packed with their shared prompt); gradients accumulate"},
     )
     grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0 = no clipping)"})
-    clip_low: float = field(default=0.2, metadata={"help": "PPO clip range below 1 (ratio >= 1 - clip_low)"})
+    clip_low: float = field(default=0.2, metadata={"help": "PPO clip range below 1 of the ratio pi_theta / pi_rollout "
+                                                                   "(ratio >= 1 - clip_low)"})
     clip_high: float | None = field(
         default=None, metadata={"help": "PPO clip range above 1; None = clip_low (DAPO clip-higher: 0.28)"}
+    )
+    # 2: a weight above it is a token the trainer finds over twice as likely as the engine did, far
+    # past what computing one policy in bf16 instead of fp32 moves a log-prob, so the cap binds on
+    # real mismatch only and no token's gradient weighs more than twice its own; ms-swift's TIS
+    # threshold defaults to 2 as well.
+    is_cap: float = field(
+        default=2.0, metadata={"help": "truncation of the importance weight pi_theta / pi_rollout (TIS): a token "
+                                       "the trainer finds more than is_cap times likelier than the rollout engine "
+                                       "did keeps its gradient at weight is_cap; > 1 + clip_high; inf = off"}
     )
     kl_coef: float = field(
         default=0.0, metadata={"help": "weight of the k3 KL to the initial policy (0 = no reference model)"}
@@ -61,6 +74,9 @@ class GRPOConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.clip_high is not None and self.clip_high < 0:
             raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+        if not self.is_cap > 1.0 + self.clip_upper:
+            raise ValueError(f"is_cap must be > 1 + clip_high ({1.0 + self.clip_upper}) so that the truncation never "
+                             f"undoes a clip, got {self.is_cap}")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of RL step `step` (1-based). A ramp, because Adam's first updates
@@ -106,35 +122,59 @@ def sequence_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: f
 
 @dataclass(frozen=True)
 class LossTerms:
-    """The loss to backpropagate and detached diagnostics (token means over this micro-batch)."""
+    """The loss to backpropagate and detached diagnostics (token means over this micro-batch,
+    but ratio_max: the largest ratio in it)."""
 
     loss: torch.Tensor  # scalar, carries the graph
     pg_loss: float
     kl: float
-    clip_fraction: float
-    ratio_mean: float
+    clip_fraction: float  # tokens whose clipped branch won the min (they get no gradient)
+    ratio_mean: float  # of pi_theta / pi_behaviour, before truncation
+    ratio_max: float
+    capped_fraction: float  # tokens whose importance weight is_cap truncated
+    mismatch_kl: float  # k3 estimate of KL(pi_behaviour || pi_theta) per token
 
 
 def policy_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    is_cap: float = 2.0,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     num_tokens: int | None = None,
 ) -> LossTerms:
-    """PPO-clip surrogate with token-mean aggregation and an optional k3 KL penalty.
+    """PPO-clip surrogate against the policy that sampled the tokens, its importance weight
+    truncated at is_cap, with token-mean aggregation and an optional k3 KL penalty.
 
-    logprobs (B, T) carry the graph; old_logprobs, ref_logprobs (B, T), advantages (B,) per
-    row or (B, T) per token (for rows that pack several responses) and mask (B, T) are
-    constants. Per token:
-        ratio = exp(logprobs - old_logprobs)
-        pg    = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
-        k3    = exp(ref - lp) - (ref - lp) - 1        (>= 0, unbiased for KL(pi || ref))
+    logprobs (B, T) are the trainer's (pi_theta) and carry the graph; behaviour_logprobs (B, T)
+    are each token's log-prob under the policy that sampled it (pi_behaviour: what the rollout
+    engine recorded); they, ref_logprobs (B, T), advantages (B,) per row or (B, T) per token
+    (for rows that pack several responses) and mask (B, T) are constants. Per token, with sg()
+    the stop-gradient:
+        log_r = logprobs - behaviour                        ratio = exp(log_r) = pi_theta / pi_behaviour
+        w     = exp(log_r - sg(max(0, log_r - log is_cap))) value min(ratio, is_cap), gradient w * grad lp
+        pg    = -min(w * A, clip(w, 1 - clip_low, 1 + clip_high) * A)
+        k3    = exp(ref - lp) - (ref - lp) - 1              (>= 0, unbiased for KL(pi || ref))
     loss = sum over valid tokens of (pg + kl_coef * k3) / num_tokens.
+
+    Why the behaviour policy: the tokens were drawn from it, so A * ratio * grad lp is the policy
+    gradient of pi_theta estimated from its samples, and the clip keeps the step inside a trust
+    region around the policy that actually sampled. The trainer's own recompute is no stand-in:
+    with one optimizer step per rollout batch it equals pi_theta, its ratio is exactly 1 and
+    nothing is ever clipped, while the engine computes the policy differently (another dtype,
+    other kernels). When the two agree the ratio is 1 and the gradient is A * grad lp.
+
+    Why the truncation (Yao et al. 2025, "truncated importance sampling"): the clip bounds a
+    token's weight only where it stops its gradient (A > 0 above 1 + clip_high, A < 0 below
+    1 - clip_low). A token with A < 0 that the trainer finds far likelier than the engine did
+    keeps the unclipped branch with weight ratio, unbounded; capping the weight at is_cap bounds
+    its share of the gradient and keeps its direction (dropping it would lose the signal). The
+    cap acts in log space, so is_cap = inf (no truncation) needs no special case and makes no
+    NaN. is_cap must exceed 1 + clip_high, else a capped token with A > 0 would escape its clip.
 
     num_tokens defaults to this batch's valid-token count. With gradient accumulation pass the
     valid-token count of the whole optimizer batch: the micro-batch losses then sum to exactly
@@ -147,15 +187,18 @@ def policy_loss(
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
+    if not is_cap > 1.0 + clip_high:
+        raise ValueError(f"is_cap must be > 1 + clip_high ({1.0 + clip_high}), got {is_cap}")
     adv = advantages.to(logprobs.dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1)  # (B, 1)
     # Padding may hold any log-prob (even -inf): zero its log-ratio before exp so that neither
     # the forward (inf * 0) nor the backward (0 * inf) produces NaN.
-    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    log_ratio = torch.where(valid, logprobs - behaviour_logprobs.detach(), 0.0)  # (B, T)
+    excess = (log_ratio.detach() - math.log(is_cap)).clamp(min=0.0)  # (B, T), a constant
+    weight = torch.exp(log_ratio - excess)  # (B, T), min(ratio, is_cap)
+    unclipped = weight * adv
+    clipped = torch.clamp(weight, 1.0 - clip_low, 1.0 + clip_high) * adv
     pg = -torch.minimum(unclipped, clipped)  # (B, T)
     per_token = pg
     kl = torch.zeros_like(pg)
@@ -164,15 +207,32 @@ def policy_loss(
         kl = torch.exp(d) - d - 1.0
         per_token = pg + kl_coef * kl
     loss = (per_token * mask).sum() / denom
-
     with torch.no_grad():
-        n_here = mask.sum().clamp(min=1.0)
-        # A token is "clipped" when the clipped branch is the one min() picked (no gradient).
-        is_clipped = (clipped < unclipped).to(mask.dtype)
-        return LossTerms(
-            loss=loss,
-            pg_loss=((pg * mask).sum() / n_here).item(),
-            kl=((kl * mask).sum() / n_here).item(),
-            clip_fraction=((is_clipped * mask).sum() / n_here).item(),
-            ratio_mean=((ratio * mask).sum() / n_here).item(),
-        )
+        return _terms(loss, pg, kl, log_ratio.detach(), excess > 0, clipped < unclipped, mask)
+
+
+def _terms(loss: torch.Tensor, pg: torch.Tensor, kl: torch.Tensor, log_ratio: torch.Tensor, capped: torch.Tensor,
+           is_clipped: torch.Tensor, mask: torch.Tensor) -> LossTerms:
+    """The diagnostics of policy_loss, token means over mask (all (B, T)). The ratio is the
+    untruncated one: it describes how far the engine was from the trainer, not what the loss
+    used. The mismatch KL is the k3 estimator ratio - 1 - log ratio: the tokens are samples of
+    pi_behaviour, where E[ratio] = 1, so its mean is unbiased for KL(pi_behaviour || pi_theta),
+    and, unlike the mean of -log ratio (also unbiased), it is >= 0 token by token. (With top-k /
+    top-p the tokens come from the truncated distribution, not the recorded one, and the
+    estimate is approximate.)"""
+    n = mask.sum().clamp(min=1.0)
+
+    def mean(x: torch.Tensor) -> float:
+        return ((x.to(mask.dtype) * mask).sum() / n).item()
+
+    ratio = torch.exp(log_ratio)  # (B, T)
+    return LossTerms(
+        loss=loss,
+        pg_loss=mean(pg),
+        kl=mean(kl),
+        clip_fraction=mean(is_clipped),
+        ratio_mean=mean(ratio),
+        ratio_max=(ratio * mask).max().item() if mask.numel() else 0.0,
+        capped_fraction=mean(capped),
+        mismatch_kl=mean(ratio - 1.0 - log_ratio),
+    )

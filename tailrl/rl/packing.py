@@ -1,8 +1,8 @@
-"""The update's input: responses with their advantages, and their log-probs under a model with
-each group's prompt computed once.
+"""The update's input: responses with their advantages and the log-probs they were sampled with,
+and their log-probs under a model with each group's prompt computed once.
 
 Knows: token ids, positions, attention masks, the model's forward. Does not know: losses,
-optimizers, how the responses were produced.
+optimizers, how the responses were produced (only the log-probs their sampler recorded).
 
 Shapes: L tokens in a packed row (prompts + responses), N response tokens in it, E hidden size,
 V vocabulary.
@@ -19,13 +19,30 @@ from tailrl.model import Transformer
 from tailrl.rl.grpo import sequence_logprobs
 
 
+# A sample with no behaviour policy of its own (a worked solution, a test's fixed response): it
+# counts as sampled by the trainer's policy, so its importance ratio is 1 by definition.
+ON_POLICY: tuple[float, ...] = ()
+
+
 @dataclass(frozen=True)
 class Sample:
-    """One response to train on."""
+    """One response to train on.
+
+    behaviour_logprobs: each response token's log-prob under the policy that sampled it, as the
+    rollout engine recorded it (tailrl.sampling.token_logprobs, the quantity the trainer
+    recomputes); the update's importance ratio is taken against them. ON_POLICY (empty) when
+    nothing sampled the response: the trainer's own log-probs stand in.
+    """
 
     prompt_ids: tuple[int, ...]
     token_ids: Sequence[int]
     advantage: float
+    behaviour_logprobs: Sequence[float]
+
+    def __post_init__(self) -> None:
+        if self.behaviour_logprobs and len(self.behaviour_logprobs) != len(self.token_ids):
+            raise ValueError(f"behaviour_logprobs has {len(self.behaviour_logprobs)} entries for "
+                             f"{len(self.token_ids)} response tokens")
 
 
 def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: float) -> torch.Tensor:
@@ -69,3 +86,18 @@ def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: 
     )  # (1, L, E)
     logits = model.lm_head(h[:, torch.tensor(pred, device=device)])  # (1, N, V)
     return sequence_logprobs(logits, torch.tensor([targets], device=device), temperature)
+
+
+def packed_behaviour(samples: Sequence[Sample], own: torch.Tensor) -> torch.Tensor:
+    """The samples' behaviour log-probs in packed_logprobs' token order.  (1, N) -> (1, N)
+
+    `own` is packed_logprobs of the same samples under the trainer's policy: an ON_POLICY
+    sample's tokens take their values from it, detached, so its ratio is exactly 1.
+    """
+    parts, first = [], 0
+    for s in samples:
+        n = len(s.token_ids)
+        parts.append(torch.tensor(s.behaviour_logprobs, dtype=own.dtype, device=own.device) if s.behaviour_logprobs
+                     else own[0, first : first + n].detach())
+        first += n
+    return torch.cat(parts)[None]

@@ -43,17 +43,19 @@ class ScoredGroup:
 def score_group(problem: Problem, completions: Sequence[Completion], tokenizer: Tokenizer,
                 score: Callable[[Problem, str], float], timeout_s: float, drop_truncated: bool = False) -> ScoredGroup:
     """Decode a group's responses, reward them (a reward that raises or hangs scores 0 and is
-    counted) and attach group-normalised advantages; with drop_truncated, responses cut off at
-    the length limit get an advantage (they count in the group's mean and spread) but no sample:
-    their reward says where the limit was, not what a finished answer earns, and their many
-    tokens would otherwise dominate the token-mean loss."""
+    counted) and attach group-normalised advantages and the log-probs the engine sampled each
+    token with (the update's importance ratio is taken against them); with drop_truncated,
+    responses cut off at the length limit get an advantage (they count in the group's mean and
+    spread) but no sample: their reward says where the limit was, not what a finished answer
+    earns, and their many tokens would otherwise dominate the token-mean loss."""
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     rewards = safe_rewards(score, [(problem, t) for t in texts], timeout_s)
     table = torch.tensor(rewards.rewards, dtype=torch.float64)[None]  # (1, G)
     if not table.max() > table.min():
         return ScoredGroup(texts, rewards, [])
     adv = group_advantages(table)[0]  # (G,)
-    return ScoredGroup(texts, rewards, [Sample(c.prompt_ids, c.token_ids, float(a)) for c, a in zip(completions, adv)
+    return ScoredGroup(texts, rewards, [Sample(c.prompt_ids, c.token_ids, float(a), c.logprobs)
+                                        for c, a in zip(completions, adv)
                                         if not (drop_truncated and c.finish_reason == "length")])
 
 

@@ -44,7 +44,7 @@ from tailrl.model import Transformer
 from tailrl.rl.guards import sigint_deferred
 from tailrl.rl.run_dir import policy_weights
 from tailrl.rl.tasks import DEFAULT_TASK, HELDOUT_STREAM, Problem, encode_question, extract_answer, make_task
-from tailrl.rl.packing import Sample, packed_logprobs
+from tailrl.rl.packing import ON_POLICY, Sample, packed_logprobs
 from tailrl.rl.worked import WorkedTask
 from tailrl.sampling import SamplingParams, derive_seed
 
@@ -139,9 +139,10 @@ def stop_token(tokenizer: Any, model: Transformer) -> int:
 
 
 def example(task: WorkedTask, tokenizer: Any, problem: Problem, stop_id: int) -> Sample:
-    """One training example: the RL chat prompt, then the solution's tokens and end of turn."""
+    """One training example: the RL chat prompt, then the solution's tokens and end of turn (no
+    policy sampled it: ON_POLICY; SFT's loss has no importance ratio anyway)."""
     response = tokenizer.encode(task.solution(problem), add_special_tokens=False) + [stop_id]
-    return Sample(encode_question(tokenizer, problem.question), response, 0.0)
+    return Sample(encode_question(tokenizer, problem.question), response, 0.0, ON_POLICY)
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:

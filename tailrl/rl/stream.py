@@ -6,8 +6,9 @@ group and combines the shares so the result does not depend on when, or on which
 group was computed:
 
 - A group's gradient is the gradient of its *unnormalised* loss (the sum over its tokens of the
-  per-token PPO-clip loss, tailrl.rl.grpo.policy_loss with num_tokens=1), taken with
-  torch.autograd.grad into a buffer of its own: nothing is accumulated into shared `.grad`.
+  per-token PPO-clip loss against the log-probs the rollout sampled with,
+  tailrl.rl.grpo.policy_loss with num_tokens=1), taken with torch.autograd.grad into a buffer of
+  its own: nothing is accumulated into shared `.grad`.
 - Buffers are added in group order (a prefix fold: group g is added once groups 0..g-1 are).
   Floating-point addition is not associative, so a fixed order is what makes the sum's bits
   independent of the order groups finish in. Buffers of groups that finished early wait.
@@ -38,30 +39,40 @@ import torch
 from tailrl.loading import resolve_dtype
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig, policy_loss
-from tailrl.rl.packing import Sample, packed_logprobs
+from tailrl.rl.packing import Sample, packed_behaviour, packed_logprobs
 
-STAT_NAMES = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean")
+# Token means (policy_loss's LossTerms of the same names), added up as token-weighted sums.
+STAT_NAMES = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "capped_fraction", "mismatch_kl")
 
 
 @dataclass(frozen=True)
 class UpdateStats:
-    """Token means over the whole update batch (loss is the objective that was backpropagated)."""
+    """Token means over the whole update batch (loss is the objective that was backpropagated),
+    and ratio_max, the largest importance ratio in it (tailrl.rl.grpo.LossTerms)."""
 
     loss: float = 0.0
     pg_loss: float = 0.0
     kl: float = 0.0
     clip_fraction: float = 0.0
     ratio_mean: float = 0.0
+    capped_fraction: float = 0.0
+    mismatch_kl: float = 0.0
+    ratio_max: float = 0.0
     tokens: int = 0
 
 
 @dataclass
 class _Share:
-    """One group's unnormalised share: gradient buffers and token-weighted stat sums."""
+    """One group's unnormalised share: gradient buffers, token-weighted stat sums, the max ratio."""
 
     grads: list[torch.Tensor] | None  # one per trainable parameter; None: the group had no tokens
     sums: dict[str, float]
     tokens: int
+    ratio_max: float = 0.0
+
+
+def _empty_share() -> _Share:
+    return _Share(None, dict.fromkeys(STAT_NAMES, 0.0), 0)
 
 
 def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig, temperature: float,
@@ -69,9 +80,7 @@ def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig,
     """The gradient of sum-over-tokens of the GRPO loss of `samples`, cfg.micro_batch responses
     per forward/backward, micro-batches added in order."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    grads: list[torch.Tensor] | None = None
-    sums = dict.fromkeys(STAT_NAMES, 0.0)
-    tokens = 0
+    share = _empty_share()
     device_type = params[0].device.type
     bf16 = resolve_dtype(cfg.autocast, params[0].device) == "bf16"
     for first in range(0, len(samples), cfg.micro_batch):
@@ -84,22 +93,24 @@ def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig,
                 ref_logprobs = packed_logprobs(ref, pack, temperature)  # (1, N)
         adv = torch.tensor([[s.advantage for s in pack for _ in s.token_ids]], dtype=torch.float64)  # (1, N)
         out = policy_loss(
-            logprobs, logprobs.detach(), adv.to(logprobs.device), torch.ones_like(logprobs, dtype=torch.bool),
-            cfg.clip_low, cfg.clip_upper, ref_logprobs, cfg.kl_coef, num_tokens=1,
+            logprobs, packed_behaviour(pack, logprobs), adv.to(logprobs.device),
+            torch.ones_like(logprobs, dtype=torch.bool), cfg.clip_low, cfg.clip_upper, cfg.is_cap, ref_logprobs,
+            cfg.kl_coef, num_tokens=1,
         )
         g = torch.autograd.grad(out.loss, params, allow_unused=True)
         g = [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
-        if grads is None:
-            grads = g
+        if share.grads is None:
+            share.grads = g
         else:
-            for acc, x in zip(grads, g):
+            for acc, x in zip(share.grads, g):
                 acc.add_(x)
         n = logprobs.shape[1]
-        tokens += n
-        sums["loss"] += out.loss.item()  # already a sum over the pack's tokens
+        share.tokens += n
+        share.sums["loss"] += out.loss.item()  # already a sum over the pack's tokens
         for name in STAT_NAMES[1:]:
-            sums[name] += getattr(out, name) * n  # token means over the pack -> sums
-    return _Share(grads, sums, tokens)
+            share.sums[name] += getattr(out, name) * n  # token means over the pack -> sums
+        share.ratio_max = max(share.ratio_max, out.ratio_max)
+    return share
 
 
 class GroupGradients:
@@ -120,13 +131,13 @@ class GroupGradients:
         self._sum: list[torch.Tensor] | None = None
         self._sums = dict.fromkeys(STAT_NAMES, 0.0)
         self._tokens = 0
+        self._ratio_max = 0.0
         self._lock = threading.Lock()
 
     def add(self, group: int, samples: Sequence[Sample]) -> None:
         if not 0 <= group < self.num_groups:
             raise ValueError(f"group {group} out of range for {self.num_groups} groups")
-        share = group_share(self.policy, samples, self.cfg, self.temperature, self.ref) if samples \
-            else _Share(None, dict.fromkeys(STAT_NAMES, 0.0), 0)
+        share = group_share(self.policy, samples, self.cfg, self.temperature, self.ref) if samples else _empty_share()
         with self._lock:
             if group in self._ready or group < self._next:
                 raise ValueError(f"group {group} was added twice")
@@ -139,6 +150,7 @@ class GroupGradients:
         for name in STAT_NAMES:
             self._sums[name] += share.sums[name]
         self._tokens += share.tokens
+        self._ratio_max = max(self._ratio_max, share.ratio_max)
         if share.grads is None:
             return
         if self._sum is None:
@@ -163,7 +175,7 @@ class GroupGradients:
             p.grad = g.div_(self._tokens)
         self._sum = None
         t = self._tokens
-        return UpdateStats(tokens=t, **{name: v / t for name, v in self._sums.items()})
+        return UpdateStats(tokens=t, ratio_max=self._ratio_max, **{name: v / t for name, v in self._sums.items()})
 
 
 def by_prompt(samples: Sequence[Sample]) -> list[list[Sample]]:

@@ -18,12 +18,16 @@ dtype "auto" (tailrl.loading.resolve_dtype) picks bf16 only where bf16 matmuls a
 GPUs and on CPUs with native bf16 instructions; elsewhere a bf16 matmul runs on a slow emulation
 (docs/performance.md).
 
-Old-policy log-probs. Each rollout batch gets exactly one optimizer step, so the policy that
-sampled it is the policy before the update, and its log-probs are the trainer's own: recomputed
-in the same forward and detached. The ratio is then exactly 1, the clip is inactive and the
-gradient is A * grad log p (DeepSeek's GRPO with one iteration per batch, TRL's default). The
-engine's log-probs are not used: they come from other kernels (cached decode steps) and possibly
-a bf16 copy, and would put that rounding difference into the ratio.
+Behaviour log-probs. Each rollout batch gets exactly one optimizer step, so the trainer's own
+recompute of the sampling policy would equal the policy being differentiated (ratio exactly 1,
+nothing clipped). But the tokens were sampled by the rollout engine, which computes the policy
+differently (a bf16 copy, cached decode kernels, another engine), and it records each token's
+log-prob. The PPO ratio is taken against those (tailrl.rl.grpo.policy_loss): clip_low/clip_high
+keep the update near the policy that actually sampled, is_cap truncates the importance weight
+of tokens the two disagree on most, and the metrics report the ratio (`ratio_mean`,
+`ratio_max`), the clipped and capped shares and the mismatch's KL (`mismatch_kl`). Where engine
+and trainer agree the ratio is 1 and the gradient is A * grad log p (DeepSeek's GRPO with one
+iteration per batch).
 
 Skipped groups. A group whose rewards are all equal has zero advantages; it is left out of the
 update (neither computed nor counted in the token mean, as DAPO's dynamic sampling drops it) but
@@ -229,6 +233,9 @@ def step_metrics(step: int, tc: TrainConfig, completions: list[Completion], text
         "kl": stats.kl,
         "clip_fraction": stats.clip_fraction,
         "ratio_mean": stats.ratio_mean,
+        "ratio_max": stats.ratio_max,
+        "capped_fraction": stats.capped_fraction,
+        "mismatch_kl": stats.mismatch_kl,
         "grad_norm": grad_norm,
         "train_tokens": stats.tokens,
         "lr": lr,
