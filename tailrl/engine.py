@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import torch
 
 from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer
-from tailrl.sampling import SamplingParams, is_top1, sample
+from tailrl.sampling import SamplingParams, is_top1, next_position, sample
 
 
 # Padded tokens per batched prefill forward: bounds its attention scores (heads x tokens x prompt
@@ -338,7 +338,7 @@ class Engine:
     def _start(self, idx: int, req: Request, call: GenerateCall, logits: torch.Tensor, h_prompt: torch.Tensor) -> Seq:
         """A running sequence from its prompt's last logits (1, V) and hidden states (P, E)."""
         p = len(req.prompt_ids)
-        tok, lp = sample(logits, call.params, [req.seed], [p])
+        tok, lp = sample(logits, call.params, [req.seed], [next_position(p - 1)])
         top = is_top1(logits, tok)
         seq = Seq(idx, req, length=p, pending=int(tok[0]))
         keep = self.keep_hidden
@@ -416,7 +416,8 @@ class Engine:
         logits, h = self.forward(ids, lens[:, None], CacheView(self.cache, 0, lens[:, None], kv_len, mask))
         # fp32 once: sampling works in fp32 anyway, and a bf16 argmax is a slow kernel on CPU.
         logits = logits[:, 0].float()  # (B, V)
-        toks, lps = sample(logits, call.params, [s.req.seed for s in running], (lens + 1).tolist())
+        seeds = [s.req.seed for s in running]
+        toks, lps = sample(logits, call.params, seeds, [next_position(n) for n in lens.tolist()])
         top = is_top1(logits, toks).tolist()
         keep = self.keep_hidden
         # One host transfer per tensor, not one tensor index per row.

@@ -31,7 +31,7 @@ from tailrl.rl.rewards import load_reward
 from tailrl.rl.sft import SFTConfig, sft, worked_task
 from tailrl.rl.tasks import make_task
 from tailrl.rl.train import RunConfig, TrainConfig
-from tailrl.rollout import native
+from tailrl.rollout.native import config as native
 from tailrl.warmup import WarmupConfig, WarmupProgress, warmup
 
 # Warm-up sized for a CPU: a few minutes of sampling and training before the first RL step. The

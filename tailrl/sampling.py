@@ -67,6 +67,19 @@ def derive_seed(*parts: int) -> int:
     return int(hash_ints(*parts))
 
 
+def next_position(input_position: int) -> int:
+    """The position convention every decoding path keys its uniforms by.
+
+    The logits a forward computes at input position q (prompt and response counted from 0)
+    predict the token that will sit at position q + 1, and that token's uniform is
+    uniforms(seed, q + 1): the first response token's comes from the prompt's last position
+    (len(prompt) - 1), a plain step's from the pending token's position, a verify's from each
+    tree node's position along its path. Losslessness rests on all of them agreeing, so they
+    all compute it here.
+    """
+    return input_position + 1
+
+
 def uniforms(seeds: np.ndarray | list[int], positions: np.ndarray | list[int]) -> np.ndarray:
     """One uniform in [0, 1) per (seed, position) pair; depends on nothing else."""
     z = hash_ints(np.asarray(seeds, dtype=np.uint64), np.asarray(positions, dtype=np.uint64))

@@ -12,9 +12,9 @@ import pytest
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
 from tailrl.pipeline import run_config
-from tailrl.workers.pool import WorkerConfig
+from tailrl.rollout.native.pool import WorkerConfig
 from tailrl.rollout.protocol import WorkerError
-from tailrl.workers.spot import SpotConfig
+from tailrl.rollout.native.spot import SpotConfig
 from test_workers import (  # noqa: F401 - target, straight_fp32, task_file, no_plots are fixtures
     PARAMS, exact_fp32_configs, no_plots, reference, requests, same_run, start_pool, straight_fp32, target, task_file,
 )

@@ -26,11 +26,11 @@ from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.progress import ConsolePrinter, EvalProgress, Notice, RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir, RunDirError, TrainState
 from tailrl.rl.packing import ON_POLICY, Sample, packed_logprobs
-from tailrl.rl.stream import accumulate_gradients
+from tailrl.rl.update import accumulate_gradients
 from tailrl.rl.rewards import from_reward_fn
 from tailrl.rl.tasks import make_task
 from tailrl.pipeline import TRAIN_SECTIONS, run_config
-from tailrl.rollout.native import NativeRolloutConfig
+from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rl.run_dir import policy_weights
 from tailrl.rl.tasks import encode_question
 from tailrl.rl.train import TrainConfig, train

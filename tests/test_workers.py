@@ -24,13 +24,13 @@ from tailrl.speculative.drafter.model import Drafter, save_drafter
 from tailrl.speculative.drafter.training import TrainSeq
 from tailrl.speculative.modes import SpeculationConfig
 from tailrl.tuner import TunerConfig
-from tailrl.workers.buffer import DataBuffer, train_seq
+from tailrl.rollout.native.buffer import DataBuffer, train_seq
 from tailrl.pipeline import run_config
-from tailrl.rollout.native import NativeRolloutConfig
-from tailrl.workers.pool import WorkerConfig, WorkerPool, merge_stats, shard_indices
+from tailrl.rollout.native.config import NativeRolloutConfig
+from tailrl.rollout.native.pool import WorkerConfig, WorkerPool, merge_stats, shard_indices
 from tailrl.rollout.protocol import WorkerError
-from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, run_spot
-from tailrl.workers.worker import RolloutWorker, SpotBeat, WorkerSetup
+from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, run_spot
+from tailrl.rollout.native.worker import RolloutWorker, SpotBeat, WorkerSetup
 from test_train import comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
 
 VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in

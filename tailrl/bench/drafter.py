@@ -32,10 +32,10 @@ from typing import Any, Callable
 from tailrl.bench.train import TwoRunsConfig
 from tailrl.engine import EngineConfig
 from tailrl.rl.train import RunConfig, TrainConfig
-from tailrl.rollout.native import NativeRolloutConfig
+from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig
-from tailrl.workers.pool import WorkerConfig
-from tailrl.workers.spot import SpotConfig
+from tailrl.rollout.native.pool import WorkerConfig
+from tailrl.rollout.native.spot import SpotConfig
 
 LAST = 5  # steps averaged for accept_ratio
 

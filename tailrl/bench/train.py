@@ -40,10 +40,10 @@ from typing import Any, Callable
 from tailrl.engine import EngineConfig
 from tailrl.rl.tasks import DEFAULT_TASK
 from tailrl.rl.train import RunConfig, TrainConfig
-from tailrl.rollout.native import NativeRolloutConfig
+from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig
-from tailrl.workers.pool import WorkerConfig
-from tailrl.workers.spot import SpotConfig
+from tailrl.rollout.native.pool import WorkerConfig
+from tailrl.rollout.native.spot import SpotConfig
 
 RUNS = ("baseline", "sd_only", "overlap_only", "tlt")
 SPECULATE = {"sd_only", "tlt"}

@@ -3,7 +3,7 @@
 Synchronous (what veRL and TRL do): the rollout, then every group's rewards and advantages, then
 the gradient of the whole batch. Overlapped: a group is scored as soon as its last response
 finishes, and its share of the gradient is computed on a background thread while the rest of the
-batch still decodes (tailrl.rl.stream). Both feed the same GroupGradients, group by group, each
+batch still decodes (tailrl.rl.update). Both feed the same GroupGradients, group by group, each
 group computed on one torch thread (two groups at a time once the rollout is over), so the
 gradient has the same bits either way, on any CPU; only where the time goes differs.
 
@@ -13,7 +13,7 @@ better spent on the update than on decoding, so the rollout is asked to lend one
 (Rollout.lend_core) while the update has work.
 
 Knows: the order of a step's phases, groups, rewards, advantages. Does not know: how the
-rollout decodes (tailrl.rollout.protocol), the loss (tailrl.rl.stream), the optimizer.
+rollout decodes (tailrl.rollout.protocol), the loss (tailrl.rl.update), the optimizer.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tailrl.rollout.protocol import Completion, Progress, Request, Rollout, Samp
 from tailrl.rl.grpo import GRPOConfig, group_advantages
 from tailrl.rl.packing import Sample
 from tailrl.rl.rewards import RewardBatch, safe_rewards
-from tailrl.rl.stream import GroupGradients, OverlappedUpdate, UpdateStats
+from tailrl.rl.update import GroupGradients, BackgroundUpdate, UpdateStats
 from tailrl.rl.tasks import Problem, Tokenizer
 
 
@@ -116,7 +116,7 @@ def run_step(rollout: Rollout, step: int, inputs: StepInputs, policy: Transforme
                           cfg.drop_truncated)
               for g, p in enumerate(inputs.problems)]
     t2 = time.perf_counter()
-    update = OverlappedUpdate(grads)  # its gate never opens before drain: the update after the rollout
+    update = BackgroundUpdate(grads)  # its gate never opens before drain: the update after the rollout
     for g, group in enumerate(groups):
         update.submit(g, group.samples)
     update.drain()
@@ -132,7 +132,7 @@ def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGra
     finished: list[list[Completion | None]] = [[None] * G for _ in range(P)]
     left = [G] * P
     groups: list[ScoredGroup | None] = [None] * P
-    update = OverlappedUpdate(grads)
+    update = BackgroundUpdate(grads)
     reward_s = 0.0
 
     def on_finished(index: int, completion: Completion) -> None:

@@ -6,7 +6,7 @@ token-mean loss: tailrl.rl.phases, overlapped with the rollout's tail unless ove
 0), `clip`, then the optimizer step, publishing the weights and the checkpoint (`save`), and,
 every eval_every steps, the held-out evaluation (`evaluate_heldout`, tailrl.rl.heldout); the
 stages are methods of `Trainer`, which holds what lives from step to step. The update's tensor
-plumbing is tailrl.rl.packing and tailrl.rl.stream. The rollout is whatever `RunConfig.rollout`
+plumbing is tailrl.rl.packing and tailrl.rl.update. The rollout is whatever `RunConfig.rollout`
 opens behind the Rollout protocol (tailrl.rollout.protocol): tailrl's native engine, in this
 process by default, or several worker processes / Ray actors whose idle time in the long tail
 trains the drafter.
@@ -65,7 +65,7 @@ from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import EvalDone, EvalProgress, Notice, RolloutProgress, StepDone
 from tailrl.rl.rewards import ProblemReward, RewardBatch, from_reward_fn, load_reward, task_reward
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, policy_weights, restore_rng
-from tailrl.rl.stream import UpdateStats
+from tailrl.rl.update import UpdateStats
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, Tokenizer, encode_question, extract_answer, make_task
 from tailrl.rollout.protocol import (
     Completion, Request, Rollout, RolloutConfig, RolloutReport, SamplingParams, WorkerError,

@@ -1,1 +1,2 @@
-"""Rollouts behind one seam: `protocol` (what the RL loop knows), `native` (tailrl's own engine)."""
+"""Rollouts behind one seam: `protocol` (all the RL loop knows of generation) and each engine
+behind it, side by side: `native` (tailrl's own engine and its workers)."""

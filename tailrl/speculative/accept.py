@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tailrl.sampling import SamplingParams, inverse_cdf, is_top1, process_logits, token_logprobs, uniforms
+from tailrl.sampling import SamplingParams, inverse_cdf, is_top1, next_position, process_logits, token_logprobs, uniforms
 from tailrl.speculative.tree import DraftTree
 
 
@@ -65,8 +65,9 @@ def accept_walk(
         # Widened once: process_logits, token_logprobs and is_top1 all compute in fp32.
         visited = logits[r, j].float()  # (A, V)
         probs = process_logits(visited, params)  # (A, V)
-        # The uniform plain decoding uses for the token at position P_b + depth + 1.
-        u = uniforms([seeds[i] for i in rows], [root_positions[i] + depth + 1 for i in rows])
+        # The node visited at this depth sits at position P_b + depth: the uniform plain decoding
+        # uses for the token after it.
+        u = uniforms([seeds[i] for i in rows], [next_position(root_positions[i] + depth) for i in rows])
         x = inverse_cdf(probs, u)  # (A,)
         # Descend iff the target's own pick is a child's draft token (the first such child).
         match = (node_parents[r] == j[:, None]) & (node_tokens[r] == x[:, None])  # (A, N)

@@ -1,4 +1,4 @@
-"""tailrl's own engine behind the Rollout protocol: the worker pool (tailrl.workers) and its config.
+"""How a run configures and opens tailrl's own engine behind the Rollout protocol.
 
 One engine in the trainer's process by default (the policy's rollout copy, its torch threads
 lent to the update in the tail), or several worker processes or Ray actors with spot training
@@ -21,10 +21,10 @@ from tailrl.model import Transformer
 from tailrl.speculative.drafter.model import WEIGHTS_FILE
 from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
 from tailrl.tuner import TunerConfig
-from tailrl.workers.pool import WorkerConfig, WorkerPool
-from tailrl.workers.runtimes import InProcessRuntime, ProcessRuntime, Runtime
-from tailrl.workers.spot import DrafterState, SpotConfig
-from tailrl.workers.worker import WorkerSetup
+from tailrl.rollout.native.pool import WorkerConfig, WorkerPool
+from tailrl.rollout.native.runtimes import InProcessRuntime, ProcessRuntime, Runtime
+from tailrl.rollout.native.spot import DrafterState, SpotConfig
+from tailrl.rollout.native.worker import WorkerSetup
 
 # The configuration sections of the native engine (flags and TOML tables), by name.
 SECTIONS: dict[str, type] = {
@@ -81,7 +81,7 @@ def _runtime(cfg: WorkerConfig, model: Transformer, setup: WorkerSetup, tuners: 
     # Starting (imports, model copy, drafter) takes seconds to minutes whatever the hang timeout is.
     start_s = max(cfg.worker_timeout_s, 300.0)
     if cfg.use_ray:
-        from tailrl.workers.ray_runtime import RayRuntime
+        from tailrl.rollout.native.ray_runtime import RayRuntime
 
         return RayRuntime(cfg.workers, cfg.ray_address, model, dataclasses.replace(setup, threads=cfg.worker_threads),
                           tuners, start_s)

@@ -15,7 +15,7 @@ group was computed:
 - At the end the sum is divided by the batch's token count (known only then): the token-mean over
   the whole batch, as DESIGN's "accumulate unnormalised sums, divide once".
 
-`OverlappedUpdate` runs `GroupGradients.add` on a background thread as groups arrive, with one
+`BackgroundUpdate` runs `GroupGradients.add` on a background thread as groups arrive, with one
 torch thread, while the rollout decodes. It computes only while the rollout leaves a core to it
 (`open_gate` / `close_gate`, driven by the running batch size) and, once the rollout is over,
 does the rest on two threads, one group each. The synchronous update is the same object fed all
@@ -206,7 +206,7 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-class OverlappedUpdate:
+class BackgroundUpdate:
     """Feeds GroupGradients from a background thread while the rollout runs.
 
     `submit` queues a finished group; the background thread computes queued groups while the

@@ -1,14 +1,14 @@
 """The rollout of one RL step across workers, with spot training of the drafter in the tail.
 
 `WorkerPool` is tailrl's own engine behind the Rollout protocol (tailrl.rollout.protocol;
-opened by tailrl.rollout.native). Its `generate`:
+opened by tailrl.rollout.native.config). Its `generate`:
 1. Publish the newest drafter version to every worker (if it changed).
 2. Split the requests into one contiguous, equal-sized shard per worker (siblings are adjacent,
    so GRPO groups stay whole whenever the shard size allows; the sampling seeds make the tokens
    independent of the split).
 3. Wait. When a worker's shard is done its completions come back and its responses' hidden
    states go into the data buffer; the first worker done while another still generates becomes
-   the spot trainer (tailrl.workers.spot) and trains the drafter on the buffer.
+   the spot trainer (tailrl.rollout.native.spot) and trains the drafter on the buffer.
 4. When the last shard is done, preempt the trainer; it stops after its current micro-step and
    returns the trained state, which becomes the next drafter version.
 A worker that dies, raises, or sends nothing for `worker_timeout_s` ends the call with a
@@ -33,10 +33,10 @@ from tailrl.model import Transformer
 from tailrl.rollout.protocol import DrafterVersion, RolloutReport, WorkerError
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.report import chain_ceiling, rollout_report
-from tailrl.workers.buffer import DataBuffer
-from tailrl.workers.runtimes import Runtime
-from tailrl.workers.spot import DrafterState, SpotConfig, SpotJob, SpotResult
-from tailrl.workers.worker import Beat, Finished, RolloutJob, SetDrafter, ShardResult, WorkerCall, WorkerReply
+from tailrl.rollout.native.buffer import DataBuffer
+from tailrl.rollout.native.runtimes import Runtime
+from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, SpotResult
+from tailrl.rollout.native.worker import Beat, Finished, RolloutJob, SetDrafter, ShardResult, WorkerCall, WorkerReply
 
 
 @dataclass(frozen=True)

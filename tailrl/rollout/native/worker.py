@@ -2,7 +2,7 @@
 requests, and spot training of the drafter when its shard is done.
 
 The same class runs in the trainer's process (one worker), in a spawned process, or in a Ray
-actor; the runtime (tailrl.workers.runtimes, tailrl.workers.ray_runtime) only moves calls and
+actor; the runtime (tailrl.rollout.native.runtimes, tailrl.rollout.native.ray_runtime) only moves calls and
 replies. A call is a typed message (`WorkerCall`: a RolloutJob, a SpotJob or a SetDrafter) that
 `handle` answers. Two hooks connect it to the runtime: `beat(payload)` (progress, also the
 liveness signal a hang is detected by) and `preempted()` (the newest spot job id the trainer
@@ -34,8 +34,8 @@ from tailrl.speculative.drafter.model import Drafter
 from tailrl.speculative.drafter.training import TrainSeq
 from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.tuner import TunerConfig
-from tailrl.workers.buffer import train_seq
-from tailrl.workers.spot import DrafterState, SpotJob, SpotResult, run_spot
+from tailrl.rollout.native.buffer import train_seq
+from tailrl.rollout.native.spot import DrafterState, SpotJob, SpotResult, run_spot
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from tailrl.engine import Completion, Engine, EngineConfig, Request
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.packing import ON_POLICY, Sample, packed_logprobs
-from tailrl.rl.stream import GroupGradients, OverlappedUpdate, accumulate_gradients, by_prompt
+from tailrl.rl.update import GroupGradients, BackgroundUpdate, accumulate_gradients, by_prompt
 from tailrl.sampling import SamplingParams
 
 
@@ -108,7 +108,7 @@ def test_overlapped_update_equals_the_synchronous_one(policy):
     stats_sync = accumulate_gradients(policy, [s for g in groups for s in g], cfg, 0.8)
     want = _grads(policy)
     gg = GroupGradients(policy, cfg, 0.8, len(groups))
-    update = OverlappedUpdate(gg)
+    update = BackgroundUpdate(gg)
     update.submit(3, groups[3])
     update.submit(0, groups[0])
     update.open_gate()  # the tail: the background thread computes what is queued
@@ -124,7 +124,7 @@ def test_overlapped_update_equals_the_synchronous_one(policy):
 
 def test_errors_in_the_background_thread_reach_drain(policy):
     gg = GroupGradients(policy, GRPOConfig(), 0.8, 2)
-    update = OverlappedUpdate(gg)
+    update = BackgroundUpdate(gg)
     update.open_gate()
     update.submit(5, [])  # out of range
     update.submit(0, [])

@@ -1,7 +1,7 @@
 """Where workers run: in the trainer's process (one worker) or in spawned local processes.
 
 A runtime starts calls on workers and hands back their replies; it knows nothing of what the
-calls mean. `Runtime` is the contract; tailrl.workers.ray_runtime implements it for Ray actors.
+calls mean. `Runtime` is the contract; tailrl.rollout.native.ray_runtime implements it for Ray actors.
 
 Local processes share the rollout model: its tensors live in shared memory, every worker's
 engine reads them, and publishing copies the policy into them while the workers are idle
@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from tailrl.engine import Progress
 from tailrl.model import Transformer
 from tailrl.rollout.protocol import WorkerError
-from tailrl.workers.worker import Beat, Finished, RolloutWorker, WorkerCall, WorkerReply, WorkerSetup
+from tailrl.rollout.native.worker import Beat, Finished, RolloutWorker, WorkerCall, WorkerReply, WorkerSetup
 
 # Seconds between beats a process worker sends (liveness and the progress line); hang detection
 # waits far longer than this.

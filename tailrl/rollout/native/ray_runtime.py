@@ -1,5 +1,5 @@
 """Workers as Ray actors: the same RolloutWorker, the same runtime interface as
-tailrl.workers.runtimes (start / wait / preempt / publish_weights / close).
+tailrl.rollout.native.runtimes (start / wait / preempt / publish_weights / close).
 
 Each actor builds its rollout model from the model's config and weights put once into Ray's
 object store (numpy arrays, read in place by actors on the same node), so a remote node needs no
@@ -22,7 +22,7 @@ import torch
 
 from tailrl.model import ModelConfig, Transformer
 from tailrl.rollout.protocol import WorkerError
-from tailrl.workers.worker import Beat, Finished, RolloutWorker, WorkerCall, WorkerReply, WorkerSetup
+from tailrl.rollout.native.worker import Beat, Finished, RolloutWorker, WorkerCall, WorkerReply, WorkerSetup
 
 try:
     import ray
