@@ -27,6 +27,7 @@ from tailrl.tuner import TunerConfig
 from tailrl.rollout.native.buffer import DataBuffer, train_seq
 from tailrl.pipeline import run_config
 from tailrl.rollout.native.config import NativeRolloutConfig
+from tailrl.rollout.protocol import DrafterVersion
 from tailrl.rollout.native.pool import WorkerConfig, WorkerPool, merge_stats, shard_indices
 from tailrl.rollout.protocol import WorkerError
 from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, run_spot
@@ -274,6 +275,48 @@ def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, draft
                 assert all(torch.equal(in_use[k], weights[k]) for k in weights)
         finally:
             pool.close()
+
+
+def test_a_published_drafter_version_is_what_workers_draft_with_next(target, drafter_dir):
+    """Rollout.publish_drafter: the next generate drafts with exactly the published weights (on
+    one worker, read back from its drafter), reports the version, and emits plain decoding's
+    tokens (fp32: speculation is exact here)."""
+    spec = SpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=3, num_draft_tokens=3)
+    weights = {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny", seed=9).state_dict().items()}
+    reqs = requests(prompts=2)
+    pool = start_pool(WorkerConfig(workers=1), SpotConfig(), target, spec)
+    try:
+        pool.generate(1, reqs, PARAMS, 20)
+        before = pool.runtime.worker.in_use.state_dict()
+        assert not all(torch.equal(before[k], weights[k]) for k in weights)
+        pool.publish_drafter(DrafterVersion(4, weights))
+        out = pool.generate(2, reqs, PARAMS, 20)
+        assert pool.report().drafter_version == 4
+        in_use = pool.runtime.worker.in_use.state_dict()
+        assert all(torch.equal(in_use[k], weights[k]) for k in weights)
+        assert [c.token_ids for c in out] == [c.token_ids for c in reference(target, reqs)]
+    finally:
+        pool.close()
+
+
+def test_an_in_process_rollout_lends_a_core_and_takes_it_back(target):
+    """Rollout.lend_core: while lent, the in-process engine decodes on one torch thread fewer;
+    taken back, on all; a core still lent when generate returns comes back with it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = []
+    pool = start_pool(WorkerConfig(workers=1), SpotConfig(), target)
+    try:
+        def on_progress(p):
+            seen.append(torch.get_num_threads())
+            pool.lend_core(p.done < 6 or p.done == p.total)  # lent early, back, lent again at the end
+
+        pool.generate(1, requests(), PARAMS, 20, on_progress=on_progress)
+        assert seen[0] == 2 and 1 in seen[1:] and 2 in seen[seen.index(1):]
+        assert torch.get_num_threads() == 2
+    finally:
+        pool.close()
+        torch.set_num_threads(threads)
 
 
 def test_a_killed_worker_is_reported_with_rank_and_step(target):
