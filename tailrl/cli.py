@@ -13,12 +13,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tailrl import config as cfglib
 from tailrl.bench.suite import BENCHES
 from tailrl.engine import EngineConfig, Progress
 from tailrl.sampling import SamplingParams
+
+if TYPE_CHECKING:  # imported where used: the CLI starts without loading every component
+    from tailrl.warmup import WarmupProgress
 from tailrl.rollout.protocol import WorkerError
 
 
@@ -275,13 +278,15 @@ def _add_drafter(sub) -> None:
     e.set_defaults(run=_run_export)
 
 
-def warmup_printer() -> Callable[[Any], None]:
-    """Redraws one line on stderr with the drafter warm-up's phase and progress."""
+def warmup_printer() -> Callable[[WarmupProgress], None]:
+    """Redraws one line on stderr with the drafter warm-up's phase, progress and an estimate."""
 
-    def show(p: Any) -> None:
+    def show(p: WarmupProgress) -> None:
         total = f"/{p.total}" if p.total else ""
         loss = f" loss {p.loss:.4f}" if p.loss is not None else ""
-        print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s){loss}   ", end="", file=sys.stderr, flush=True)
+        left = p.seconds_left
+        eta = f", ~{left:.0f} s left" if left is not None else ""
+        print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s{eta}){loss}   ", end="", file=sys.stderr, flush=True)
 
     return show
 

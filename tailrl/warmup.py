@@ -102,6 +102,16 @@ class WarmupProgress:
     total: int  # 0 when unknown (a time budget)
     seconds: float
     loss: float | None = None
+    budget_s: float = 0.0  # the phase's time budget (0: none)
+
+    @property
+    def seconds_left(self) -> float | None:
+        """An estimate: the time budget's rest, or the rate so far over what is left; None
+        before anything is done."""
+        by_count = self.seconds * (self.total - self.done) / self.done if self.total and self.done else None
+        by_budget = max(0.0, self.budget_s - self.seconds) if self.budget_s else None
+        known = [x for x in (by_count, by_budget) if x is not None]
+        return min(known) if known else None
 
 
 @dataclass
@@ -244,7 +254,7 @@ def _train(drafter: Drafter, target, train_seqs: list[TrainSeq], held: list[Trai
         if step % 25 == 0:
             curve.append((step, evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight).loss))
         if on_progress is not None:
-            on_progress(WarmupProgress("train", step, cfg.steps, time.perf_counter() - t1, s.loss))
+            on_progress(WarmupProgress("train", step, cfg.steps, time.perf_counter() - t1, s.loss, cfg.seconds))
 
     tc = DrafterTrainConfig(cfg.lr, ce_weight=cfg.ce_weight, noise=cfg.noise, train_head=cfg.train_head, unroll=cfg.unroll)
     history = train_drafter(drafter, batches, target_head, tc, stop, on_step, seed=cfg.seed)

@@ -109,3 +109,17 @@ def test_the_default_warmup_adds_worked_solutions_only_where_the_task_has_them(t
     plain = tmp_path / "plain.jsonl"
     plain.write_text('{"prompt": "1+1=", "answer": 2}\n')
     assert pipeline.warmup_config(TrainConfig(task=str(plain))).solutions == 0
+
+
+def test_warmup_progress_estimates_the_time_left(capsys):
+    """Each warm-up phase shows an estimate: by the rate so far (a count), by the rest of the
+    time budget, the smaller of the two when both bound it, none before anything is done."""
+    from tailrl.cli import warmup_printer
+    from tailrl.warmup import WarmupProgress
+
+    assert WarmupProgress("sample", 24, 96, 30.0).seconds_left == 90.0
+    assert WarmupProgress("train", 100, 0, 60.0, 0.5, budget_s=240.0).seconds_left == 180.0
+    assert WarmupProgress("train", 100, 150, 60.0, 0.5, budget_s=240.0).seconds_left == 30.0
+    assert WarmupProgress("sample", 0, 96, 5.0).seconds_left is None
+    warmup_printer()(WarmupProgress("sample", 24, 96, 30.0))
+    assert "warmup sample: 24/96 (30 s, ~90 s left)" in capsys.readouterr().err
