@@ -141,8 +141,9 @@ class RolloutConfig(Protocol):
         ...
 
     def for_evaluation(self) -> RolloutConfig:
-        """The same engine and dtype decoding plainly in this process: held-out evaluations,
-        which must not touch the training rollout's state (tuners, drafter, data buffer)."""
+        """An engine decoding plainly in this process, in the same dtype: held-out evaluations,
+        which must not touch the training rollout's state (tuners, drafter, data buffer). The
+        same engine, unless it cannot run twice in one process (vLLM: the native engine)."""
         ...
 
     def sections(self) -> dict[str, object]:

