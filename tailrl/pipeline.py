@@ -176,9 +176,9 @@ def check_inputs(cfg: RunConfig) -> None:
         if drafter is not None and not Path(drafter).expanduser().is_dir():
             raise ValueError(f"drafter directory not found: {drafter}")
     if isinstance(rollout, vllm.VllmRolloutConfig):
-        vllm.check_installed()
         if rollout.vllm_drafter is not None:
             vllm.spec_method(Path(rollout.vllm_drafter))
+        vllm.check_installed()
 
 
 def cold_start_config(tc: TrainConfig) -> SFTConfig:
