@@ -120,11 +120,13 @@ def _process_state_kept() -> Iterator[None]:
             gc.unfreeze()
 
 
-def _engine_args(cfg: VllmRolloutConfig, model_dir: Path, dtype: torch.dtype, max_len: int, seed: int) -> EngineArgs:
-    speculative = None
+def _engine_args(cfg: VllmRolloutConfig, method: str, model_dir: Path, dtype: torch.dtype, max_len: int,
+                 seed: int) -> EngineArgs:
+    """vLLM's settings: the section's, plus what the module doc explains (no chunked prefill,
+    processed log-probs, per-step stats for StepCounters)."""
+    speculative: dict[str, object] | None = None
     if cfg.vllm_drafter is not None:
-        drafter = Path(cfg.vllm_drafter).expanduser()
-        speculative = {"method": spec_method(drafter), "model": str(drafter),
+        speculative = {"method": method, "model": str(Path(cfg.vllm_drafter).expanduser()),
                        "num_speculative_tokens": cfg.num_speculative_tokens, "draft_sample_method": cfg.draft_sampling}
         if cfg.batch_schedule() is not None:
             speculative["num_speculative_tokens_per_batch_size"] = cfg.batch_schedule()
@@ -202,11 +204,11 @@ class VllmRollout:
     running: ClassVar[bool] = False  # an engine is open in this process (one at a time)
 
     def __init__(self, cfg: VllmRolloutConfig, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
-                 model_cfg: ModelConfig, max_len: int):
+                 model_cfg: ModelConfig, max_len: int, arm: str):
         self.cfg, self.engine, self.counters, self.dtype = cfg, engine, counters, dtype
         self.closed = False
         self.eos, self.max_len = list(model_cfg.eos_token_ids), max_len
-        self.arm = spec_method(Path(cfg.vllm_drafter)) if cfg.vllm_drafter is not None else "plain"
+        self.arm = arm  # the timeline's label of speculative steps: vLLM's method; "plain" without a drafter
         self._calls = 0
         self._threads = torch.get_num_threads()
         self._report: RolloutReport | None = None
@@ -220,6 +222,7 @@ class VllmRollout:
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"the vllm engine decodes in fp32 or bf16, not {dtype}")
         max_len = cfg.max_model_len or model.cfg.max_position_embeddings
+        arm = spec_method(Path(cfg.vllm_drafter)) if cfg.vllm_drafter is not None else "plain"
         counters = StepCounters()
 
         def factory(vllm_config: VllmConfig, engine_index: int) -> StatLoggerBase:
@@ -228,10 +231,10 @@ class VllmRollout:
         with tempfile.TemporaryDirectory(prefix="tailrl-vllm-") as tmp, _process_state_kept():
             write_model_dir(model, dtype, Path(tmp))
             cpu_fix.install()
-            engine = LLMEngine.from_engine_args(_engine_args(cfg, Path(tmp), dtype, max_len, seed),
+            engine = LLMEngine.from_engine_args(_engine_args(cfg, arm, Path(tmp), dtype, max_len, seed),
                                                 stat_loggers=[factory])
         cls.running = True
-        return cls(cfg, engine, counters, dtype, model.cfg, max_len)
+        return cls(cfg, engine, counters, dtype, model.cfg, max_len, arm)
 
     # ---- a step's rollout -----------------------------------------------------------------
 
@@ -247,7 +250,10 @@ class VllmRollout:
         try:
             return self._run(step, requests, ids, on_progress, on_finished)
         except BaseException:
-            self.engine.abort_request(list(ids))  # what is left of this call; no-op for finished ones
+            # What is left of this call, so the next starts clean. The engine itself may be what
+            # failed: then the first error is the one to raise.
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(list(ids))
             raise
         finally:
             torch.set_num_threads(self._threads)  # a core lent in the tail comes back
