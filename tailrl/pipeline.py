@@ -31,7 +31,11 @@ from tailrl.rl.rewards import load_reward
 from tailrl.rl.sft import SFTConfig, sft, worked_task
 from tailrl.rl.tasks import make_task
 from tailrl.rl.train import RunConfig, TrainConfig
+from tailrl.engine import EngineConfig
 from tailrl.rollout.native import config as native
+from tailrl.rollout.protocol import RolloutConfig
+from tailrl.rollout.vllm import config as vllm
+from tailrl.sampling import SamplingParams
 from tailrl.warmup import WarmupConfig, WarmupProgress, warmup
 
 # Warm-up sized for a CPU: a few minutes of sampling and training before the first RL step. The
@@ -44,15 +48,32 @@ WARMUP_SECONDS = 240.0
 WARMUP_SOLUTIONS = 256
 
 
-# `tailrl train`'s configuration sections (flags and TOML tables), by name.
-TRAIN_SECTIONS: dict[str, type] = {"train": TrainConfig, "grpo": GRPOConfig, **native.SECTIONS}
+# `tailrl train`'s configuration sections (flags and TOML tables), by name: the loop's, then each
+# engine's (TrainConfig.engine picks the engine).
+TRAIN_SECTIONS: dict[str, type] = {"train": TrainConfig, "grpo": GRPOConfig, **native.SECTIONS, **vllm.SECTIONS}
 
 
 def run_config(sections: Mapping[str, object]) -> RunConfig:
     """A run's typed config from its sections by name (those left out take their defaults), on
-    tailrl's native engine."""
-    return RunConfig(native.NativeRolloutConfig.from_sections(dict(sections)),
-                     train=sections.get("train") or TrainConfig(), grpo=sections.get("grpo") or GRPOConfig())
+    the engine the train section names; the other engine's sections must be left at their
+    defaults (they would configure nothing)."""
+    tc = sections.get("train") or TrainConfig()
+    engine = sections.get("engine")
+    if tc.engine == "vllm" and isinstance(engine, EngineConfig) and engine.exact:
+        raise ValueError("--exact is the native engine's (bit-identical tokens with speculation on and off); "
+                         "vLLM's speculation is lossless in distribution only: drop --exact or use --engine native")
+    own, other = (vllm.SECTIONS, native.SECTIONS) if tc.engine == "vllm" else (native.SECTIONS, vllm.SECTIONS)
+    for name, cls in other.items():
+        if sections.get(name) not in (None, cls()):
+            raise ValueError(f"[{name}] configures the {'native' if tc.engine == 'vllm' else 'vllm'} engine, but "
+                             f"this run's is --engine {tc.engine}")
+    chosen = {name: sections[name] for name in own if sections.get(name) is not None}
+    if tc.engine == "vllm":
+        vllm.check_sampling(SamplingParams(tc.temperature, tc.top_p, tc.top_k))
+        rollout: RolloutConfig = chosen.get("vllm") or vllm.VllmRolloutConfig()
+    else:
+        rollout = native.NativeRolloutConfig.from_sections(chosen)
+    return RunConfig(rollout, train=tc, grpo=sections.get("grpo") or GRPOConfig())
 
 
 @dataclass(frozen=True)
@@ -67,17 +88,35 @@ class Phase:
 
 def phases(cfg: RunConfig) -> list[str]:
     """The phases a new run with this config goes through, in order."""
-    tc, spec = cfg.train, _native(cfg).speculation
+    tc = cfg.train
     out = ["cold start"] if tc.model is None and tc.cold_start else []
-    if spec.spec != "off" and spec.drafter is None and tc.warmup_drafter:
+    if _warms_drafter(cfg):
         out.append("drafter warm-up")
     return [*out, "GRPO"]
 
 
-def _native(cfg: RunConfig) -> native.NativeRolloutConfig:
-    if not isinstance(cfg.rollout, native.NativeRolloutConfig):
-        raise TypeError("the default run's phases prepare a run on the native engine")
-    return cfg.rollout
+def _warms_drafter(cfg: RunConfig) -> bool:
+    """Warm-up trains the native engine's learned drafter; the vllm engine drafts with
+    --vllm-drafter only."""
+    r = cfg.rollout
+    return (isinstance(r, native.NativeRolloutConfig) and r.speculation.spec != "off" and r.speculation.drafter is None
+            and cfg.train.warmup_drafter)
+
+
+def _native(rollout: RolloutConfig) -> native.NativeRolloutConfig:
+    if not isinstance(rollout, native.NativeRolloutConfig):
+        raise TypeError("the drafter warm-up prepares the native engine's drafter")
+    return rollout
+
+
+def _decoding(rollout: RolloutConfig) -> str:
+    """How the GRPO phase decodes, for its announcement."""
+    if isinstance(rollout, vllm.VllmRolloutConfig):
+        return "on vLLM" + (f" drafting with {rollout.vllm_drafter}" if rollout.vllm_drafter else "")
+    if isinstance(rollout, native.NativeRolloutConfig):
+        spec = rollout.speculation
+        return f"speculation {spec.spec}" + (f" with drafter {spec.drafter}" if spec.drafter else "")
+    raise TypeError(f"no announcement for {type(rollout).__name__}")
 
 
 def prepare(cfg: RunConfig, on_event: Callable[[object], None],
@@ -87,7 +126,7 @@ def prepare(cfg: RunConfig, on_event: Callable[[object], None],
     on_event gets Phase and Notice events and tailrl.rl.sft's progress events.
     """
     check_inputs(cfg)
-    tc, rollout = cfg.train, _native(cfg)
+    tc, rollout = cfg.train, cfg.rollout
     names = phases(cfg)
     total = len(names)
     if "cold start" in names:
@@ -115,26 +154,31 @@ def prepare(cfg: RunConfig, on_event: Callable[[object], None],
                                                + f", then {wcfg.seconds:.0f} s of drafter training (cached)"))
             drafter, reused = cached_warmup(wcfg, on_warmup)
             on_event(Notice(f"drafter {'reused from' if reused else 'written to'} {drafter}"))
-            rollout = dataclasses.replace(rollout, speculation=dataclasses.replace(rollout.speculation, drafter=str(drafter)))
+            spec = _native(rollout).speculation
+            rollout = dataclasses.replace(rollout, speculation=dataclasses.replace(spec, drafter=str(drafter)))
         else:
-            spec = rollout.speculation
             on_event(Phase(index, total, name, f"{tc.steps} steps of {tc.num_prompts} x {tc.group_size} responses, "
-                                               f"speculation {spec.spec}"
-                                               + (f" with drafter {spec.drafter}" if spec.drafter else "")))
+                                               + _decoding(rollout)))
     return dataclasses.replace(cfg, train=tc, rollout=rollout)
 
 
 def check_inputs(cfg: RunConfig) -> None:
     """Raise ValueError (or ModelError) for a task, reward, model or drafter that a later phase
     would refuse, so bad input fails before minutes of cold start and warm-up, not after."""
-    tc, spec = cfg.train, _native(cfg).speculation
+    tc, rollout = cfg.train, cfg.rollout
     make_task(tc.task)
     if tc.reward is not None:
         load_reward(tc.reward)
     if tc.model is not None:
         resolve_model_dir(tc.model)
-    if spec.drafter is not None and not Path(spec.drafter).expanduser().is_dir():
-        raise ValueError(f"drafter directory not found: {spec.drafter}")
+    if isinstance(rollout, native.NativeRolloutConfig):
+        drafter = rollout.speculation.drafter
+        if drafter is not None and not Path(drafter).expanduser().is_dir():
+            raise ValueError(f"drafter directory not found: {drafter}")
+    if isinstance(rollout, vllm.VllmRolloutConfig):
+        if rollout.vllm_drafter is not None:
+            vllm.spec_method(Path(rollout.vllm_drafter))
+        vllm.check_installed()
 
 
 def cold_start_config(tc: TrainConfig) -> SFTConfig:

@@ -27,6 +27,9 @@ TINY = dict(
     pad_token_id=0,
 )
 
+# vLLM's CPU attention refuses head_dim 16 (TINY's): hidden 128 over 4 heads gives 32, its smallest.
+VLLM_TINY = dict(hidden_size=128, num_attention_heads=4)
+
 
 def build_hf(kind: str, seed: int = 0, **overrides):
     """A random-init transformers model of the given family (fp32)."""
@@ -91,14 +94,14 @@ def smollm2_shallow_dir(smollm2_dir, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="session")
-def char_model_dir(tmp_path_factory):
-    """A tiny random Llama (tied head, as SmolLM2) with a character-level tokenizer and chat template."""
+def write_char_model(path, seed: int = 3, **overrides) -> None:
+    """A tiny random Llama (tied head, as SmolLM2) with a character-level tokenizer and chat
+    template, written to `path`; overrides go to build_hf."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    path = tmp_path_factory.mktemp("char-llama")
-    build_hf("llama", seed=3, vocab_size=128, tie_word_embeddings=True).save_pretrained(path)
+    kw = {"vocab_size": 128, "tie_word_embeddings": True, **overrides}
+    build_hf("llama", seed=seed, **kw).save_pretrained(path)
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
     vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -110,4 +113,11 @@ def char_model_dir(tmp_path_factory):
         "{% if add_generation_prompt %}a:{% endif %}"
     )
     hf.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def char_model_dir(tmp_path_factory):
+    """A tiny random Llama (tied head, as SmolLM2) with a character-level tokenizer and chat template."""
+    path = tmp_path_factory.mktemp("char-llama")
+    write_char_model(path)
     return path

@@ -85,6 +85,12 @@ def test_task_without_solutions_starts_from_the_base_model(tiny_phases):
     (["--reward", "nosuchmodule:f"], "nosuchmodule"),
     (["--model", "/nonexistent/model"], "model directory not found"),
     (["--drafter", "/nonexistent/drafter"], "drafter directory not found"),
+    (["--engine", "vllm", "--exact"], "--exact is the native engine's"),
+    (["--engine", "vllm", "--top-p", "0.9"], "use --top-k 0 --top-p 1 with --engine vllm"),
+    (["--engine", "vllm", "--spec", "off"], "[speculation] configures the native engine"),
+    (["--vllm-drafter", "/some/eagle"], "[vllm] configures the vllm engine"),
+    (["--engine", "vllm", "--vllm-drafter", "/nonexistent/eagle"], "no readable config.json"),
+    (["--engine", "vllm", "--speculative-per-batch", "2-8:4"], "must start at batch 1"),
 ])
 def test_bad_input_fails_before_any_phase_starts(tiny_phases, tmp_path, capsys, flags, message):
     from tailrl.cli import main
@@ -94,6 +100,22 @@ def test_bad_input_fails_before_any_phase_starts(tiny_phases, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.startswith("tailrl: error: ") and message in err and err.count("\n") == 1  # one line, no phase
     assert not out.exists() and tiny_phases == {"sft": 0, "warmup": 0}
+
+
+def test_the_vllm_engine_skips_the_drafter_warmup(tiny_phases):
+    assert pipeline.phases(run_config(default_configs(engine="vllm"))) == ["cold start", "GRPO"]
+
+
+def test_the_vllm_engine_without_vllm_names_its_install(tiny_phases, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from tailrl.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    assert main(["train", "--out", str(tmp_path / "run"), "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'tailrl[vllm]'" in err and err.count("\n") == 1 and tiny_phases == {"sft": 0, "warmup": 0}
 
 
 def test_regime_plot_is_drawn(tmp_path):

@@ -9,7 +9,7 @@ stages are methods of `Trainer`, which holds what lives from step to step. The u
 plumbing is tailrl.rl.packing and tailrl.rl.update. The rollout is whatever `RunConfig.rollout`
 opens behind the Rollout protocol (tailrl.rollout.protocol): tailrl's native engine, in this
 process by default, or several worker processes / Ray actors whose idle time in the long tail
-trains the drafter.
+trains the drafter, or a vLLM engine in this process (--engine vllm).
 
 Weights. The policy trains in `train_dtype` (fp32 master weights: an AdamW update of lr ~1e-5
 relative to a weight vanishes in bf16's 8-bit mantissa). Rollouts run in `dtype`; when it
@@ -73,6 +73,7 @@ from tailrl.rollout.protocol import (
 from tailrl.sampling import derive_seed
 
 DEVICES = ("auto", "cpu", "cuda")
+ENGINES = ("native", "vllm")  # which RolloutConfig tailrl.pipeline.run_config builds
 # Fields that cannot change a run's results, so a resume may change them.
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_problems")
 
@@ -88,6 +89,8 @@ class TrainConfig:
     warmup_drafter: bool = field(default=True, metadata={"help": "a new run with speculation and no --drafter first "
                                                          "warms a drafter up on the policy (cached)"})
     device: str = field(default="auto", metadata={"help": "auto = cuda when present, else cpu", "choices": DEVICES})
+    engine: str = field(default="native", metadata={"help": "rollout engine: native (tailrl's own) or vllm (an in-process "
+                                                    "vLLM engine, the [vllm] section; docs/vllm.md)", "choices": ENGINES})
     dtype: str = field(
         default="auto", metadata={"help": "rollout dtype; auto = bf16 where it is fast, else fp32", "choices": DTYPE_CHOICES}
     )
@@ -137,7 +140,8 @@ class TrainConfig:
             raise ValueError(f"format_weight must be in [0, 1], got {self.format_weight}")
         if not self.reward_timeout_s > 0:
             raise ValueError(f"reward_timeout_s must be positive, got {self.reward_timeout_s}")
-        for name, valid in (("device", DEVICES), ("dtype", DTYPE_CHOICES), ("train_dtype", tuple(DTYPES))):
+        for name, valid in (("device", DEVICES), ("engine", ENGINES), ("dtype", DTYPE_CHOICES),
+                            ("train_dtype", tuple(DTYPES))):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
 

@@ -5,7 +5,8 @@ The RL loop (tailrl.rl) knows generation only through `Rollout`: generate one st
 while the tail still decodes), publish the policy's new weights and a new drafter version, lend
 a core to the update while the tail leaves one idle, report what the rollout did, save and
 restore its state, close. `RolloutConfig` opens one. An engine plugs in behind both:
-tailrl.rollout.native is tailrl's own engine across its rollout workers.
+tailrl.rollout.native is tailrl's own engine across its rollout workers, tailrl.rollout.vllm
+a vLLM engine in the trainer's process.
 
 The records that cross the seam are the engine's plain data types (Request, Completion,
 Progress, SamplingParams, re-exported here so that the RL side imports nothing else) and
@@ -140,8 +141,9 @@ class RolloutConfig(Protocol):
         ...
 
     def for_evaluation(self) -> RolloutConfig:
-        """The same engine and dtype decoding plainly in this process: held-out evaluations,
-        which must not touch the training rollout's state (tuners, drafter, data buffer)."""
+        """An engine decoding plainly in this process, in the same dtype: held-out evaluations,
+        which must not touch the training rollout's state (tuners, drafter, data buffer). The
+        same engine, unless it cannot run twice in one process (vLLM: the native engine)."""
         ...
 
     def sections(self) -> dict[str, object]:

