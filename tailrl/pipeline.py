@@ -34,7 +34,9 @@ from tailrl.rl.train import RunConfig, TrainConfig
 from tailrl.engine import EngineConfig
 from tailrl.rollout.native import config as native
 from tailrl.rollout.protocol import RolloutConfig
+from tailrl.rollout.vllm import checks as vllm_checks
 from tailrl.rollout.vllm import config as vllm
+from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.sampling import SamplingParams
 from tailrl.warmup import WarmupConfig, WarmupProgress, warmup
 
@@ -69,8 +71,8 @@ def run_config(sections: Mapping[str, object]) -> RunConfig:
                              f"this run's is --engine {tc.engine}")
     chosen = {name: sections[name] for name in own if sections.get(name) is not None}
     if tc.engine == "vllm":
-        vllm.check_sampling(SamplingParams(tc.temperature, tc.top_p, tc.top_k))
-        rollout: RolloutConfig = chosen.get("vllm") or vllm.VllmRolloutConfig()
+        vllm_checks.check_sampling(SamplingParams(tc.temperature, tc.top_p, tc.top_k))
+        rollout: RolloutConfig = vllm.VllmRolloutConfig(chosen.get("vllm") or VllmSettings())
     else:
         rollout = native.NativeRolloutConfig.from_sections(chosen)
     return RunConfig(rollout, train=tc, grpo=sections.get("grpo") or GRPOConfig())
@@ -112,7 +114,8 @@ def _native(rollout: RolloutConfig) -> native.NativeRolloutConfig:
 def _decoding(rollout: RolloutConfig) -> str:
     """How the GRPO phase decodes, for its announcement."""
     if isinstance(rollout, vllm.VllmRolloutConfig):
-        return "on vLLM" + (f" drafting with {rollout.vllm_drafter}" if rollout.vllm_drafter else "")
+        drafter = rollout.settings.vllm_drafter
+        return "on vLLM" + (f" drafting with {drafter}" if drafter else "")
     if isinstance(rollout, native.NativeRolloutConfig):
         spec = rollout.speculation
         return f"speculation {spec.spec}" + (f" with drafter {spec.drafter}" if spec.drafter else "")
@@ -176,9 +179,9 @@ def check_inputs(cfg: RunConfig) -> None:
         if drafter is not None and not Path(drafter).expanduser().is_dir():
             raise ValueError(f"drafter directory not found: {drafter}")
     if isinstance(rollout, vllm.VllmRolloutConfig):
-        if rollout.vllm_drafter is not None:
-            vllm.spec_method(Path(rollout.vllm_drafter))
-        vllm.check_installed()
+        if rollout.settings.vllm_drafter is not None:
+            vllm_checks.spec_method(Path(rollout.settings.vllm_drafter))
+        vllm_checks.check_installed()
 
 
 def cold_start_config(tc: TrainConfig) -> SFTConfig:

@@ -27,6 +27,7 @@ from tailrl.rl.run_dir import RunDir  # noqa: E402
 from tailrl.rl.train import TrainConfig, train  # noqa: E402
 from tailrl.rollout.protocol import DrafterVersion, RolloutReport  # noqa: E402
 from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402
+from tailrl.rollout.vllm.settings import VllmSettings  # noqa: E402
 from tailrl.sampling import SamplingParams, token_logprobs  # noqa: E402
 
 # 64 MiB of KV cache: engine start ~2 s instead of ~10 s for vLLM's default share of memory.
@@ -65,7 +66,7 @@ class TestRollout:
     def rollout(self, tiny):
         # max_num_batched_tokens 1 is raised to the model's context (512): the prompts of
         # `requests(100)` (12 x 100 tokens) then cannot all be computed in one step.
-        r = VllmRolloutConfig(max_num_batched_tokens=1, **SMALL).open(tiny, seed=0)
+        r = VllmRolloutConfig(VllmSettings(max_num_batched_tokens=1, **SMALL)).open(tiny, seed=0)
         yield r
         r.close()
 
@@ -125,9 +126,9 @@ class TestRollout:
         with pytest.raises(ValueError, match="max_model_len 512"):
             rollout.generate(1, requests(), SamplingParams(), 510)
         with pytest.raises(ValueError, match="already open"):
-            VllmRolloutConfig(**SMALL).open(tiny, seed=0)
+            VllmRolloutConfig(VllmSettings(**SMALL)).open(tiny, seed=0)
         with pytest.raises(ValueError, match="no readable config.json"):
-            VllmRolloutConfig(vllm_drafter="/nonexistent").open(tiny, seed=0)
+            VllmRolloutConfig(VllmSettings(vllm_drafter="/nonexistent")).open(tiny, seed=0)
         with pytest.raises(ValueError, match="learned drafter"):
             rollout.publish_drafter(DrafterVersion(1, {}))
 
@@ -138,7 +139,7 @@ def test_a_tied_head_follows_a_published_embedding(tmp_path):
     build_hf("llama", seed=2, tie_word_embeddings=True, **VLLM_TINY).save_pretrained(tmp_path)
     model = load_model(tmp_path, "fp32")
     reqs, greedy = requests(), SamplingParams(temperature=0.0)
-    r = VllmRolloutConfig(**SMALL).open(model, seed=0)
+    r = VllmRolloutConfig(VllmSettings(**SMALL)).open(model, seed=0)
     try:
         before = r.generate(1, reqs, greedy, 12)
         with torch.no_grad():  # the head's rows move with the embedding's: tied
@@ -168,7 +169,7 @@ def test_train_with_the_vllm_engine_then_resume(tmp_path):
         model=str(model), engine="vllm", dtype="bf16", task=str(task), reward=f"{__name__}:mean_char_reward",
         num_prompts=3, group_size=4, max_new_tokens=12, steps=2, seed=5, eval_every=2, eval_problems=4)
     configs["grpo"] = GRPOConfig(lr=3e-2, micro_batch=5)
-    configs["vllm"] = VllmRolloutConfig(**SMALL)
+    configs["vllm"] = VllmSettings(**SMALL)
     out = tmp_path / "run"
     assert train(run_config(configs), out).step == 2
     first = RunDir(out).read_metrics()

@@ -37,6 +37,7 @@ from tailrl.engine import Completion, Engine, Request  # noqa: E402
 from tailrl.loading import load_model  # noqa: E402
 from tailrl.rollout.vllm import cpu_fix  # noqa: E402
 from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402
+from tailrl.rollout.vllm.settings import VllmSettings  # noqa: E402
 from tailrl.sampling import SamplingParams  # noqa: E402
 
 K = 4  # draft tokens per verify
@@ -104,8 +105,8 @@ def self_drafted(target, draft_sampling: str, n: int = 32, tokens: int = 48):
     path, model = target
     g = torch.Generator().manual_seed(7)
     requests = [Request(tuple(torch.randint(2, 96, (8,), generator=g).tolist()), seed=i, group=i) for i in range(n)]
-    config = VllmRolloutConfig(kv_cache_gb=1 / 16, max_num_seqs=n, vllm_drafter=str(path), num_speculative_tokens=K,
-                               draft_sampling=draft_sampling)
+    config = VllmRolloutConfig(VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=n, vllm_drafter=str(path),
+                                            num_speculative_tokens=K, draft_sampling=draft_sampling))
     rollout = config.open(model, seed=0)
     try:
         out = rollout.generate(1, requests, SamplingParams(temperature=1.0), tokens)

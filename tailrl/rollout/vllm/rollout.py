@@ -67,7 +67,8 @@ from tailrl.engine import Completion, EngineStats, Progress, Request, StepRecord
 from tailrl.model import ModelConfig, Transformer
 from tailrl.rollout.protocol import DrafterVersion, RolloutReport, WorkerError
 from tailrl.rollout.vllm import cpu_fix
-from tailrl.rollout.vllm.config import VllmRolloutConfig, check_sampling, spec_method
+from tailrl.rollout.vllm.checks import check_sampling, spec_method
+from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.report import chain_ceiling, rollout_report
@@ -120,7 +121,7 @@ def _process_state_kept() -> Iterator[None]:
             gc.unfreeze()
 
 
-def _engine_args(cfg: VllmRolloutConfig, method: str, model_dir: Path, dtype: torch.dtype, max_len: int,
+def _engine_args(cfg: VllmSettings, method: str, model_dir: Path, dtype: torch.dtype, max_len: int,
                  seed: int) -> EngineArgs:
     """vLLM's settings: the section's, plus what the module doc explains (no chunked prefill,
     processed log-probs, per-step stats for StepCounters)."""
@@ -207,7 +208,7 @@ class VllmRollout:
 
     running: ClassVar[bool] = False  # an engine is open in this process (one at a time)
 
-    def __init__(self, cfg: VllmRolloutConfig, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
+    def __init__(self, cfg: VllmSettings, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
                  model_cfg: ModelConfig, max_len: int, arm: str):
         self.cfg, self.engine, self.counters, self.dtype = cfg, engine, counters, dtype
         self.closed = False
@@ -218,7 +219,7 @@ class VllmRollout:
         self._report: RolloutReport | None = None
 
     @classmethod
-    def start(cls, cfg: VllmRolloutConfig, model: Transformer, seed: int) -> VllmRollout:
+    def start(cls, cfg: VllmSettings, model: Transformer, seed: int) -> VllmRollout:
         if cls.running:
             raise ValueError("a vLLM engine is already open in this process; close it first (vLLM's in-process "
                              "engines share state that closing either tears down)")

