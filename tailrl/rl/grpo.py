@@ -183,12 +183,7 @@ def policy_loss(
     valid = mask.bool()  # (B, T)
     mask = valid.to(logprobs.dtype)
     denom = float(num_tokens) if num_tokens is not None else mask.sum().clamp(min=1.0).item()
-    if denom <= 0:
-        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    if kl_coef and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs")
-    if not is_cap > 1.0 + clip_high:
-        raise ValueError(f"is_cap must be > 1 + clip_high ({1.0 + clip_high}), got {is_cap}")
+    _check(denom, num_tokens, kl_coef, ref_logprobs, is_cap, clip_high)
     adv = advantages.to(logprobs.dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1)  # (B, 1)
@@ -209,6 +204,17 @@ def policy_loss(
     loss = (per_token * mask).sum() / denom
     with torch.no_grad():
         return _terms(loss, pg, kl, log_ratio.detach(), excess > 0, clipped < unclipped, mask)
+
+
+def _check(denom: float, num_tokens: int | None, kl_coef: float, ref_logprobs: torch.Tensor | None,
+           is_cap: float, clip_high: float) -> None:
+    """policy_loss's argument checks, one line each."""
+    if denom <= 0:
+        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    if kl_coef and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    if not is_cap > 1.0 + clip_high:
+        raise ValueError(f"is_cap must be > 1 + clip_high ({1.0 + clip_high}), got {is_cap}")
 
 
 def _terms(loss: torch.Tensor, pg: torch.Tensor, kl: torch.Tensor, log_ratio: torch.Tensor, capped: torch.Tensor,
