@@ -127,7 +127,7 @@ class TestRollout:
             rollout.generate(1, requests(), SamplingParams(), 510)
         with pytest.raises(ValueError, match="already open"):
             VllmRolloutConfig(VllmSettings(**SMALL)).open(tiny, seed=0)
-        with pytest.raises(ValueError, match="no readable config.json"):
+        with pytest.raises(ValueError, match="nor a readable config.json"):
             VllmRolloutConfig(VllmSettings(vllm_drafter="/nonexistent")).open(tiny, seed=0)
         with pytest.raises(ValueError, match="learned drafter"):
             rollout.publish_drafter(DrafterVersion(1, {}))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -148,4 +149,11 @@ class RolloutConfig(Protocol):
 
     def sections(self) -> dict[str, object]:
         """The configuration sections (dataclasses) by name, as a run directory saves them."""
+        ...
+
+    def learned_drafter(self) -> Path | None:
+        """The learned drafter directory (tailrl.speculative.drafter's files) this rollout
+        drafts with and whose later versions it expects from the RL loop (trained there on the
+        policy's hidden states, handed over by Rollout.publish_drafter); None when it drafts
+        with no learned drafter or trains its own (the native engine's spot training)."""
         ...

@@ -54,6 +54,10 @@ class NativeRolloutConfig:
     def sections(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
+    def learned_drafter(self) -> Path | None:
+        """None: the native engine trains its learned drafter itself (spot training, pool.py)."""
+        return None
+
     def for_evaluation(self) -> NativeRolloutConfig:
         return NativeRolloutConfig(engine=self.engine, speculation=SpeculationConfig(spec="off"))
 

