@@ -98,17 +98,26 @@ def phases(cfg: RunConfig) -> list[str]:
 
 
 def _warms_drafter(cfg: RunConfig) -> bool:
-    """Warm-up trains the native engine's learned drafter; the vllm engine drafts with
-    --vllm-drafter only."""
+    """A run warms a drafter up when its engine speculates with a learned drafter and none is
+    named: the native engine with --spec on/auto and no --drafter, the vllm engine with no
+    --vllm-drafter (it then drafts with the warm-up's, and the RL loop trains it on)."""
     r = cfg.rollout
-    return (isinstance(r, native.NativeRolloutConfig) and r.speculation.spec != "off" and r.speculation.drafter is None
-            and cfg.train.warmup_drafter)
+    if isinstance(r, native.NativeRolloutConfig):
+        unnamed = r.speculation.spec != "off" and r.speculation.drafter is None
+    elif isinstance(r, vllm.VllmRolloutConfig):
+        unnamed = r.settings.vllm_drafter is None
+    else:
+        raise TypeError(f"no drafter warm-up for {type(r).__name__}")
+    return unnamed and cfg.train.warmup_drafter
 
 
-def _native(rollout: RolloutConfig) -> native.NativeRolloutConfig:
-    if not isinstance(rollout, native.NativeRolloutConfig):
-        raise TypeError("the drafter warm-up prepares the native engine's drafter")
-    return rollout
+def _with_drafter(rollout: RolloutConfig, drafter: Path) -> RolloutConfig:
+    """`rollout` drafting with the learned drafter in `drafter`."""
+    if isinstance(rollout, native.NativeRolloutConfig):
+        return dataclasses.replace(rollout, speculation=dataclasses.replace(rollout.speculation, drafter=str(drafter)))
+    if isinstance(rollout, vllm.VllmRolloutConfig):
+        return dataclasses.replace(rollout, settings=dataclasses.replace(rollout.settings, vllm_drafter=str(drafter)))
+    raise TypeError(f"no drafter for {type(rollout).__name__}")
 
 
 def _decoding(rollout: RolloutConfig) -> str:
@@ -157,8 +166,7 @@ def prepare(cfg: RunConfig, on_event: Callable[[object], None],
                                                + f", then {wcfg.seconds:.0f} s of drafter training (cached)"))
             drafter, reused = cached_warmup(wcfg, on_warmup)
             on_event(Notice(f"drafter {'reused from' if reused else 'written to'} {drafter}"))
-            spec = _native(rollout).speculation
-            rollout = dataclasses.replace(rollout, speculation=dataclasses.replace(spec, drafter=str(drafter)))
+            rollout = _with_drafter(rollout, drafter)
         else:
             on_event(Phase(index, total, name, f"{tc.steps} steps of {tc.num_prompts} x {tc.group_size} responses, "
                                                + _decoding(rollout)))

@@ -29,6 +29,7 @@ from tailrl.rollout.protocol import DrafterVersion, RolloutReport  # noqa: E402
 from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402
 from tailrl.rollout.vllm.settings import VllmSettings  # noqa: E402
 from tailrl.sampling import SamplingParams, token_logprobs  # noqa: E402
+from tailrl.speculative.drafter.model import Drafter, save_drafter  # noqa: E402
 
 # 64 MiB of KV cache: engine start ~2 s instead of ~10 s for vLLM's default share of memory.
 SMALL = dict(kv_cache_gb=1 / 16, max_num_seqs=8)
@@ -184,3 +185,39 @@ def test_train_with_the_vllm_engine_then_resume(tmp_path):
         assert r["spec_verify_steps"] == 0 and math.isfinite(r["loss"]) and abs(r["ratio_mean"] - 1) < 0.05
     assert [e["step"] for e in RunDir(out).read_evals()] == [0, 2, 3]
     assert 'engine = "vllm"' in (out / "config.toml").read_text()
+
+
+# ---- the learned drafter ------------------------------------------------------------------------
+
+
+def test_a_published_drafter_drafts_as_an_engine_started_with_it(tmp_path):
+    """Greedy decoding with a learned drafter (tailrl's files, exported at start) and version 2
+    published into the running engine: the same drafts, accepts and tokens as an engine started
+    fresh from version 2's files; version 1's differ (the push took effect)."""
+    build_hf("llama", seed=1, tie_word_embeddings=False, **VLLM_TINY).save_pretrained(tmp_path / "target")
+    model = load_model(tmp_path / "target", "fp32")
+    first = Drafter.from_target(model, list(range(96)), "target", seed=0)
+    second = Drafter.from_target(model, list(range(96)), "target", seed=5)
+    with torch.no_grad():
+        for p in second.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_drafter(first, tmp_path / "v1")
+    save_drafter(second, tmp_path / "v2")
+    reqs, greedy = requests(8, 16), SamplingParams(temperature=0.0)
+
+    def run(drafter: str, publish: Drafter | None = None) -> tuple[list[list[int]], int, list[int], int]:
+        settings = VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=16, vllm_drafter=drafter, num_speculative_tokens=3)
+        r = VllmRolloutConfig(settings).open(model, seed=0)
+        try:
+            if publish is not None:
+                r.generate(1, reqs, greedy, 24)  # the first version drafts once before the push
+                r.publish_drafter(DrafterVersion(2, {k: v.float() for k, v in publish.state_dict().items()}))
+            out, report = r.generate(2, reqs, greedy, 24), r.report()
+        finally:
+            r.close()
+        return [c.token_ids for c in out], report.spec_verify_steps, report.accept_hist, report.drafter_version
+
+    pushed, fresh, old = run(str(tmp_path / "v1"), second), run(str(tmp_path / "v2")), run(str(tmp_path / "v1"))
+    assert pushed[:3] == fresh[:3] and (pushed[3], fresh[3], old[3]) == (2, 0, 0)
+    assert old[0] == fresh[0] and old[1:3] != fresh[1:3]  # greedy tokens are the target's either way
+    assert fresh[0] == [c.token_ids for c in Engine(model).generate(reqs, greedy, 24)]

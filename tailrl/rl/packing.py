@@ -54,6 +54,19 @@ def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: 
     it would see in a row of its own, while the prompt is computed once per pack instead of
     once per response (it is most of the tokens when responses are short).
     """
+    return _packed(model, samples, temperature, keep_hidden=False)[0]
+
+
+def packed_logprobs_and_hidden(model: Transformer, samples: Sequence[Sample],
+                               temperature: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """packed_logprobs, and from the same forward each sample's final-normed hidden states (the
+    LM head's input), detached, in fp32: one row per prompt + response token but the last (the
+    row at position q produced token q + 1), as a drafter trains on them.  -> (1, N), [(P + n - 1, E)]"""
+    return _packed(model, samples, temperature, keep_hidden=True)
+
+
+def _packed(model: Transformer, samples: Sequence[Sample], temperature: float,
+            keep_hidden: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     device = model.lm_head.weight.device
     ids: list[int] = []
     positions: list[int] = []
@@ -61,15 +74,18 @@ def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: 
     seg: list[int] = []  # which response a token belongs to; -1 for prompt tokens
     pred: list[int] = []  # for each response token, the row index of the hidden state predicting it
     targets: list[int] = []
+    prompt_rows: list[range] = []  # for each sample, the rows of its prompt
     prompt: tuple[int, ...] | None = None
     for k, s in enumerate(samples):
         if s.prompt_ids != prompt:
             prompt = s.prompt_ids
+            first = len(ids)
             ids += prompt
             positions += range(len(prompt))
             doc += [k] * len(prompt)
             seg += [-1] * len(prompt)
             prompt_last = len(ids) - 1
+        prompt_rows.append(range(first, prompt_last + 1))
         start, n = len(ids), len(s.token_ids)
         pred += [prompt_last] + list(range(start, start + n - 1))
         ids += s.token_ids
@@ -84,8 +100,18 @@ def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: 
     h = model.hidden(
         torch.tensor([ids], device=device), torch.tensor([positions], device=device), mask=mask[None, None]
     )  # (1, L, E)
-    logits = model.lm_head(h[:, torch.tensor(pred, device=device)])  # (1, N, V)
-    return sequence_logprobs(logits, torch.tensor([targets], device=device), temperature)
+    at = torch.tensor(pred, device=device)
+    logits = model.lm_head(h[:, at])  # (1, N, V)
+    hidden: list[torch.Tensor] = []
+    if keep_hidden:
+        flat = h[0].detach().float()  # (L, E)
+        first = 0
+        for rows, s in zip(prompt_rows, samples):
+            n = len(s.token_ids)
+            # The prompt's rows, then the rows that predicted response tokens 2..n: pred[first + 1 :].
+            hidden.append(torch.cat([flat[rows.start : rows.stop], flat[at[first + 1 : first + n]]]))
+            first += n
+    return sequence_logprobs(logits, torch.tensor([targets], device=device), temperature), hidden
 
 
 def packed_behaviour(samples: Sequence[Sample], own: torch.Tensor) -> torch.Tensor:

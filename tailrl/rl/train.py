@@ -86,7 +86,7 @@ class TrainConfig:
                                                         "cold-started on the task: see --cold-start)"})
     cold_start: bool = field(default=True, metadata={"help": "a new run without --model first fine-tunes the default "
                                                      "model on the task's worked solutions (tailrl sft; cached)"})
-    warmup_drafter: bool = field(default=True, metadata={"help": "a new run with speculation and no --drafter first "
+    warmup_drafter: bool = field(default=True, metadata={"help": "a new run with speculation and no --drafter (--vllm-drafter with --engine vllm) first "
                                                          "warms a drafter up on the policy (cached)"})
     device: str = field(default="auto", metadata={"help": "auto = cuda when present, else cpu", "choices": DEVICES})
     engine: str = field(default="native", metadata={"help": "rollout engine: native (tailrl's own) or vllm (an in-process "

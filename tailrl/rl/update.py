@@ -22,6 +22,15 @@ does the rest on two threads, one group each. The synchronous update is the same
 groups after the rollout, so both give the same bits by construction. Deterministic kernels
 (tailrl.rl.guards) are the caller's to switch on: the switch is process-wide.
 
+Hidden states. Asked (`on_hidden`), a group's forward also hands out each sample's final-normed
+hidden states (tailrl.rl.packing.packed_logprobs_and_hidden), in group order, for a drafter to
+learn from; the gradient is the same bits either way. Groups that sit out (no reward spread) are
+not forwarded, so they hand out nothing.
+
+Idle work. Given an `IdleWork` (the drafter's learner), the background thread runs it while the
+gate is open and no group is queued: policy work first, the idle work stopping between its
+micro-steps as soon as a group is queued, the gate closes or the rollout ends.
+
 Knows: samples, the GRPO loss, autograd, threads. Does not know: how tokens were produced,
 rewards, workers, the optimizer.
 """
@@ -31,15 +40,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from tailrl.loading import resolve_dtype
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig, policy_loss
-from tailrl.rl.packing import Sample, packed_behaviour, packed_logprobs
+from tailrl.rl.packing import Sample, packed_behaviour, packed_logprobs, packed_logprobs_and_hidden
 
 # Token means (policy_loss's LossTerms of the same names), added up as token-weighted sums.
 STAT_NAMES = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "capped_fraction", "mismatch_kl")
@@ -69,6 +78,9 @@ class _Share:
     sums: dict[str, float]
     tokens: int
     ratio_max: float = 0.0
+    # With keep_hidden: the group's samples and each one's hidden states (packing.packed_logprobs_and_hidden).
+    samples: list[Sample] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
 
 
 def _empty_share() -> _Share:
@@ -76,9 +88,10 @@ def _empty_share() -> _Share:
 
 
 def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig, temperature: float,
-                ref: Transformer | None = None) -> _Share:
+                ref: Transformer | None = None, keep_hidden: bool = False) -> _Share:
     """The gradient of sum-over-tokens of the GRPO loss of `samples`, cfg.micro_batch responses
-    per forward/backward, micro-batches added in order."""
+    per forward/backward, micro-batches added in order; with keep_hidden, each sample's hidden
+    states from the same forwards."""
     params = [p for p in policy.parameters() if p.requires_grad]
     share = _empty_share()
     device_type = params[0].device.type
@@ -86,7 +99,12 @@ def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig,
     for first in range(0, len(samples), cfg.micro_batch):
         pack = samples[first : first + cfg.micro_batch]
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-            logprobs = packed_logprobs(policy, pack, temperature)  # (1, N)
+            if keep_hidden:
+                logprobs, hidden = packed_logprobs_and_hidden(policy, pack, temperature)  # (1, N)
+                share.samples += pack
+                share.hidden += hidden
+            else:
+                logprobs = packed_logprobs(policy, pack, temperature)  # (1, N)
         ref_logprobs = None
         if ref is not None:
             with torch.no_grad():
@@ -118,12 +136,15 @@ class GroupGradients:
 
     Groups may be added in any order, from any thread (one group at a time per thread), and a
     group without samples (skipped: no reward spread) is added as empty. `finish` waits for
-    nothing: call it once every group is in.
+    nothing: call it once every group is in. on_hidden(samples, hidden) receives each computed
+    group's samples and their hidden states, in group order (as the group is folded).
     """
 
     def __init__(self, policy: Transformer, cfg: GRPOConfig, temperature: float, num_groups: int,
-                 ref: Transformer | None = None):
+                 ref: Transformer | None = None,
+                 on_hidden: Callable[[Sequence[Sample], list[torch.Tensor]], None] | None = None):
         self.policy, self.cfg, self.temperature, self.ref = policy, cfg, temperature, ref
+        self.on_hidden = on_hidden
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.num_groups = num_groups
         self._ready: dict[int, _Share] = {}
@@ -137,7 +158,8 @@ class GroupGradients:
     def add(self, group: int, samples: Sequence[Sample]) -> None:
         if not 0 <= group < self.num_groups:
             raise ValueError(f"group {group} out of range for {self.num_groups} groups")
-        share = group_share(self.policy, samples, self.cfg, self.temperature, self.ref) if samples else _empty_share()
+        share = (group_share(self.policy, samples, self.cfg, self.temperature, self.ref, self.on_hidden is not None)
+                 if samples else _empty_share())
         with self._lock:
             if group in self._ready or group < self._next:
                 raise ValueError(f"group {group} was added twice")
@@ -151,6 +173,8 @@ class GroupGradients:
             self._sums[name] += share.sums[name]
         self._tokens += share.tokens
         self._ratio_max = max(self._ratio_max, share.ratio_max)
+        if share.samples and self.on_hidden is not None:
+            self.on_hidden(share.samples, share.hidden)
         if share.grads is None:
             return
         if self._sum is None:
@@ -206,18 +230,35 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
+class IdleWork(Protocol):
+    """Work for the update's core while the policy's update has none (the drafter's learner)."""
+
+    def pending(self) -> bool:
+        """Whether there is work to do."""
+        ...
+
+    def work(self, stop: Callable[[], bool]) -> None:
+        """Units of work (each short) until stop(), asked before each one, is True."""
+        ...
+
+
+_IDLE = object()  # _take's answer: no group to compute, run the idle work
+
+
 class BackgroundUpdate:
     """Feeds GroupGradients from a background thread while the rollout runs.
 
     `submit` queues a finished group; the background thread computes queued groups while the
     gate is open (the rollout decodes on fewer cores in its tail) and waits at the gate between
-    groups otherwise. `drain` (after the rollout) computes what is left on the calling thread
-    too, one group per thread, and returns once every group is added. Errors raised in the
-    background thread re-raise in `drain`.
+    groups otherwise; with the gate open and no group queued it runs `idle` (if any) until a
+    group is queued, the gate closes or the rollout ends. `drain` (after the rollout) computes
+    what is left on the calling thread too, one group per thread, and returns once every group
+    is added. Errors raised in the background thread re-raise in `drain`.
     """
 
-    def __init__(self, grads: GroupGradients):
+    def __init__(self, grads: GroupGradients, idle: IdleWork | None = None):
         self.grads = grads
+        self.idle = idle
         self._queue: deque[tuple[int, Sequence[Sample]]] = deque()
         self._cond = threading.Condition()
         self._gate = False
@@ -250,6 +291,12 @@ class BackgroundUpdate:
             return bool(self._queue) or self._busy > 0
 
     @property
+    def wants_core(self) -> bool:
+        """A group is queued or being computed, or the idle work has work: the rollout's tail
+        should lend the update a core."""
+        return self.has_work or (self.idle is not None and self.idle.pending())
+
+    @property
     def active(self) -> bool:
         """The gate is open and a group is queued or being computed: it is using a core."""
         with self._cond:
@@ -268,7 +315,7 @@ class BackgroundUpdate:
             self._cond.notify_all()
         self._thread.join()
 
-    def _take(self, wait_for_gate: bool) -> tuple[int, Sequence[Sample]] | None:
+    def _take(self, wait_for_gate: bool) -> tuple[int, Sequence[Sample]] | object | None:
         with self._cond:
             while True:
                 if self._closed and not self._queue:
@@ -278,7 +325,22 @@ class BackgroundUpdate:
                     return self._queue.popleft()
                 if not wait_for_gate:
                     return None
+                if self._gate and self.idle is not None and self.idle.pending():
+                    return _IDLE
                 self._cond.wait()
+
+    def _stop_idle(self) -> bool:
+        """Policy work first: the idle work stops once a group is queued, the gate closes or the rollout ends."""
+        with self._cond:
+            return bool(self._queue) or not self._gate or self._closed
+
+    def _run_idle(self) -> None:
+        try:
+            self.idle.work(self._stop_idle)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread in drain()
+            with self._cond:
+                self._error = self._error or e
+                self.idle = None  # no second try this step
 
     def _compute(self, item: tuple[int, Sequence[Sample]]) -> None:
         t0 = time.perf_counter()
@@ -297,7 +359,10 @@ class BackgroundUpdate:
     def _run(self) -> None:
         _one_thread()
         while (item := self._take(wait_for_gate=True)) is not None:
-            self._compute(item)
+            if item is _IDLE:
+                self._run_idle()
+            else:
+                self._compute(item)
 
     def drain(self) -> None:
         """Compute every queued group (this thread helps, on one torch thread), then stop."""

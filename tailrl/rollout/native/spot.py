@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from tailrl.speculative.drafter.model import Drafter
-from tailrl.speculative.drafter.training import TrainSeq, drafter_loss, pack
+from tailrl.speculative.drafter.training import TrainSeq, drafter_optimizer, micro_step, pack
 
 
 @dataclass(frozen=True)
@@ -110,18 +110,13 @@ def run_spot(
     cfg = job.cfg
     drafter.load_state_dict(start.weights)
     drafter.train()
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.drafter_lr, weight_decay=0.0)
+    params, opt = drafter_optimizer(drafter, cfg.drafter_lr)
     if start.optimizer is not None:
         opt.load_state_dict(start.optimizer)
     batches = pack(job.seqs, cfg.drafter_batch_tokens)
     losses: list[float] = []
     while batches and preempted() < job.job_id:
-        loss, stats = drafter_loss(drafter, batches[len(losses) % len(batches)], target_head, cfg.drafter_ce_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        stats = micro_step(drafter, opt, params, batches[len(losses) % len(batches)], target_head, cfg.drafter_ce_weight)
         losses.append(stats.loss)
         if on_step is not None:
             on_step(len(losses))

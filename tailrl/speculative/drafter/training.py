@@ -234,6 +234,32 @@ def evaluate_loss(
     return LossStats(**{k: v / max(n, 1) for k, v in total.items()}, entries=n)
 
 
+def drafter_optimizer(drafter: Drafter, lr: float, weight_decay: float = 0.0) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
+    """The drafter's trainable parameters and an AdamW over them."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    return params, torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def micro_step(
+    drafter: Drafter,
+    opt: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    batch: Packed,
+    target_head: torch.Tensor,
+    ce_weight: float,
+    noise: float = 0.0,
+    unroll: bool = False,
+) -> LossStats:
+    """One optimizer step on one packed row (gradient norm clipped to 1): the unit every drafter
+    training loop (warm-up, spot training, the RL loop's learner) is made of."""
+    loss, stats = drafter_loss(drafter, batch, target_head, ce_weight, noise, unroll)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return stats
+
+
 @dataclass(frozen=True)
 class DrafterTrainConfig:
     """Optimiser and loss settings of `train` (warm-up and spot training set them)."""
@@ -261,8 +287,7 @@ def train_drafter(
         raise ValueError("no training entries: every sequence is shorter than 3 tokens")
     drafter.train()
     drafter.head.requires_grad_(cfg.train_head)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    params, opt = drafter_optimizer(drafter, cfg.lr, cfg.weight_decay)
     ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
     gen = torch.Generator().manual_seed(seed)
     history: list[LossStats] = []
@@ -271,11 +296,7 @@ def train_drafter(
         for i in torch.randperm(len(batches), generator=gen).tolist():
             if should_stop(step):
                 break
-            loss, stats = drafter_loss(drafter, batches[i], target_head, cfg.ce_weight, cfg.noise, cfg.unroll)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            stats = micro_step(drafter, opt, params, batches[i], target_head, cfg.ce_weight, cfg.noise, cfg.unroll)
             ramp.step()
             history.append(stats)
             step += 1
