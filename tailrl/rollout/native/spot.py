@@ -33,7 +33,9 @@ from typing import Any, Callable
 import torch
 
 from tailrl.speculative.drafter.model import Drafter
-from tailrl.speculative.drafter.training import TrainSeq, drafter_optimizer, micro_step, pack
+from tailrl.speculative.drafter.training import (
+    CONTINUE_BATCH_TOKENS, CONTINUE_LR, TrainSeq, drafter_optimizer, micro_step, pack,
+)
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,9 @@ class SpotConfig:
     spot_train: bool = field(
         default=True, metadata={"help": "train the learned drafter on idle workers (needs --workers >= 2 and --drafter)"}
     )
-    # Lower than the warm-up's: spot training continues a trained drafter on few, fresh samples,
-    # where a larger step overshoots (the replay that chose it: docs/workers.md, "Packing").
-    drafter_lr: float = field(default=1e-4, metadata={"help": "spot training AdamW learning rate"})
+    drafter_lr: float = field(default=CONTINUE_LR, metadata={"help": "spot training AdamW learning rate"})
     drafter_batch_tokens: int = field(
-        default=512, metadata={"help": "drafter entries per micro-step (bounds the preemption latency)"}
+        default=CONTINUE_BATCH_TOKENS, metadata={"help": "drafter entries per micro-step (bounds the preemption latency)"}
     )
     drafter_ce_weight: float = field(default=0.1, metadata={"help": "weight of the drafter's cross-entropy term (TLT: 0.1)"})
     buffer_tokens: int = field(

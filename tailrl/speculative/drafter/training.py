@@ -234,7 +234,15 @@ def evaluate_loss(
     return LossStats(**{k: v / max(n, 1) for k, v in total.items()}, entries=n)
 
 
-def drafter_optimizer(drafter: Drafter, lr: float, weight_decay: float = 0.0) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
+# Continuing a trained drafter on one step's fresh samples (spot training, the RL loop's learner):
+# lower than the warm-up's rate, where a larger step overshoots (the replay that chose it:
+# docs/workers.md, "Packing"); a micro-step of this many entries bounds how long a stop waits.
+CONTINUE_LR = 1e-4
+CONTINUE_BATCH_TOKENS = 512
+
+
+def drafter_optimizer(drafter: Drafter, lr: float,
+                      weight_decay: float = 0.0) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
     """The drafter's trainable parameters and an AdamW over them."""
     params = [p for p in drafter.parameters() if p.requires_grad]
     return params, torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
