@@ -35,7 +35,12 @@ counts in the reward metrics.
 
 Speculative rollouts are the rollout's business, and lossless: they change speed, not the
 distribution of tokens (docs/lossless.md); the rollout reports what its decoding did, and its
-state (tuners, drafter, data buffer) is checkpointed with the run's.
+state (tuners, drafter, data buffer) is checkpointed with the run's. A rollout that drafts with
+a learned drafter it does not train itself (RolloutConfig.learned_drafter: the vLLM engine)
+gets it trained here: a DrafterLearner (tailrl.speculative.drafter.learner) learns from the
+hidden states of the update's own forwards, in the rollout's tail on the core lent to the update
+while no group waits (tailrl.rl.phases), and each step that trained it publishes a new version
+(Rollout.publish_drafter) after the policy's weights; its metrics are the learner_* fields.
 
 Knows: tasks, rewards, the tokenizer, the Rollout protocol, AdamW, the run directory.
 Does not know: how the engine produces tokens (plain or speculative), where workers run.
@@ -68,9 +73,10 @@ from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, 
 from tailrl.rl.update import UpdateStats
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, Tokenizer, encode_question, extract_answer, make_task
 from tailrl.rollout.protocol import (
-    Completion, Request, Rollout, RolloutConfig, RolloutReport, SamplingParams, WorkerError,
+    Completion, DrafterVersion, Request, Rollout, RolloutConfig, RolloutReport, SamplingParams, WorkerError,
 )
 from tailrl.sampling import derive_seed
+from tailrl.speculative.drafter.learner import DrafterLearner
 
 DEVICES = ("auto", "cpu", "cuda")
 ENGINES = ("native", "vllm")  # which RolloutConfig tailrl.pipeline.run_config builds
@@ -282,6 +288,7 @@ class Trainer:
     emit: Callable[[object], None]
     saved_step: int  # the step of the newest checkpoint; -1 before the first
     heldout: heldout.HeldOut | None  # the evaluation's problems; None: evaluations are off
+    learner: DrafterLearner | None = None  # trains the rollout's learned drafter (RolloutConfig.learned_drafter)
 
     @property
     def tc(self) -> TrainConfig:
@@ -302,9 +309,22 @@ class Trainer:
         inputs = StepInputs(problems, requests, SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
                             tc.group_size, self.tokenizer, self.reward_fn, tc.reward_timeout_s)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.learner is not None:
+            self.learner.begin_step(self.policy)
         with deterministic(self.device):
             return run_step(self.rollout, step, inputs, self.policy, self.gc, tc.temperature, self.ref, tc.overlap_batch,
-                            lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)))
+                            lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)), self.learner)
+
+    def publish_drafter(self) -> dict[str, object]:
+        """The learner's new drafter version to the rollout, when it trained this step; its
+        metrics (learner_*: the rollout's own drafter_* fields say what it drafted with)."""
+        if self.learner is None:
+            return {}
+        stats = self.learner.end_step()
+        if stats.micro_steps:
+            self.rollout.publish_drafter(DrafterVersion(stats.version, self.learner.weights()))
+        return {"learner_version": stats.version, "learner_micro_steps": stats.micro_steps,
+                "learner_loss": stats.loss, "learner_s": stats.seconds, "learner_seqs": stats.seqs}
 
     def clip(self, work: StepWork) -> float:
         """Clip the gradient's global norm; its norm before clipping (0 when no group trained)."""
@@ -317,6 +337,8 @@ class Trainer:
         """Checkpoint the policy, optimizer, random state and the rollout's state."""
         self.state.rng = capture_rng()
         self.state.extra["workers"] = self.rollout.state_dict()  # tuners, drafter version and optimizer, buffer
+        if self.learner is not None:
+            self.state.extra["learner"] = self.learner.state_dict()  # as of the last completed step
         path = self.run.save_checkpoint(policy_weights(self.policy), self.optimizer.state_dict(), self.state,
                                         self.model_dir, self.tc.keep_checkpoints)
         self.saved_step = self.state.step
@@ -386,12 +408,20 @@ def start_run(cfg: RunConfig, out_dir: str | Path | None, resume: bool, emit: Ca
         torch.manual_seed(tc.seed)
         emit(Notice(f"run directory {run.path}"))
     rollout = cfg.rollout.open(rollout_model, tc.seed, state.extra.get("workers"))
+    learner = None
+    if (learned := cfg.rollout.learned_drafter()) is not None:
+        learner = DrafterLearner.load(learned, policy)
+        if "learner" in state.extra:
+            learner.load_state_dict(state.extra["learner"])
+        if learner.version > 0:  # the rollout started from the directory's drafter
+            rollout.publish_drafter(DrafterVersion(learner.version, learner.weights()))
     where = "on the policy" if rollout_model is policy else f"on a {dtype} copy"
     emit(Notice(f"policy in {tc.train_dtype} on {device}; rollouts {where}"))
     held = (heldout.heldout_set(task, tc.seed, tc.eval_problems, lambda q: encode_question(tokenizer, q))
             if tc.eval_every else None)
     return Trainer(cfg, run, task, reward_fn, tokenizer, model_dir, device, policy, rollout_model, ref, optimizer,
-                   state, rollout, emit, saved_step=state.step if checkpoint is not None else -1, heldout=held)
+                   state, rollout, emit, saved_step=state.step if checkpoint is not None else -1, heldout=held,
+                   learner=learner)
 
 
 def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = False,
@@ -418,11 +448,12 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
                     t.optimizer.step()
                     t.optimizer.zero_grad(set_to_none=True)  # a policy-sized buffer, unused until the next step
                 t.rollout.publish_weights(t.policy)  # 4. the next rollout samples from the updated policy
+                learned = t.publish_drafter()  # and drafts with the drafter the update's idle time trained
                 t_train = time.perf_counter()
                 state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
                 metrics = step_metrics(step, tc, work.completions, work.texts, work.rewards, work.skipped,
                                        work.stats, grad_norm, step_times(work, t_train - t_start), t.rollout.report(),
-                                       t.gc.lr_at(step))
+                                       t.gc.lr_at(step)) | learned
                 t.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     t.save()  # 5. checkpoint

@@ -1,0 +1,237 @@
+"""The drafter trained by the RL loop (tailrl.speculative.drafter.learner) on the hidden states of
+the update's own forwards: the captured states are the policy's final-norm states and leave the
+gradient's bits alone; a learner micro-step is spot training's; the stop check; a checkpoint
+resumes it identically; and `train` with the vLLM engine and a learned drafter publishes new
+versions, then resumes."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from conftest import VLLM_TINY, write_char_model
+
+from tailrl.loading import load_model
+from tailrl.rl.grpo import GRPOConfig
+from tailrl.rl.packing import Sample
+from tailrl.rl.phases import train_seqs
+from tailrl.rl.update import BackgroundUpdate, GroupGradients
+from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, run_spot
+from tailrl.speculative.drafter.learner import DrafterLearner, LearnerConfig
+from tailrl.speculative.drafter.model import Drafter, save_drafter
+from tailrl.speculative.drafter.training import evaluate_loss, pack
+
+VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens
+
+
+def groups_of(vocab: int, seed: int = 0, sizes=(4, 3, 4, 2)) -> list[list[Sample]]:
+    """Groups of ragged responses; group 1 is empty (skipped: no reward spread)."""
+    rng = random.Random(seed)
+    out = []
+    for g, n in enumerate(sizes):
+        prompt = tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(4, 10)))
+        lengths = [rng.randrange(2, 14) for _ in range(n)]
+        out.append([] if g == 1 else [Sample(prompt, [rng.randrange(3, vocab) for _ in range(k)],
+                                             rng.uniform(-1.5, 1.5), [rng.uniform(-5.5, -3.5) for _ in range(k)])
+                                      for k in lengths])
+    return out
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_dir):
+    return load_model(tiny_dir, dtype="fp32").requires_grad_(True)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(policy, tmp_path_factory):
+    return save_drafter(Drafter.from_target(policy, VOCAB, "tiny", seed=0), tmp_path_factory.mktemp("drafter"))
+
+
+def captured(policy, groups, cfg) -> tuple[list[torch.Tensor], list[tuple[list[Sample], list[torch.Tensor]]]]:
+    """The gradient, and what on_hidden received, with groups added last first."""
+    seen: list[tuple[list[Sample], list[torch.Tensor]]] = []
+    gg = GroupGradients(policy, cfg, 0.8, len(groups), on_hidden=lambda s, h: seen.append((list(s), h)))
+    for g in reversed(range(len(groups))):
+        gg.add(g, groups[g])
+    gg.finish()
+    return [p.grad.clone() for p in policy.parameters()], seen
+
+
+def data(policy, seed: int = 0):
+    """Drafter data as the update captures it."""
+    seqs = []
+    _, seen = captured(policy, groups_of(policy.cfg.vocab_size, seed), GRPOConfig(micro_batch=3))
+    for samples, hidden in seen:
+        seqs += train_seqs(samples, hidden)
+    policy.zero_grad(set_to_none=True)
+    return seqs
+
+
+@pytest.mark.parametrize("autocast,tol", [("fp32", 1e-5), ("bf16", 3e-2)])
+def test_captured_hidden_states_are_the_policys_final_norm_states_and_the_gradient_keeps_its_bits(
+        policy, autocast, tol):
+    groups, cfg = groups_of(policy.cfg.vocab_size), GRPOConfig(micro_batch=3, autocast=autocast)
+    plain = GroupGradients(policy, cfg, 0.8, len(groups))
+    for g in reversed(range(len(groups))):
+        plain.add(g, groups[g])
+    stats = plain.finish()
+    want = [p.grad.clone() for p in policy.parameters()]
+    got, seen = captured(policy, groups, cfg)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # Group order, the skipped group not forwarded, every sample of the others.
+    assert [s for samples, _ in seen for s in samples] == groups[0] + groups[2] + groups[3]
+    for samples, hidden in seen:
+        for s, h in zip(samples, hidden):
+            ids = torch.tensor([[*s.prompt_ids, *s.token_ids[:-1]]])
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast == "bf16"):
+                ref = policy.hidden(ids, torch.arange(ids.shape[1])[None])[0].float()  # a row of its own
+            assert h.dtype == torch.float32 and not h.requires_grad and h.shape == ref.shape
+            torch.testing.assert_close(h, ref, rtol=tol, atol=tol)
+    assert stats.tokens == sum(len(s.token_ids) for g in groups for s in g)
+
+
+def test_a_learner_micro_step_is_spot_trainings_and_the_loss_goes_down(policy, drafter_dir):
+    seqs = data(policy)
+    learner = DrafterLearner.load(drafter_dir, policy, LearnerConfig(batch_tokens=64))
+    start = DrafterState(0, learner.weights())
+    learner.add(seqs)
+    learner.begin_step(policy)  # trains on what it was given last step
+    calls = iter(range(100))
+    learner.work(lambda: next(calls) >= 1)  # one micro-step
+    flag = {"stop": 0}
+    spot = Drafter.from_target(policy, VOCAB, "tiny", seed=9)  # run_spot loads start's weights into it
+    head = policy.lm_head.weight.detach()[spot.d2t].float()
+    result = run_spot(spot, SpotJob(1, start, seqs, SpotConfig(drafter_batch_tokens=64)), start, head,
+                      lambda: flag["stop"], lambda n: flag.update(stop=1))
+    assert result.micro_steps == 1 and learner.micro_steps == 1
+    assert all(torch.equal(result.weights[k], v) for k, v in learner.weights().items())
+    batches = pack(seqs, 64)
+    before = evaluate_loss(learner.drafter, batches, head).loss
+    learner.work(lambda: learner.micro_steps >= 40)
+    stats = learner.end_step()
+    assert stats.micro_steps == 40 and stats.version == 1 and stats.seqs == len(seqs) and stats.seconds > 0
+    assert evaluate_loss(learner.drafter, batches, head).loss < before - 0.01  # at spot training's small lr
+
+
+def test_a_learner_asked_to_stop_does_no_further_micro_step(policy, drafter_dir):
+    learner = DrafterLearner.load(drafter_dir, policy, LearnerConfig(batch_tokens=64))
+    assert not learner.pending()  # the first step has no data: last step's is none
+    learner.add(data(policy))
+    learner.begin_step(policy)
+    w = learner.weights()
+    learner.work(lambda: True)
+    assert learner.micro_steps == 0 and all(torch.equal(w[k], v) for k, v in learner.weights().items())
+    learner.work(lambda: learner.micro_steps >= 3)
+    assert learner.micro_steps == 3
+
+    # In the update's background thread: it trains while the gate is open and no group waits,
+    # yields to a queued group, and stops for good once the rollout is over (drain).
+    groups = groups_of(policy.cfg.vocab_size, seed=1)
+    gg = GroupGradients(policy, GRPOConfig(micro_batch=3), 0.8, len(groups))
+    update = BackgroundUpdate(gg, learner)
+    assert update.wants_core and not update.has_work
+
+    def wait(cond, what: str) -> None:
+        t0 = time.monotonic()
+        while not cond():
+            assert time.monotonic() - t0 < 30, what
+            time.sleep(0.005)
+
+    update.open_gate()
+    wait(lambda: learner.micro_steps >= 6, "the learner trains on the open gate")
+    update.close_gate()
+    time.sleep(0.05)
+    n = learner.micro_steps
+    time.sleep(0.1)
+    assert learner.micro_steps == n  # the gate closed: it stopped
+    update.open_gate()
+    for g, group in enumerate(groups):
+        update.submit(g, group)
+    wait(lambda: not update.has_work, "queued groups are computed, idle work or not")
+    update.drain()
+    n = learner.micro_steps
+    time.sleep(0.05)
+    assert learner.micro_steps == n
+    assert gg.done
+
+
+def test_a_checkpointed_learner_resumes_as_the_uninterrupted_one(policy, drafter_dir):
+    cfg = LearnerConfig(batch_tokens=64)
+    first, second = data(policy, 0), data(policy, 1)
+    a = DrafterLearner.load(drafter_dir, policy, cfg)
+    a.begin_step(policy)
+    a.add(first)
+    assert a.end_step().version == 0  # nothing to train on in the first step
+    a.begin_step(policy)
+    a.add(second)
+    a.work(lambda: a.micro_steps >= 3)
+    assert a.end_step().version == 1
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+
+    def restored() -> DrafterLearner:
+        b = DrafterLearner.load(drafter_dir, policy, cfg)
+        buf.seek(0)
+        b.load_state_dict(torch.load(buf, weights_only=False))
+        return b
+
+    b, c = restored(), restored()
+    c.begin_step(policy)  # an interrupted step: its work is not in the state
+    c.work(lambda: c.micro_steps >= 5)
+    assert all(torch.equal(c.state_dict()["weights"][k], v) for k, v in b.weights().items())
+    for learner in (a, b):
+        learner.begin_step(policy)  # trains on `second`
+        learner.work(lambda learner=learner: learner.micro_steps >= 7)
+    sa, sb = a.end_step(), b.end_step()
+    assert sa == dataclasses.replace(sb, seconds=sa.seconds) and sa.version == 2 and sa.seqs == len(second)
+    assert all(torch.equal(v, b.weights()[k]) for k, v in a.weights().items())
+    assert int(a.opt.state_dict()["state"][0]["step"]) == int(b.opt.state_dict()["state"][0]["step"]) == 7
+
+
+def mean_char_reward(prompt: str, completion: str, answer: object) -> float:
+    return sum(map(ord, completion)) / (1 + len(completion)) / 128
+
+
+def test_train_with_the_vllm_engine_trains_and_publishes_the_learned_drafter_then_resumes(tmp_path):
+    pytest.importorskip("vllm")
+    from tailrl.pipeline import TRAIN_SECTIONS, run_config
+    from tailrl.rl.run_dir import RunDir
+    from tailrl.rl.train import TrainConfig, train
+    from tailrl.rollout.vllm.settings import VllmSettings
+
+    model = tmp_path / "model"
+    write_char_model(model, **VLLM_TINY)
+    drafter = save_drafter(Drafter.from_target(load_model(model, "fp32"), list(range(1, 128)), "model"), tmp_path / "d")
+    task = tmp_path / "sums.jsonl"
+    task.write_text("".join(json.dumps({"prompt": f"{a}+{a % 4}=", "answer": a + a % 4}) + "\n" for a in range(10)))
+    configs = {name: cls() for name, cls in TRAIN_SECTIONS.items()}
+    configs["train"] = TrainConfig(
+        model=str(model), engine="vllm", dtype="bf16", task=str(task), reward=f"{__name__}:mean_char_reward",
+        num_prompts=3, group_size=4, max_new_tokens=24, steps=3, seed=5, eval_every=0)
+    # lr: a far larger step moves the embedding off the drafter's fingerprint (Drafter.attach refuses)
+    configs["grpo"] = GRPOConfig(lr=1e-3, micro_batch=5)
+    configs["vllm"] = VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=8, vllm_drafter=str(drafter))
+    out = tmp_path / "run"
+    assert train(run_config(configs), out).step == 3
+    first = RunDir(out).read_metrics()
+    configs["train"] = dataclasses.replace(configs["train"], steps=4)
+    assert train(run_config(configs), out, resume=True).step == 4
+    records = RunDir(out).read_metrics()
+    assert records[:3] == first
+    # Step 1 has no data yet (the learner trains on the previous step's); from step 2 on a step
+    # trains in its rollout's tail (idle time: a step on a busy machine may get none), publishes a
+    # new version when it did, and the next rollout drafts with that version.
+    assert records[0]["learner_micro_steps"] == records[0]["learner_version"] == records[0]["drafter_version"] == 0
+    trained = [r for r in records[1:] if r["learner_micro_steps"] > 0]
+    assert len(trained) >= 2 and all(r["learner_loss"] > 0 and r["learner_seqs"] == 12 for r in trained)
+    for before, r in zip(records, records[1:]):
+        assert r["learner_version"] == before["learner_version"] + (r["learner_micro_steps"] > 0)
+        assert r["drafter_version"] == before["learner_version"]  # resumed too: the checkpoint's version
+    # The rollout drafts but trains nothing itself: nothing is reported twice.
+    assert all(r["spec_verify_steps"] > 0 and r["drafter_micro_steps"] == 0 for r in records)
