@@ -2,6 +2,7 @@
 found in the cache by the next run, and hand GRPO the model and drafter they wrote; the regime
 plot is drawn from metrics records."""
 
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from tailrl.rl.progress import Notice
 from tailrl.rl.sft import SFTConfig
 from tailrl.pipeline import TRAIN_SECTIONS, run_config
 from tailrl.rl.train import TrainConfig
+from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.warmup import WarmupConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig
 
@@ -89,7 +91,7 @@ def test_task_without_solutions_starts_from_the_base_model(tiny_phases):
     (["--engine", "vllm", "--top-p", "0.9"], "use --top-k 0 --top-p 1 with --engine vllm"),
     (["--engine", "vllm", "--spec", "off"], "[speculation] configures the native engine"),
     (["--vllm-drafter", "/some/eagle"], "[vllm] configures the vllm engine"),
-    (["--engine", "vllm", "--vllm-drafter", "/nonexistent/eagle"], "no readable config.json"),
+    (["--engine", "vllm", "--vllm-drafter", "/nonexistent/eagle"], "nor a readable config.json"),
     (["--engine", "vllm", "--speculative-per-batch", "2-8:4"], "must start at batch 1"),
 ])
 def test_bad_input_fails_before_any_phase_starts(tiny_phases, tmp_path, capsys, flags, message):
@@ -102,8 +104,17 @@ def test_bad_input_fails_before_any_phase_starts(tiny_phases, tmp_path, capsys, 
     assert not out.exists() and tiny_phases == {"sft": 0, "warmup": 0}
 
 
-def test_the_vllm_engine_skips_the_drafter_warmup(tiny_phases):
-    assert pipeline.phases(run_config(default_configs(engine="vllm"))) == ["cold start", "GRPO"]
+def test_the_vllm_engine_drafts_with_the_warmed_up_drafter(tiny_phases):
+    """--engine vllm warms a drafter up as the native engine does, and drafts with it (a learned
+    drafter: the RL loop trains it on); --no-warmup-drafter or a named --vllm-drafter skip it."""
+    first = pipeline.prepare(run_config(default_configs(engine="vllm")), lambda e: None)
+    drafter = first.rollout.settings.vllm_drafter
+    assert drafter and "drafters" in drafter and first.rollout.learned_drafter() == Path(drafter)
+    assert tiny_phases == {"sft": 1, "warmup": 1}
+    assert pipeline.phases(run_config(default_configs(engine="vllm", warmup_drafter=False))) == ["cold start", "GRPO"]
+    named = default_configs(engine="vllm")
+    named["vllm"] = VllmSettings(vllm_drafter=drafter)
+    assert pipeline.phases(run_config(named)) == ["cold start", "GRPO"]
 
 
 def test_the_vllm_engine_without_vllm_names_its_install(tiny_phases, tmp_path, capsys, monkeypatch):

@@ -108,7 +108,8 @@ def self_drafted(target, draft_sampling: str, n: int = 32, tokens: int = 48):
     g = torch.Generator().manual_seed(7)
     requests = [Request(tuple(torch.randint(2, 96, (8,), generator=g).tolist()), seed=i, group=i) for i in range(n)]
     config = VllmRolloutConfig(VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=n, vllm_drafter=str(path),
-                                            num_speculative_tokens=K, draft_sampling=draft_sampling))
+                                            num_speculative_tokens=K, draft_sampling=draft_sampling,
+                                            speculative_per_batch=f"1-{n}:{K}"))  # K at every step
     rollout = config.open(model, seed=0)
     try:
         out = rollout.generate(1, requests, SamplingParams(temperature=1.0), tokens)
@@ -208,19 +209,22 @@ def ks_distance(u: torch.Tensor) -> float:
     return max((i / n - u).max().item(), (u - (i - 1) / n).max().item())
 
 
-@pytest.mark.parametrize("drafter", ["off", "learned"])
+@pytest.mark.parametrize("drafter", ["off", "learned", "tuned"])
 def test_responses_at_t1_are_samples_of_the_target(target, tmp_path, drafter):
-    """SD off and SD on with a learned drafter (tailrl's files, a fresh one: of its 1288 verifies
-    163 accept at least one draft token, so acceptance and the recovered-token resampling both
-    act): every response token's PIT is U(0, 1) by a KS test at false-failure probability
-    0.001 each (the asymptotic bound 1.95 on sqrt(n) D; 32 x 48 = 1536 values). Measured
-    (2026-11-25, Zen 5): sqrt(n) D = 1.09 (off), 1.18 (learned); with the repair made a no-op
-    the learned case gives 10.7."""
+    """SD off; SD on with a learned drafter (tailrl's files, a fresh one) drafting K tokens every
+    step (of its 1288 verifies 163 accept at least one draft token, so acceptance and the
+    recovered-token resampling both act); and the same drafter under the tuner, whose draft
+    length changes between steps (plain, K/2, K). Every response token's PIT is U(0, 1) by a KS
+    test at false-failure probability 0.001 each (the asymptotic bound 1.95 on sqrt(n) D;
+    32 x 48 = 1536 values). Measured (2026-11-25, Zen 5): sqrt(n) D = 1.09 (off), 1.18
+    (learned), 0.81 (tuned); with the repair made a no-op, 10.7 (learned) and 1.70 (tuned: a
+    fifth as many verifies, so this case checks the switching, not the repair)."""
     path, model = target
-    if drafter == "learned":
+    if drafter != "off":
         save_drafter(Drafter.from_target(model, list(range(96)), "target"), tmp_path / "drafter")
     settings = VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=32, num_speculative_tokens=K,
-                            vllm_drafter=str(tmp_path / "drafter") if drafter == "learned" else None)
+                            vllm_drafter=str(tmp_path / "drafter") if drafter != "off" else None,
+                            speculative_per_batch=f"1-32:{K}" if drafter == "learned" else "auto")
     g = torch.Generator().manual_seed(11)
     requests = [Request(tuple(torch.randint(2, 96, (8,), generator=g).tolist()), seed=i, group=i) for i in range(32)]
     rollout = VllmRolloutConfig(settings).open(model, seed=0)
@@ -230,6 +234,9 @@ def test_responses_at_t1_are_samples_of_the_target(target, tmp_path, drafter):
         rollout.close()
     u = torch.cat([pit(model, c, g) for c in out])
     assert math.sqrt(u.numel()) * ks_distance(u) < KS_CRIT
-    if drafter == "learned":
+    if drafter != "off":
         hist = report.accept_hist
         assert report.spec_verify_steps > 0 and hist[0] > 0 and sum(hist[1:]) > 0, hist
+    if drafter == "tuned":
+        arms = {arm for bucket in report.by_bucket.values() for arm in bucket}
+        assert {"plain", f"drafter({K},1,{K})", f"drafter({K // 2},1,{K // 2})"} <= arms, arms

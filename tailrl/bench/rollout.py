@@ -3,7 +3,10 @@
 The batch is the first RL step of the configured run (the task's problems at the start of its
 stream, group_size seeded samples each, the policy before any update). It is generated in each
 mode: off (plain decoding), ngram (n-gram drafter every step), drafter (the learned drafter every
-step, when one is given) and auto (the tuner, TLT's switch gate in front). Modes run interleaved
+step, when one is given) and auto (the tuner, TLT's switch gate in front); and on vLLM (in
+process, tailrl.rollout.vllm): vllm-off and vllm-drafter (the learned drafter as vLLM's EAGLE
+drafter), each from an engine started for the repetition (start-up untimed), whose tokens are
+vLLM's samples and not compared with the native engine's. Modes run interleaved
 within each repetition, so slow phases of a shared machine hit every mode alike; each mode starts
 from a fresh decoder every time (an empty n-gram history: a repetition must not draft from its
 own previous answers). The tuner starts from the state it reached on one untimed rollout of
@@ -15,29 +18,34 @@ The long-tail picture: the running batch size over time per mode, and the ideal 
 off run's prefill plus all its decode tokens at the throughput of its full-batch steps: what the
 rollout would take if no sequence were longer than the others.
 
-Knows: how to build a step's requests (tailrl.rl.train) and install a mode (tailrl.speculative.modes).
+Knows: how to build a step's requests (tailrl.rl.train), install a mode (tailrl.speculative.modes), open
+a vLLM rollout.
 Does not know: rewards, training.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tailrl.engine import Engine, EngineConfig
+from tailrl.engine import Engine, EngineConfig, Request
 from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
+from tailrl.model import Transformer
 from tailrl.rl.plots import log_counts
 from tailrl.rl.run_dir import atomic_file
 from tailrl.rl.tasks import DEFAULT_TASK, make_task
 from tailrl.rl.train import TrainConfig, rollout_requests
+from tailrl.rollout.protocol import Rollout
+from tailrl.rollout.vllm.checks import check_installed
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.speculative.report import rollout_report
 from tailrl.tuner import TunerConfig
 
-MODES = ("off", "ngram", "drafter", "auto")
+MODES = ("off", "ngram", "drafter", "auto", "vllm-off", "vllm-drafter")
 
 
 @dataclass
@@ -52,7 +60,9 @@ class BenchRolloutConfig:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     seed: int = field(default=0, metadata={"help": "run seed (problems and sampling)"})
     reps: int = field(default=3, metadata={"help": "repetitions of every mode"})
-    modes: tuple[str, ...] = field(default=("off", "ngram", "drafter", "auto"), metadata={"help": "comma-separated modes to run (drafter only with --drafter)"})
+    modes: tuple[str, ...] = field(default=("off", "ngram", "drafter", "auto"), metadata={"help": "comma-separated modes to run (drafter only with --drafter); vllm-off and vllm-drafter decode on vLLM (tailrl[vllm])"})
+    draft_depth: int = field(default=6, metadata={"help": "draft tokens per verify of the drafter modes (a chain; vLLM's num_speculative_tokens)"})
+    kv_cache_gb: float = field(default=2.0, metadata={"help": "vLLM modes: KV cache, GiB"})
     exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (slower steps, see tailrl.model)"})
     cold_tuner: bool = field(default=False, metadata={"help": "auto starts with an empty tuner (default: warmed on one other batch)"})
     plot: str | None = field(default="bench-rollout.png", metadata={"help": "PNG of the running batch over time and the times (empty: none)"})
@@ -62,8 +72,8 @@ class BenchRolloutConfig:
         unknown = set(self.modes) - set(MODES)
         if unknown or "off" not in self.modes:
             raise ValueError(f"modes must include off and be among {', '.join(MODES)}, got {', '.join(self.modes)}")
-        if self.reps < 1:
-            raise ValueError(f"reps must be >= 1, got {self.reps}")
+        if self.reps < 1 or self.draft_depth < 1:
+            raise ValueError(f"reps and draft_depth must be >= 1, got {self.reps} and {self.draft_depth}")
 
 
 @dataclass
@@ -72,7 +82,7 @@ class ModeResult:
     tokens: int = 0
     accept_len: float = 0.0  # tokens per sequence-verify of speculative steps (0: none)
     sd_fraction: float = 0.0  # share of decode tokens from speculative steps
-    differing: int = 0  # sequences whose tokens differ from the off run's, summed over repetitions
+    differing: int | None = 0  # sequences whose tokens differ from the off run's, summed over repetitions (None: vLLM)
     timeline: list[list[Any]] = field(default_factory=list)  # the first repetition's batch segments
 
     def to_json(self) -> dict[str, Any]:
@@ -87,22 +97,36 @@ class ModeResult:
         }
 
 
-def _spec_config(mode: str, drafter: str | None) -> SpeculationConfig:
+def _spec_config(mode: str, drafter: str | None, depth: int) -> SpeculationConfig:
     if mode == "off":
         return SpeculationConfig(spec="off")
     if mode == "ngram":
         return SpeculationConfig(spec="on")
     if mode == "drafter":
-        return SpeculationConfig(spec="on", drafter=drafter)
+        return SpeculationConfig(spec="on", drafter=drafter, draft_depth=depth, num_draft_tokens=depth)
     return SpeculationConfig(spec="auto", drafter=drafter)
+
+
+def _vllm_rollout(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request]) -> Rollout:
+    """A vLLM engine for `mode` (tailrl.rollout.vllm), its kernels warmed on two requests."""
+    from tailrl.rollout.vllm.config import VllmRolloutConfig
+    from tailrl.rollout.vllm.settings import VllmSettings
+
+    settings = VllmSettings(kv_cache_gb=cfg.kv_cache_gb, max_num_seqs=len(requests), num_speculative_tokens=cfg.draft_depth,
+                            vllm_drafter=cfg.drafter if mode == "vllm-drafter" else None)
+    rollout = VllmRolloutConfig(settings).open(model, seed=cfg.seed)
+    rollout.generate(0, requests[:2], SamplingParams(cfg.temperature), 2)
+    return rollout
 
 
 def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every mode `reps` times; the JSON object described in the CLI help."""
     # off first: each repetition's other modes are compared with its tokens.
-    modes = ["off"] + [m for m in cfg.modes if m != "off" and (m != "drafter" or cfg.drafter)]
-    if "drafter" in cfg.modes and not cfg.drafter:
-        log("drafter mode skipped: no --drafter given")
+    modes = ["off"] + [m for m in cfg.modes if m != "off" and (not m.endswith("drafter") or cfg.drafter)]
+    for m in set(cfg.modes) - set(modes):
+        log(f"{m} mode skipped: no --drafter given")
+    if any(m.startswith("vllm") for m in modes):
+        check_installed()
     path = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=cfg.dtype)
@@ -115,7 +139,7 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     tuner_state = None
     if "auto" in modes and not cfg.cold_tuner:
         _, other = rollout_requests(make_task(cfg.task), tokenizer, tc, 0, cfg.num_prompts, model.cfg.max_position_embeddings)
-        tuner = install(engine, _spec_config("auto", cfg.drafter), TunerConfig(), seed=cfg.seed)
+        tuner = install(engine, _spec_config("auto", cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed)
         engine.generate(other, params, cfg.max_new_tokens)
         tuner_state = tuner.state_dict()
         log(f"tuner warmed on another batch of {len(other)} requests in {engine.stats.seconds:.1f} s")
@@ -124,10 +148,30 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     for rep in range(cfg.reps):
         reference = None
         for mode in modes:
-            install(engine, _spec_config(mode, cfg.drafter), TunerConfig(), seed=cfg.seed, tuner_state=tuner_state)
+            r = results[mode]
+            if mode.startswith("vllm"):
+                # Its own sampler: tokens differ from the native engine's (same distribution).
+                rollout = _vllm_rollout(cfg, mode, model, requests)
+                try:
+                    t0 = time.perf_counter()
+                    out = rollout.generate(1, requests, params, cfg.max_new_tokens)
+                    seconds, report = time.perf_counter() - t0, rollout.report()
+                finally:
+                    rollout.close()
+                tokens = sum(len(c.token_ids) for c in out)
+                r.seconds.append(seconds)
+                r.differing = None
+                if rep == 0:
+                    r.tokens, r.accept_len, r.sd_fraction = tokens, report.spec_accept_len, report.sd_fraction
+                    r.timeline = report.batch_timeline
+                log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {seconds:7.1f} s, {tokens} tokens, "
+                    f"{tokens / seconds:6.1f} tok/s, accept_len {report.spec_accept_len:4.2f}")
+                continue
+            install(engine, _spec_config(mode, cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed,
+                    tuner_state=tuner_state)
             out = engine.generate(requests, params, cfg.max_new_tokens)
             tokens = [c.token_ids for c in out]
-            st, r = engine.stats, results[mode]
+            st = engine.stats
             r.seconds.append(st.seconds)
             if mode == "off":
                 reference = tokens
@@ -137,7 +181,7 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
                 decoding = rollout_report(st, TunerConfig().bucket_edges)
                 r.tokens, r.accept_len = st.tokens, st.spec.accept_len
                 r.timeline, r.sd_fraction = decoding["batch_timeline"], decoding["sd_fraction"]
-            log(f"rep {rep + 1}/{cfg.reps} {mode:>7}: {st.seconds:7.1f} s, {st.tokens} tokens, "
+            log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {st.seconds:7.1f} s, {st.tokens} tokens, "
                 f"{st.tokens_per_s:6.1f} tok/s, accept_len {st.spec.accept_len:4.2f}"
                 + (f", {r.differing} sequences differ from off" if r.differing else ""))
     base = statistics.median(results["off"].seconds)
@@ -158,7 +202,7 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
 def log_summary(report: dict[str, Any], log: Callable[[str], None]) -> None:
     log(f"ideal (all tokens at full-batch throughput): {report['ideal_seconds']:.1f} s")
     for m, j in report["modes"].items():
-        log(f"{m:>7}: median {j['seconds_median']:7.1f} s [{j['seconds_min']:.1f}-{j['seconds_max']:.1f}], "
+        log(f"{m:>12}: median {j['seconds_median']:7.1f} s [{j['seconds_min']:.1f}-{j['seconds_max']:.1f}], "
             f"speedup vs off {report['speedup'][m]:4.2f}x, {j['tokens'] / j['seconds_median']:6.1f} tok/s, "
             f"accept_len {j['accept_len']:4.2f}, SD share {j['sd_fraction']:4.2f}")
 

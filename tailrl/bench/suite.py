@@ -211,9 +211,14 @@ def _rollout(r: dict[str, Any]) -> list[str]:
     for m, j in r["modes"].items():
         lines.append(f"| {m} | {j['seconds_median']:.1f} ({j['seconds_min']:.1f}-{j['seconds_max']:.1f}) | "
                      f"{r['speedup'][m]:.2f}x | {j['tokens'] / j['seconds_median']:.1f} | {_f(j['accept_len'] or None)} | "
-                     f"{j['sd_fraction']:.0%} | {j['differing_sequences']} |")
+                     f"{j['sd_fraction']:.0%} | {_differing(j['differing_sequences'])} |")
     lines += ["", f"Ideal time (every token at the full batch's throughput): {r['ideal_seconds']:.1f} s."]
     return lines
+
+
+def _differing(n: int | None) -> str:
+    # None: a vLLM mode, whose sampler is not the native engine's (same distribution, other tokens).
+    return "n/a (vLLM)" if n is None else str(n)
 
 
 def _two_run_report(r: dict[str, Any]) -> dict[str, Any]:

@@ -47,9 +47,9 @@ class VllmRolloutConfig:
 
     def open(self, model: Transformer, seed: int, state: dict[str, object] | None = None) -> Rollout:
         """An in-process vLLM engine on `model`'s architecture, weights and dtype, its unseeded
-        randomness seeded by `seed`. It keeps no state between steps, so `state` must be empty."""
-        if state:
-            raise ValueError("the vllm engine resumes no rollout state; this checkpoint holds another engine's")
+        randomness and its tuner seeded by `seed`, the tuner resuming `state`."""
+        if state and set(state) != {"tuner"}:
+            raise ValueError("this checkpoint holds another engine's rollout state; resume it with that engine")
         check_installed()
         if self.settings.vllm_drafter is not None:
             spec_method(Path(self.settings.vllm_drafter))  # a missing or unreadable drafter fails in one line
@@ -59,7 +59,7 @@ class VllmRolloutConfig:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from tailrl.rollout.vllm.rollout import VllmRollout
 
-        return VllmRollout.start(self.settings, model, seed)
+        return VllmRollout.start(self.settings, model, seed, state)
 
 
 # The configuration section of the vLLM engine (flags and TOML table), by name.

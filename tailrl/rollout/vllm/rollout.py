@@ -77,7 +77,7 @@ from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.export import eagle_weights, write_eagle
 from tailrl.speculative.drafter.model import WEIGHTS_FILE, DrafterError, check_target, read_drafter_config
 from tailrl.speculative.report import chain_ceiling, rollout_report
-from tailrl.tuner import TunerConfig
+from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
 # The native tuner's default batch-size buckets, so by_bucket reads the same for both engines.
 BUCKET_EDGES = TunerConfig().bucket_edges
@@ -134,8 +134,10 @@ def _engine_args(cfg: VllmSettings, method: str, model_dir: Path, drafter_dir: P
     if drafter_dir is not None:
         speculative = {"method": method, "model": str(drafter_dir),
                        "num_speculative_tokens": cfg.num_speculative_tokens, "draft_sample_method": cfg.draft_sampling}
-        if cfg.batch_schedule() is not None:
-            speculative["num_speculative_tokens_per_batch_size"] = cfg.batch_schedule()
+        # A per-batch-size table makes the scheduler keep a dense lookup of each step's draft
+        # length; with auto, the tuner rewrites it before every step (_Schedule).
+        speculative["num_speculative_tokens_per_batch_size"] = (
+            cfg.batch_schedule() or [(1, cfg.max_num_seqs, cfg.num_speculative_tokens)])
     return EngineArgs(
         model=str(model_dir), skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
         enforce_eager=cfg.enforce_eager, max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
@@ -182,6 +184,39 @@ def _learned_drafter_dir(drafter: Path, model: Transformer, dtype: torch.dtype, 
         raise DrafterError(f"cannot read drafter weights {drafter / WEIGHTS_FILE}: {e}") from None
     out.mkdir()
     write_eagle(out, cfg, state, "vllm", dtype)
+
+
+class _Schedule:
+    """Each engine step's draft length, chosen by tailrl's tuner (TLT's adaptive engine).
+
+    vLLM's scheduler drafts K(batch) tokens per sequence in a step, read from a dense lookup by
+    running batch size (Scheduler.dynamic_sd_lookup, built from the engine's per-batch table);
+    there is no public call to change it, so before every step the whole lookup is set to the
+    chosen arm's length (0 = plain). The drafts a step proposes are verified in the next step,
+    so a step's reward (tokens per second per sequence) goes to the arm chosen before the step
+    that proposed them (PLAIN when the step verified none)."""
+
+    def __init__(self, engine: LLMEngine, lengths: Sequence[int], state: dict[str, object] | None, seed: int):
+        self.lookup: list[int] = engine.engine_core.engine_core.scheduler.dynamic_sd_lookup
+        self.arms = {PLAIN: 0, **{Arm("drafter", k, 1, k): k for k in lengths}}
+        self.tuner = Tuner(list(self.arms), TunerConfig(), seed=seed)
+        if state:
+            self.tuner.load_state_dict(state)
+        self.proposed = PLAIN  # the arm whose drafts the next step verifies
+
+    def new_rollout(self) -> None:
+        self.tuner.new_rollout()
+        self.proposed = PLAIN
+
+    def before_step(self, running: int) -> Arm:
+        """Set the lookup for the step about to run; returns the arm its verifies belong to."""
+        verified, self.proposed = self.proposed, self.tuner.step(running) if running else PLAIN
+        self.lookup[:] = [self.arms[self.proposed]] * len(self.lookup)
+        return verified
+
+    def after_step(self, batch: int, arm: Arm, tokens: int, seconds: float) -> None:
+        if batch and seconds > 0:
+            self.tuner.update(batch, arm, tokens / seconds / batch)
 
 
 @dataclass
@@ -237,8 +272,9 @@ class VllmRollout:
     running: ClassVar[bool] = False  # an engine is open in this process (one at a time)
 
     def __init__(self, cfg: VllmSettings, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
-                 model_cfg: ModelConfig, max_len: int, arm: str, learned: bool):
+                 model_cfg: ModelConfig, max_len: int, arm: str, learned: bool, schedule: _Schedule | None):
         self.cfg, self.engine, self.counters, self.dtype = cfg, engine, counters, dtype
+        self.schedule = schedule  # the tuner's per-step draft lengths (speculative_per_batch auto)
         self.closed = False
         self.learned = learned  # drafts with a tailrl drafter, whose versions publish_drafter takes
         self.drafter_version = 0  # the learned drafter's version drafted with (0: the directory's)
@@ -249,7 +285,7 @@ class VllmRollout:
         self._report: RolloutReport | None = None
 
     @classmethod
-    def start(cls, cfg: VllmSettings, model: Transformer, seed: int) -> VllmRollout:
+    def start(cls, cfg: VllmSettings, model: Transformer, seed: int, state: dict[str, object] | None = None) -> VllmRollout:
         if cls.running:
             raise ValueError("a vLLM engine is already open in this process; close it first (vLLM's in-process "
                              "engines share state that closing either tears down)")
@@ -276,7 +312,10 @@ class VllmRollout:
             engine = LLMEngine.from_engine_args(_engine_args(cfg, arm, model_dir, drafter, dtype, max_len, seed),
                                                 stat_loggers=[factory])
         cls.running = True
-        return cls(cfg, engine, counters, dtype, model.cfg, max_len, arm, learned)
+        schedule = None
+        if drafter is not None and cfg.batch_schedule() is None:
+            schedule = _Schedule(engine, cfg.tuned_lengths(), (state or {}).get("tuner"), seed)
+        return cls(cfg, engine, counters, dtype, model.cfg, max_len, arm, learned, schedule)
 
     # ---- a step's rollout -----------------------------------------------------------------
 
@@ -331,7 +370,10 @@ class VllmRollout:
         stats, started, finished = EngineStats(), 0, 0
         self.counters.take()
         t0 = time.perf_counter()
+        if self.schedule is not None:
+            self.schedule.new_rollout()
         while self.engine.has_unfinished_requests():
+            verified = self.schedule.before_step(started - finished) if self.schedule is not None else None
             s0 = time.perf_counter()
             try:
                 outs = self.engine.step()
@@ -352,7 +394,11 @@ class VllmRollout:
                     if on_finished is not None:
                         on_finished(i, done[i])
             started += first
-            self._record(stats, StepRecord(s1 - t0, len(outs), self.arm, tokens, s1 - s0), prefill=first > 0 or not outs)
+            prefill = first > 0 or not outs
+            if verified is not None and not prefill:
+                self.schedule.after_step(len(outs), verified, tokens, s1 - s0)
+            label = verified.label if verified is not None else self.arm
+            self._record(stats, StepRecord(s1 - t0, len(outs), label, tokens, s1 - s0), prefill=prefill)
             if on_progress is not None:
                 on_progress(Progress(finished, len(requests), started - finished, stats.tokens, s1 - t0))
         stats.seconds = time.perf_counter() - t0
@@ -418,7 +464,8 @@ class VllmRollout:
         self.drafter_version = drafter.version
 
     def state_dict(self) -> dict[str, object]:
-        return {}  # nothing lives from step to step but the weights, which the trainer saves
+        """The tuner's state (the weights and drafter versions are the trainer's to save)."""
+        return {"tuner": self.schedule.tuner.state_dict()} if self.schedule is not None else {}
 
     def close(self) -> None:
         """Shut the engine down (its model and KV cache are freed); the next may start."""

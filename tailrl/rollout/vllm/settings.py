@@ -37,9 +37,11 @@ class VllmSettings:
     num_speculative_tokens: int = field(
         default=4, metadata={"help": "vLLM: draft tokens per verify; also the depth of the reported chain ceiling"}
     )
-    speculative_per_batch: str | None = field(
-        default=None, metadata={"help": "vLLM: draft tokens by running batch size, 'FIRST-LAST:K,...' from batch 1, "
-                                        "e.g. '1-8:4,9-1024:0' (None = num_speculative_tokens at every size)"}
+    speculative_per_batch: str = field(
+        default="auto", metadata={"help": "vLLM: draft tokens per engine step: auto (tailrl's tuner picks plain or a "
+                                          "draft length per step, per running-batch bucket, from measured throughput: "
+                                          "TLT's adaptive engine) or a fixed table by running batch size, "
+                                          "'FIRST-LAST:K,...' from batch 1, e.g. '1-8:4,9-1024:0'"}
     )
     draft_sampling: str = field(
         default="greedy", metadata={"help": "vLLM: the drafter proposes its argmax or a sample (both lossless)",
@@ -57,10 +59,17 @@ class VllmSettings:
             raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {self.draft_sampling!r}")
         self.batch_schedule()  # refuse a malformed table now, not when the engine starts
 
+    def tuned_lengths(self) -> tuple[int, ...]:
+        """The draft lengths the tuner chooses among (besides plain) with speculative_per_batch
+        auto: num_speculative_tokens and half of it."""
+        k = self.num_speculative_tokens
+        return tuple(sorted({max(1, k // 2), k}))
+
     def batch_schedule(self) -> list[tuple[int, int, int]] | None:
-        """speculative_per_batch as vLLM's num_speculative_tokens_per_batch_size: (first, last, K)
-        per inclusive range of running batch sizes, starting at 1, in order, not overlapping."""
-        if self.speculative_per_batch is None:
+        """A fixed speculative_per_batch as vLLM's num_speculative_tokens_per_batch_size: (first,
+        last, K) per inclusive range of running batch sizes, starting at 1, in order, not
+        overlapping; None for auto."""
+        if self.speculative_per_batch == "auto":
             return None
         out: list[tuple[int, int, int]] = []
         for entry in self.speculative_per_batch.split(","):
