@@ -4,9 +4,10 @@ The batch is the first RL step of the configured run (the task's problems at the
 stream, group_size seeded samples each, the policy before any update). It is generated in each
 mode: off (plain decoding), ngram (n-gram drafter every step), drafter (the learned drafter every
 step, when one is given) and auto (the tuner, TLT's switch gate in front); and on vLLM (in
-process, tailrl.rollout.vllm): vllm-off and vllm-drafter (the learned drafter as vLLM's EAGLE
-drafter), each from an engine started for the repetition (start-up untimed), whose tokens are
-vLLM's samples and not compared with the native engine's. Modes run interleaved
+process, tailrl.rollout.vllm): vllm-off, vllm-drafter (the learned drafter as vLLM's EAGLE
+drafter every step) and vllm-auto (the same drafter, tailrl's tuner choosing each step's draft
+length), each from an engine started for the repetition (start-up untimed, the tuner empty),
+whose tokens are vLLM's samples and not compared with the native engine's. Modes run interleaved
 within each repetition, so slow phases of a shared machine hit every mode alike; each mode starts
 from a fresh decoder every time (an empty n-gram history: a repetition must not draft from its
 own previous answers). The tuner starts from the state it reached on one untimed rollout of
@@ -45,7 +46,7 @@ from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.speculative.report import rollout_report
 from tailrl.tuner import TunerConfig
 
-MODES = ("off", "ngram", "drafter", "auto", "vllm-off", "vllm-drafter")
+MODES = ("off", "ngram", "drafter", "auto", "vllm-off", "vllm-drafter", "vllm-auto")
 
 
 @dataclass
@@ -60,11 +61,11 @@ class BenchRolloutConfig:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     seed: int = field(default=0, metadata={"help": "run seed (problems and sampling)"})
     reps: int = field(default=3, metadata={"help": "repetitions of every mode"})
-    modes: tuple[str, ...] = field(default=("off", "ngram", "drafter", "auto"), metadata={"help": "comma-separated modes to run (drafter only with --drafter); vllm-off and vllm-drafter decode on vLLM (tailrl[vllm])"})
+    modes: tuple[str, ...] = field(default=("off", "ngram", "drafter", "auto"), metadata={"help": "comma-separated modes to run (drafter, auto, vllm-drafter, vllm-auto only with --drafter); vllm-* decode on vLLM (tailrl[vllm])"})
     draft_depth: int = field(default=6, metadata={"help": "draft tokens per verify of the drafter modes (a chain; vLLM's num_speculative_tokens)"})
     kv_cache_gb: float = field(default=2.0, metadata={"help": "vLLM modes: KV cache, GiB"})
     exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (slower steps, see tailrl.model)"})
-    cold_tuner: bool = field(default=False, metadata={"help": "auto starts with an empty tuner (default: warmed on one other batch)"})
+    cold_tuner: bool = field(default=False, metadata={"help": "auto and vllm-auto start with an empty tuner (default: warmed on one other batch)"})
     plot: str | None = field(default="bench-rollout.png", metadata={"help": "PNG of the running batch over time and the times (empty: none)"})
 
     def __post_init__(self) -> None:
@@ -107,14 +108,18 @@ def _spec_config(mode: str, drafter: str | None, depth: int) -> SpeculationConfi
     return SpeculationConfig(spec="auto", drafter=drafter)
 
 
-def _vllm_rollout(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request]) -> Rollout:
-    """A vLLM engine for `mode` (tailrl.rollout.vllm), its kernels warmed on two requests."""
+def _vllm_rollout(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request],
+                  state: dict[str, object] | None = None) -> Rollout:
+    """A vLLM engine for `mode` (tailrl.rollout.vllm), its kernels warmed on two requests, its
+    tuner resuming `state`."""
     from tailrl.rollout.vllm.config import VllmRolloutConfig
     from tailrl.rollout.vllm.settings import VllmSettings
 
-    settings = VllmSettings(kv_cache_gb=cfg.kv_cache_gb, max_num_seqs=len(requests), num_speculative_tokens=cfg.draft_depth,
-                            vllm_drafter=cfg.drafter if mode == "vllm-drafter" else None)
-    rollout = VllmRolloutConfig(settings).open(model, seed=cfg.seed)
+    n = len(requests)
+    settings = VllmSettings(kv_cache_gb=cfg.kv_cache_gb, max_num_seqs=n, num_speculative_tokens=cfg.draft_depth,
+                            vllm_drafter=cfg.drafter if mode != "vllm-off" else None,
+                            speculative_per_batch=f"1-{n}:{cfg.draft_depth}" if mode == "vllm-drafter" else "auto")
+    rollout = VllmRolloutConfig(settings).open(model, seed=cfg.seed, state=state)
     rollout.generate(0, requests[:2], SamplingParams(cfg.temperature), 2)
     return rollout
 
@@ -122,7 +127,7 @@ def _vllm_rollout(cfg: BenchRolloutConfig, mode: str, model: Transformer, reques
 def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every mode `reps` times; the JSON object described in the CLI help."""
     # off first: each repetition's other modes are compared with its tokens.
-    modes = ["off"] + [m for m in cfg.modes if m != "off" and (not m.endswith("drafter") or cfg.drafter)]
+    modes = ["off"] + [m for m in cfg.modes if m != "off" and (m in ("ngram", "auto", "vllm-off") or cfg.drafter)]
     for m in set(cfg.modes) - set(modes):
         log(f"{m} mode skipped: no --drafter given")
     if any(m.startswith("vllm") for m in modes):
@@ -143,6 +148,16 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
         engine.generate(other, params, cfg.max_new_tokens)
         tuner_state = tuner.state_dict()
         log(f"tuner warmed on another batch of {len(other)} requests in {engine.stats.seconds:.1f} s")
+    vllm_state = None
+    if "vllm-auto" in modes and not cfg.cold_tuner:
+        _, other = rollout_requests(make_task(cfg.task), tokenizer, tc, 0, cfg.num_prompts, model.cfg.max_position_embeddings)
+        rollout = _vllm_rollout(cfg, "vllm-auto", model, requests)
+        try:
+            rollout.generate(0, other, params, cfg.max_new_tokens)
+            vllm_state = rollout.state_dict()
+        finally:
+            rollout.close()
+        log(f"vLLM's tuner warmed on another batch of {len(other)} requests")
     results = {m: ModeResult() for m in modes}
     ideal: list[float] = []
     for rep in range(cfg.reps):
@@ -151,7 +166,7 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
             r = results[mode]
             if mode.startswith("vllm"):
                 # Its own sampler: tokens differ from the native engine's (same distribution).
-                rollout = _vllm_rollout(cfg, mode, model, requests)
+                rollout = _vllm_rollout(cfg, mode, model, requests, vllm_state if mode == "vllm-auto" else None)
                 try:
                     t0 = time.perf_counter()
                     out = rollout.generate(1, requests, params, cfg.max_new_tokens)
