@@ -16,7 +16,7 @@ The drafter's learner (tailrl.speculative.drafter.learner; for a rollout whose l
 the RL loop trains): the update's forwards hand it each computed group's hidden states, and in
 the overlapped schedule it trains on the lent core while no group waits (policy work first,
 tailrl.rl.update "Idle work"); the core is lent while either has work. The synchronous schedule
-has no such idle time: its learner only collects.
+has no such idle time: its learner only collects (the trainer tops it up after the update).
 
 Knows: the order of a step's phases, groups, rewards, advantages. Does not know: how the
 rollout decodes (tailrl.rollout.protocol), the loss (tailrl.rl.update), the optimizer, how the

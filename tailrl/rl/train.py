@@ -39,7 +39,9 @@ state (tuners, drafter, data buffer) is checkpointed with the run's. A rollout t
 a learned drafter it does not train itself (RolloutConfig.learned_drafter: the vLLM engine)
 gets it trained here: a DrafterLearner (tailrl.speculative.drafter.learner) learns from the
 hidden states of the update's own forwards, in the rollout's tail on the core lent to the update
-while no group waits (tailrl.rl.phases), and each step that trained it publishes a new version
+while no group waits (tailrl.rl.phases), topped up after the update to learner_min_steps
+micro-steps when the tail left too little idle time (on the default run's 2-core CPU the update
+fills the tail: there is none), and each step that trained it publishes a new version
 (Rollout.publish_drafter) after the policy's weights; its metrics are the learner_* fields.
 
 Knows: tasks, rewards, the tokenizer, the Rollout protocol, AdamW, the run directory.
@@ -124,6 +126,10 @@ class TrainConfig:
     overlap_batch: int = field(
         default=8, metadata={"help": "compute finished groups' gradients while at most this many sequences decode "
                                      "(the rollout's tail); 0 = the update waits for the whole rollout"})
+    learner_min_steps: int = field(
+        default=2, metadata={"help": "a learned drafter trained by the RL loop (--engine vllm): micro-steps per RL step; "
+                                     "those the tail's idle core did not run, run after the update, on the step's "
+                                     "time (learner_after_s); 0 = idle time only"})
     eval_every: int = field(
         default=10, metadata={"help": "mean reward on fixed held-out problems before the first step, every N steps "
                                       "and after the last (eval.jsonl; 0 = never)"})
@@ -134,6 +140,8 @@ class TrainConfig:
             raise ValueError(f"group_size must be >= 2: GRPO normalises rewards within a group, got {self.group_size}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (greedy makes a group's responses identical), got {self.temperature}")
+        if self.learner_min_steps < 0:
+            raise ValueError(f"learner_min_steps must be >= 0, got {self.learner_min_steps}")
         if self.overlap_batch < 0:
             raise ValueError(f"overlap_batch must be >= 0, got {self.overlap_batch}")
         for name in ("num_prompts", "max_new_tokens", "checkpoint_every", "keep_checkpoints", "eval_problems"):
@@ -320,11 +328,16 @@ class Trainer:
         metrics (learner_*: the rollout's own drafter_* fields say what it drafted with)."""
         if self.learner is None:
             return {}
+        t0 = time.perf_counter()
+        floor = self.tc.learner_min_steps
+        self.learner.work(lambda: self.learner.steps_this_step() >= floor)
+        after_s = time.perf_counter() - t0
         stats = self.learner.end_step()
         if stats.micro_steps:
             self.rollout.publish_drafter(DrafterVersion(stats.version, self.learner.weights()))
         return {"learner_version": stats.version, "learner_micro_steps": stats.micro_steps,
-                "learner_loss": stats.loss, "learner_s": stats.seconds, "learner_seqs": stats.seqs}
+                "learner_loss": stats.loss, "learner_s": stats.seconds, "learner_seqs": stats.seqs,
+                "learner_after_s": after_s}
 
     def clip(self, work: StepWork) -> float:
         """Clip the gradient's global norm; its norm before clipping (0 when no group trained)."""

@@ -11,6 +11,7 @@ held-out evaluations decode on the native engine. Does not know: vLLM's API (rol
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,8 @@ class VllmRolloutConfig:
         # tailrl's progress (VLLM_LOGGING_LEVEL=INFO shows them; read when vLLM is imported).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        # vLLM 0.32's kernel dispatcher trips torch's deprecation of torch.distributed.reduce_op.
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
         from tailrl.rollout.vllm.rollout import VllmRollout
 
         return VllmRollout.start(self.settings, model, seed, state)

@@ -143,7 +143,7 @@ def _engine_args(cfg: VllmSettings, method: str, model_dir: Path, drafter_dir: P
         enforce_eager=cfg.enforce_eager, max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
         enable_chunked_prefill=False, max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_len),
         kv_cache_memory_bytes=int(cfg.kv_cache_gb * 2**30), logprobs_mode="processed_logprobs",
-        disable_log_stats=False, speculative_config=speculative,
+        disable_log_stats=False, speculative_config=speculative, use_tqdm_on_load=False,
     )
 
 

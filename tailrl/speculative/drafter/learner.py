@@ -113,6 +113,10 @@ class DrafterLearner:
         with self._lock:
             self._incoming += seqs
 
+    def steps_this_step(self) -> int:
+        """Micro-steps run since begin_step."""
+        return self._done
+
     def pending(self) -> bool:
         """Whether there is data to train on this step."""
         return bool(self._batches)
