@@ -28,9 +28,10 @@ def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_shallow_
 
 
 def test_bench_rollout_runs_the_vllm_modes_beside_the_native_ones(smollm2_shallow_dir, tmp_path, capsys):
-    """The vLLM modes: every one decodes the whole batch (its own samples, so no token
-    comparison: differing_sequences is None), the drafter modes verify drafts of the learned
-    drafter, and the results page renders them."""
+    """The vLLM modes (two of three: vllm-off is the plain engine test_vllm.py covers; a cold
+    tuner, so no third engine warms one): each decodes the whole batch (its own samples, so no
+    token comparison: differing_sequences is None), vllm-drafter verifies the learned drafter's
+    drafts every step, and the results page renders them."""
     pytest.importorskip("vllm")
     from tailrl.loading import load_model
     from tailrl.speculative.drafter.model import Drafter, save_drafter
@@ -39,15 +40,15 @@ def test_bench_rollout_runs_the_vllm_modes_beside_the_native_ones(smollm2_shallo
                            tmp_path / "drafter")
     code = main(["bench", "rollout", "--model", str(smollm2_shallow_dir), "--dtype", "fp32", "--num-prompts", "2",
                  "--group-size", "2", "--max-new-tokens", "12", "--reps", "1", "--drafter", str(drafter),
-                 "--modes", "off,vllm-off,vllm-drafter,vllm-auto", "--kv-cache-gb", "0.0625", "--draft-depth", "3",
-                 "--plot", "", "--json"])
+                 "--modes", "off,vllm-drafter,vllm-auto", "--cold-tuner", "--kv-cache-gb", "0.0625",
+                 "--draft-depth", "3", "--plot", "", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     modes = report["modes"]
-    assert set(modes) == {"off", "vllm-off", "vllm-drafter", "vllm-auto"}
+    assert set(modes) == {"off", "vllm-drafter", "vllm-auto"}
     assert all(m["tokens"] > 0 and m["seconds_median"] > 0 for m in modes.values())
-    assert [modes[m]["differing_sequences"] for m in ("off", "vllm-off", "vllm-drafter")] == [0, None, None]
-    assert modes["vllm-off"]["accept_len"] == 0 and modes["vllm-drafter"]["sd_fraction"] == 1.0
+    assert [modes[m]["differing_sequences"] for m in ("off", "vllm-drafter", "vllm-auto")] == [0, None, None]
+    assert modes["vllm-drafter"]["sd_fraction"] == 1.0
     assert 1.0 <= modes["vllm-drafter"]["accept_len"] <= 4.0
     rows = [line for line in _rollout(report) if line.startswith("| ")][1:]
-    assert rows[1].startswith("| vllm-off ") and rows[1].endswith("| n/a (vLLM) |")
+    assert rows[1].startswith("| vllm-drafter ") and rows[1].endswith("| n/a (vLLM) |")
