@@ -34,7 +34,10 @@ on_finished fires as each sequence finishes and on_progress after every step.
   counts as prefill (vLLM mixes a step's prefills and decodes; its time goes to prefill_s, its
   decode tokens to the total only); speculative counters per step from vLLM's scheduler stats
   (`StepCounters`). What vLLM does not expose is 0 or None: draft_s (drafting and verifying are
-  one step: verify_s holds speculative steps whole), and every learned-drafter and spot field.
+  one step: verify_s holds speculative steps whole), and the spot-training fields;
+  drafter_version is the learned drafter's version drafted with.
+- Speculation (tailrl.rollout.vllm.speculation): the learned drafter's export, head and versions;
+  with speculative_per_batch auto, the tuner's draft length before every step.
 
 Knows: vLLM's LLMEngine (add_request, step, collective_rpc, stat loggers), its CPU quirks.
 Does not know: RL, rewards, tailrl's native engine.
@@ -53,9 +56,6 @@ from typing import Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
-from torch import nn
 from vllm import EngineArgs
 from vllm.config import VllmConfig
 from vllm.inputs import TokensPrompt
@@ -77,10 +77,10 @@ from tailrl.rollout.vllm.checks import check_sampling, is_learned, spec_method
 from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
 from tailrl.sampling import SamplingParams
-from tailrl.speculative.drafter.export import eagle_weights, write_eagle
-from tailrl.speculative.drafter.model import WEIGHTS_FILE, DrafterConfig, DrafterError, check_target, read_drafter_config
+from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
+from tailrl.speculative.drafter.export import eagle_weights
 from tailrl.speculative.report import chain_ceiling, rollout_report
-from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
+from tailrl.tuner import TunerConfig
 
 # The native tuner's default batch-size buckets, so by_bucket reads the same for both engines.
 BUCKET_EDGES = TunerConfig().bucket_edges
@@ -138,7 +138,7 @@ def _engine_args(cfg: VllmSettings, method: str, model_dir: Path, drafter_dir: P
         speculative = {"method": method, "model": str(drafter_dir),
                        "num_speculative_tokens": cfg.num_speculative_tokens, "draft_sample_method": cfg.draft_sampling}
         # A per-batch-size table makes the scheduler keep a dense lookup of each step's draft
-        # length; with auto, the tuner rewrites it before every step (_Schedule).
+        # length; with auto, the tuner rewrites it before every step (Schedule).
         speculative["num_speculative_tokens_per_batch_size"] = (
             cfg.batch_schedule() or [(1, cfg.max_num_seqs, cfg.num_speculative_tokens)])
     return EngineArgs(
@@ -164,97 +164,6 @@ def _load_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor]) -> None
         # A tied head has no weights of its own to load, so the reload keeps its packed GEMM
         # operand (made from the old embedding when it was processed); pack it again.
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
-
-
-class DraftVocabHead(nn.Module):
-    """A learned drafter's own head over its draft vocabulary, as the logits of vLLM's EAGLE
-    drafter: vLLM's EAGLE-1 class drafts with the target's whole LM head (its EAGLE-3 class has a
-    draft vocabulary, but not this architecture), which on a 135M model with a 49k vocabulary
-    costs a quarter of a target forward per draft token. The drafter's own head (K rows, the
-    draft vocabulary `vocab` as target ids) costs a twelfth of that and drafts what the native
-    engine's drafter drafts. Logits outside the draft vocabulary are -inf, so a greedy draft is
-    the draft head's argmax and a sampled one never leaves the draft vocabulary (lossless either
-    way: the verifier takes q from these logits)."""
-
-    def __init__(self, weight: torch.Tensor, vocab: torch.Tensor, vocab_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)  # (K, E)
-        self.register_buffer("vocab", vocab)  # (K,) target ids
-        self.vocab_size = vocab_size
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, E) -> (N, V)"""
-        out = hidden.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
-        return out.index_copy_(1, self.vocab, F.linear(hidden, self.weight))
-
-
-def _install_draft_head(worker: WorkerBase, weight: torch.Tensor, vocab: torch.Tensor) -> None:
-    """On the engine's worker: the drafter model's logits from a DraftVocabHead, an instance
-    attribute that shadows its compute_logits method (which vLLM's proposer calls). Set past
-    nn.Module.__setattr__, which would register it as a submodule (that the method shadows, and
-    the layerwise reload would walk)."""
-    model = worker.model_runner.drafter.model
-    object.__setattr__(model, "compute_logits", DraftVocabHead(weight, vocab, model.config.vocab_size))
-
-
-def _load_drafter_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor], head: torch.Tensor) -> None:
-    """On the engine's worker: the EAGLE drafter's own weights (fc and its layer) replaced in
-    place, by the same layerwise reload as the target's, and its draft head's. The embedding it
-    shares with the target receives nothing, so the reload puts it back untouched."""
-    runner = worker.model_runner
-    model = runner.drafter.model
-    initialize_layerwise_reload(model)
-    model.load_weights(iter(weights.items()))
-    finalize_layerwise_reload(model, runner.vllm_config.model_config)
-    model.compute_logits.weight.copy_(head)
-
-
-def _learned_drafter_dir(drafter: Path, model: Transformer, dtype: torch.dtype,
-                         out: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
-    """A tailrl drafter for `model` as the EAGLE-1 export vLLM loads, written into `out`; its
-    config and weights."""
-    cfg = read_drafter_config(drafter)
-    check_target(cfg, model)
-    try:
-        state = load_file(drafter / WEIGHTS_FILE)
-    except Exception as e:  # safetensors raises several types for missing/corrupt files
-        raise DrafterError(f"cannot read drafter weights {drafter / WEIGHTS_FILE}: {e}") from None
-    out.mkdir()
-    write_eagle(out, cfg, state, "vllm", dtype)
-    return cfg, state
-
-
-class _Schedule:
-    """Each engine step's draft length, chosen by tailrl's tuner (TLT's adaptive engine).
-
-    vLLM's scheduler drafts K(batch) tokens per sequence in a step, read from a dense lookup by
-    running batch size (Scheduler.dynamic_sd_lookup, built from the engine's per-batch table);
-    there is no public call to change it, so before every step the whole lookup is set to the
-    chosen arm's length (0 = plain). The drafts a step proposes are verified in the next step,
-    so a step's reward (tokens per second per sequence) goes to the arm chosen before the step
-    that proposed them (PLAIN when the step verified none)."""
-
-    def __init__(self, engine: LLMEngine, lengths: Sequence[int], state: dict[str, object] | None, seed: int):
-        self.lookup: list[int] = engine.engine_core.engine_core.scheduler.dynamic_sd_lookup
-        self.arms = {PLAIN: 0, **{Arm("drafter", k, 1, k): k for k in lengths}}
-        self.tuner = Tuner(list(self.arms), TunerConfig(), seed=seed)
-        if state:
-            self.tuner.load_state_dict(state)
-        self.proposed = PLAIN  # the arm whose drafts the next step verifies
-
-    def new_rollout(self) -> None:
-        self.tuner.new_rollout()
-        self.proposed = PLAIN
-
-    def before_step(self, running: int) -> Arm:
-        """Set the lookup for the step about to run; returns the arm its verifies belong to."""
-        verified, self.proposed = self.proposed, self.tuner.step(running) if running else PLAIN
-        self.lookup[:] = [self.arms[self.proposed]] * len(self.lookup)
-        return verified
-
-    def after_step(self, batch: int, arm: Arm, tokens: int, seconds: float) -> None:
-        if batch and seconds > 0:
-            self.tuner.update(batch, arm, tokens / seconds / batch)
 
 
 @dataclass
@@ -310,7 +219,7 @@ class VllmRollout:
     running: ClassVar[bool] = False  # an engine is open in this process (one at a time)
 
     def __init__(self, cfg: VllmSettings, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
-                 model_cfg: ModelConfig, max_len: int, arm: str, learned: bool, schedule: _Schedule | None):
+                 model_cfg: ModelConfig, max_len: int, arm: str, learned: bool, schedule: Schedule | None):
         self.cfg, self.engine, self.counters, self.dtype = cfg, engine, counters, dtype
         self.schedule = schedule  # the tuner's per-step draft lengths (speculative_per_batch auto)
         self.closed = False
@@ -344,7 +253,7 @@ class VllmRollout:
             model_dir.mkdir()
             write_model_dir(model, dtype, model_dir)
             if learned:
-                drafter_cfg, drafter_state = _learned_drafter_dir(drafter, model, dtype, Path(tmp) / "drafter")
+                drafter_cfg, drafter_state = write_learned_drafter(drafter, model, dtype, Path(tmp) / "drafter")
                 drafter = Path(tmp) / "drafter"
             cpu_fix.install()
             engine = LLMEngine.from_engine_args(_engine_args(cfg, arm, model_dir, drafter, dtype, max_len, seed),
@@ -352,10 +261,10 @@ class VllmRollout:
         cls.running = True
         if learned:
             vocab = torch.tensor(drafter_cfg.draft_vocab, dtype=torch.long)
-            engine.collective_rpc(_install_draft_head, args=(drafter_state["head.weight"].to(dtype), vocab))
+            engine.collective_rpc(install_draft_head, args=(drafter_state["head.weight"].to(dtype), vocab))
         schedule = None
         if drafter is not None and cfg.batch_schedule() is None:
-            schedule = _Schedule(engine, cfg.tuned_lengths(), (state or {}).get("tuner"), seed)
+            schedule = Schedule(engine, cfg.tuned_lengths(), (state or {}).get("tuner"), seed)
         return cls(cfg, engine, counters, dtype, model.cfg, max_len, arm, learned, schedule)
 
     # ---- a step's rollout -----------------------------------------------------------------
@@ -502,7 +411,7 @@ class VllmRollout:
             raise ValueError("this vllm engine drafts with no learned drafter (--vllm-drafter names no tailrl drafter)")
         weights = {k: v.to(self.dtype) for k, v in eagle_weights(drafter.weights, "vllm").items()}
         head = drafter.weights["head.weight"].to(self.dtype)
-        self.engine.collective_rpc(_load_drafter_in_place, args=(weights, head))
+        self.engine.collective_rpc(load_drafter_in_place, args=(weights, head))
         self.drafter_version = drafter.version
 
     def state_dict(self) -> dict[str, object]:

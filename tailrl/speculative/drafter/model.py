@@ -236,6 +236,15 @@ def read_drafter_config(path: str | Path) -> DrafterConfig:
         raise DrafterError(f"{cfg_file} is malformed: {e!r}") from None
 
 
+def read_drafter_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """A drafter directory's weights (fp32, as saved)."""
+    path = Path(path)
+    try:
+        return load_file(path / WEIGHTS_FILE)
+    except Exception as e:  # safetensors raises several types for missing/corrupt files
+        raise DrafterError(f"cannot read drafter weights {path / WEIGHTS_FILE}: {e}") from None
+
+
 def load_drafter(
     path: str | Path, target: Transformer, dtype: torch.dtype | None = None, device: str | torch.device | None = None
 ) -> Drafter:
@@ -243,10 +252,7 @@ def load_drafter(
     path = Path(path)
     cfg = read_drafter_config(path)
     check_target(cfg, target)
-    try:
-        state = load_file(path / WEIGHTS_FILE)
-    except Exception as e:  # safetensors raises several types for missing/corrupt files
-        raise DrafterError(f"cannot read drafter weights {path / WEIGHTS_FILE}: {e}") from None
+    state = read_drafter_weights(path)
     net = Drafter(cfg, target.model.embed_tokens.weight.detach())
     try:
         net.load_state_dict(state, strict=True)
