@@ -44,8 +44,9 @@ class VllmSettings:
                                           "'FIRST-LAST:K,...' from batch 1, e.g. '1-8:4,9-1024:0'"}
     )
     draft_sampling: str = field(
-        default="greedy", metadata={"help": "vLLM: the drafter proposes its argmax or a sample (both lossless)",
-                                    "choices": DRAFT_SAMPLING}
+        default="probabilistic", metadata={"help": "vLLM: the drafter proposes a sample of its distribution or its "
+                                                   "argmax (both lossless; a sample is accepted more often at T > 0: "
+                                                   "docs/vllm.md)", "choices": DRAFT_SAMPLING}
     )
 
     def __post_init__(self) -> None:
