@@ -41,7 +41,7 @@ gets it trained here: a DrafterLearner (tailrl.speculative.drafter.learner) lear
 hidden states of the update's own forwards, in the rollout's tail on the core lent to the update
 while no group waits (tailrl.rl.phases), topped up after the update to learner_min_steps
 micro-steps when the tail left too little idle time (on the default run's 2-core CPU the update
-fills the tail: there is none), and each step that trained it publishes a new version
+often fills the tail), and each step that trained it publishes a new version
 (Rollout.publish_drafter) after the policy's weights; its metrics are the learner_* fields.
 
 Knows: tasks, rewards, the tokenizer, the Rollout protocol, AdamW, the run directory.
