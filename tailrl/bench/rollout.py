@@ -124,6 +124,27 @@ def _vllm_rollout(cfg: BenchRolloutConfig, mode: str, model: Transformer, reques
     return rollout
 
 
+def _vllm_repetition(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request],
+                     state: dict[str, object] | None, r: ModeResult, first: bool) -> tuple[float, int, float]:
+    """One timed rollout of `mode` on a fresh engine, into `r` (the first repetition's report
+    too); its seconds, tokens and accept_len. vLLM samples its own tokens (the same distribution
+    as the native engine's, other responses), so they are not compared (differing is None)."""
+    rollout = _vllm_rollout(cfg, mode, model, requests, state)
+    try:
+        t0 = time.perf_counter()
+        out = rollout.generate(1, requests, SamplingParams(cfg.temperature), cfg.max_new_tokens)
+        seconds, report = time.perf_counter() - t0, rollout.report()
+    finally:
+        rollout.close()
+    tokens = sum(len(c.token_ids) for c in out)
+    r.seconds.append(seconds)
+    r.differing = None
+    if first:
+        r.tokens, r.accept_len, r.sd_fraction = tokens, report.spec_accept_len, report.sd_fraction
+        r.timeline = report.batch_timeline
+    return seconds, tokens, report.spec_accept_len
+
+
 def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every mode `reps` times; the JSON object described in the CLI help."""
     # off first: each repetition's other modes are compared with its tokens.
@@ -165,22 +186,10 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
         for mode in modes:
             r = results[mode]
             if mode.startswith("vllm"):
-                # Its own sampler: tokens differ from the native engine's (same distribution).
-                rollout = _vllm_rollout(cfg, mode, model, requests, vllm_state if mode == "vllm-auto" else None)
-                try:
-                    t0 = time.perf_counter()
-                    out = rollout.generate(1, requests, params, cfg.max_new_tokens)
-                    seconds, report = time.perf_counter() - t0, rollout.report()
-                finally:
-                    rollout.close()
-                tokens = sum(len(c.token_ids) for c in out)
-                r.seconds.append(seconds)
-                r.differing = None
-                if rep == 0:
-                    r.tokens, r.accept_len, r.sd_fraction = tokens, report.spec_accept_len, report.sd_fraction
-                    r.timeline = report.batch_timeline
+                state = vllm_state if mode == "vllm-auto" else None
+                seconds, tokens, accept_len = _vllm_repetition(cfg, mode, model, requests, state, r, first=rep == 0)
                 log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {seconds:7.1f} s, {tokens} tokens, "
-                    f"{tokens / seconds:6.1f} tok/s, accept_len {report.spec_accept_len:4.2f}")
+                    f"{tokens / seconds:6.1f} tok/s, accept_len {accept_len:4.2f}")
                 continue
             install(engine, _spec_config(mode, cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed,
                     tuner_state=tuner_state)
