@@ -124,6 +124,16 @@ def _vllm_rollout(cfg: BenchRolloutConfig, mode: str, model: Transformer, reques
     return rollout
 
 
+def _warm_vllm_tuner(cfg: BenchRolloutConfig, model: Transformer, other: list[Request]) -> dict[str, object]:
+    """vllm-auto's rollout state (its tuner) after one untimed rollout of another batch."""
+    rollout = _vllm_rollout(cfg, "vllm-auto", model, other)
+    try:
+        rollout.generate(0, other, SamplingParams(cfg.temperature), cfg.max_new_tokens)
+        return rollout.state_dict()
+    finally:
+        rollout.close()
+
+
 def _vllm_repetition(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request],
                      state: dict[str, object] | None, r: ModeResult, first: bool) -> tuple[float, int, float]:
     """One timed rollout of `mode` on a fresh engine, into `r` (the first repetition's report
@@ -172,12 +182,7 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     vllm_state = None
     if "vllm-auto" in modes and not cfg.cold_tuner:
         _, other = rollout_requests(make_task(cfg.task), tokenizer, tc, 0, cfg.num_prompts, model.cfg.max_position_embeddings)
-        rollout = _vllm_rollout(cfg, "vllm-auto", model, requests)
-        try:
-            rollout.generate(0, other, params, cfg.max_new_tokens)
-            vllm_state = rollout.state_dict()
-        finally:
-            rollout.close()
+        vllm_state = _warm_vllm_tuner(cfg, model, other)
         log(f"vLLM's tuner warmed on another batch of {len(other)} requests")
     results = {m: ModeResult() for m in modes}
     ideal: list[float] = []
