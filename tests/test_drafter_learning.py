@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import random
 import time
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from conftest import VLLM_TINY, write_char_model
+from test_train import task_file  # noqa: F401 (a fixture)
 
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig
@@ -198,7 +198,7 @@ def mean_char_reward(prompt: str, completion: str, answer: object) -> float:
     return sum(map(ord, completion)) / (1 + len(completion)) / 128
 
 
-def test_train_with_the_vllm_engine_trains_and_publishes_the_learned_drafter_then_resumes(tmp_path):
+def test_train_with_the_vllm_engine_trains_and_publishes_the_learned_drafter_then_resumes(tmp_path, task_file):
     pytest.importorskip("vllm")
     from tailrl.pipeline import TRAIN_SECTIONS, run_config
     from tailrl.rl.run_dir import RunDir
@@ -208,11 +208,9 @@ def test_train_with_the_vllm_engine_trains_and_publishes_the_learned_drafter_the
     model = tmp_path / "model"
     write_char_model(model, **VLLM_TINY)
     drafter = save_drafter(Drafter.from_target(load_model(model, "fp32"), list(range(1, 128)), "model"), tmp_path / "d")
-    task = tmp_path / "sums.jsonl"
-    task.write_text("".join(json.dumps({"prompt": f"{a}+{a % 4}=", "answer": a + a % 4}) + "\n" for a in range(10)))
     configs = {name: cls() for name, cls in TRAIN_SECTIONS.items()}
     configs["train"] = TrainConfig(
-        model=str(model), engine="vllm", dtype="bf16", task=str(task), reward=f"{__name__}:mean_char_reward",
+        model=str(model), engine="vllm", dtype="bf16", task=str(task_file), reward=f"{__name__}:mean_char_reward",
         num_prompts=3, group_size=4, max_new_tokens=24, steps=3, seed=5, eval_every=0)
     # lr: a far larger step moves the embedding off the drafter's fingerprint (Drafter.attach refuses)
     configs["grpo"] = GRPOConfig(lr=1e-3, micro_batch=5)

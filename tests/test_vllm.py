@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from conftest import VLLM_TINY, build_hf, write_char_model  # noqa: E402
+from test_train import task_file  # noqa: E402, F401 (a fixture)
 
 from tailrl.engine import Engine, Request  # noqa: E402
 from tailrl.loading import load_model  # noqa: E402
@@ -160,14 +160,12 @@ def mean_char_reward(prompt: str, completion: str, answer: str) -> float:
     return sum(map(ord, completion)) / (126.0 * len(completion)) if completion else 0.0
 
 
-def test_train_with_the_vllm_engine_then_resume(tmp_path):
+def test_train_with_the_vllm_engine_then_resume(tmp_path, task_file):
     model = tmp_path / "model"
     write_char_model(model, **VLLM_TINY)
-    task = tmp_path / "sums.jsonl"
-    task.write_text("".join(json.dumps({"prompt": f"{a}+{a % 4}=", "answer": a + a % 4}) + "\n" for a in range(10)))
     configs = {name: cls() for name, cls in TRAIN_SECTIONS.items()}
     configs["train"] = TrainConfig(
-        model=str(model), engine="vllm", dtype="bf16", task=str(task), reward=f"{__name__}:mean_char_reward",
+        model=str(model), engine="vllm", dtype="bf16", task=str(task_file), reward=f"{__name__}:mean_char_reward",
         num_prompts=3, group_size=4, max_new_tokens=12, steps=2, seed=5, eval_every=2, eval_problems=4)
     configs["grpo"] = GRPOConfig(lr=3e-2, micro_batch=5)
     configs["vllm"] = VllmSettings(**SMALL)
