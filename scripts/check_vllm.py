@@ -1,6 +1,6 @@
 """Load a `tailrl drafter export --for vllm` checkpoint in vLLM and compare acceptance with tailrl.
 
-Two halves, run by scripts/check_vllm.sh in two environments (vLLM needs its own):
+Two halves, run by scripts/check_vllm.sh in two processes of the project's .venv:
   tailrl: exports the drafter, decodes greedily the default task's prompts with tailrl's own
           engine speculating with that drafter (chains of depth k), and writes the prompts' token
           ids, the target directory and tailrl's mean acceptance length to a JSON file.

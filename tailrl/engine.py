@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
+from tailrl.kernels import check_thread_invariance, request_reproducible_kernels
 from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer
 from tailrl.sampling import SamplingParams, is_top1, next_position, sample
 
@@ -46,6 +47,10 @@ class EngineConfig:
     capture_hidden: bool = field(default=False, metadata={"help": "record each token's target hidden state"})
     exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (row-invariant forwards, "
                                                  "slower; see docs/lossless.md)"})
+
+    def __post_init__(self) -> None:
+        if self.exact:  # before this process's first matmul, where that is still possible (tailrl.kernels)
+            request_reproducible_kernels()
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,9 @@ class Engine:
         self.cache: KVCache | None = None
         self.stats = EngineStats()
         self.decoder: StepDecoder = PlainDecoder()
+        if self.cfg.exact:
+            request_reproducible_kernels()  # a config unpickled in a worker process skipped __post_init__
+            check_thread_invariance(model)
 
     @property
     def device(self) -> torch.device:

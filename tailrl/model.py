@@ -21,7 +21,9 @@ exact rollouts and ordinary training at once) every matmul runs on blocks of exa
 rows), the attention products run in fixed-size key chunks (`chunked_qk`, `chunked_pv`) and the
 softmax normaliser is summed in fp64 (a tree's accepted path sits at non-consecutive keys). It
 costs speed (fixed blocks are padded work, and past one block the weights are read once per
-block), so it is off by default. Without it, speculative decoding is lossless in distribution
+block), so it is off by default. The thread count picks kernels too; what the math libraries
+need for a row not to depend on it is process-wide (tailrl.kernels). Without exact mode,
+speculative decoding is lossless in distribution
 (every token is an exact sample of the target's logits as one kernel or the other computed
 them) but not bit-reproducible. Measurements: docs/lossless.md.
 

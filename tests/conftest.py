@@ -7,6 +7,12 @@ import re
 import pytest
 import torch
 
+from tailrl.kernels import request_reproducible_kernels
+
+# Exact-mode and ordinary tests share this process, and MKL reads its reproducibility mode once,
+# at its first call: ask for it before any test runs a matmul, as EngineConfig(exact=True) does.
+request_reproducible_kernels()
+
 # One thread: tests are many tiny ops, where a second thread mostly adds synchronisation, and on
 # a shared 2-core machine it made some test files ~10x slower.
 torch.set_num_threads(1)

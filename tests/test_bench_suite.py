@@ -7,6 +7,7 @@ import pytest
 
 from tailrl.bench.suite import END, START, BenchAllConfig, update_results_md
 from tailrl.cli import main
+from tailrl.loading import shown_path
 
 
 def test_bench_all_writes_json_and_rewrites_only_the_results_section(smollm2_shallow_dir, tmp_path, capsys):
@@ -58,3 +59,18 @@ def test_a_two_run_bench_train_report_still_renders():
     report = json.loads((Path(__file__).parent.parent / "docs/results/train.json").read_text())["report"]
     rows = [line for line in _train(report) if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == len(report["steps"]) and "TLT 0.95x" in _train(report)[0]
+
+
+def test_records_show_paths_under_the_cache_or_the_working_directory(tmp_path, monkeypatch):
+    """Results files are committed and read on other machines: a path under the cache shows as
+    the cache's documented name, one under the working directory (the repository) relative to
+    it; others as given."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TAILRL_CACHE", raising=False)
+    assert shown_path(str(tmp_path / "home/.cache/tailrl/sft/ab12")) == "~/.cache/tailrl/sft/ab12"
+    assert shown_path(str(tmp_path / "runs/bench/bench-train.png")) == "runs/bench/bench-train.png"
+    assert shown_path("/elsewhere/drafter") == "/elsewhere/drafter"
+    assert shown_path("drafters/smol") == "drafters/smol"
+    monkeypatch.setenv("TAILRL_CACHE", str(tmp_path / "cache"))
+    assert shown_path(str(tmp_path / "cache/drafters/cd34")) == "$TAILRL_CACHE/drafters/cd34"

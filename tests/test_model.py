@@ -9,10 +9,15 @@ position) exceeds by orders of magnitude.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from conftest import build_hf
+from tailrl.engine import EngineConfig
 from tailrl.loading import ModelError, load_model
 from tailrl.model import CacheView, KVCache
 
@@ -195,3 +200,51 @@ def test_exact_forwards_do_not_depend_on_the_thread_count(smollm2_shallow_dir, d
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_asking_for_exact_mode_asks_mkl_for_its_strict_mode_unless_the_user_chose(monkeypatch):
+    """MKL reads MKL_CBWR at its first call, so exact mode asks for strict CNR as soon as it is
+    configured (tailrl.kernels), and only then: the mode slows ordinary fp32 decoding."""
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    EngineConfig()
+    assert "MKL_CBWR" not in os.environ
+    EngineConfig(exact=True)
+    assert os.environ["MKL_CBWR"] == "AUTO,STRICT"
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    EngineConfig(exact=True)
+    assert os.environ["MKL_CBWR"] == "COMPATIBLE"
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+# Math-library switches that send this CPU down the code path another CPU kind takes (libraries
+# only ever narrow their instruction set on request), and the CPU feature that path leaves out.
+# MKL computes fp32 matmuls, oneDNN bf16 ones where it has bf16 instructions, torch's own kernels
+# the rest (tailrl.kernels).
+OTHER_CPU_PATHS = {
+    # avx512_bf16 without AMX (AMD Zen 4 / Zen 5): oneDNN's AVX512-BF16 kernels, MKL's AVX2 ones.
+    "avx512_bf16": ("amx_bf16", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
+    # AVX2 only (AMD Zen 1): MKL's AVX2 kernels; bf16 falls to torch's own AVX2 kernels (emulated).
+    "avx2": ("avx512f", {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}),
+}
+
+
+@pytest.mark.parametrize("path", sorted(OTHER_CPU_PATHS))
+def test_exact_mode_holds_on_the_code_paths_of_other_cpu_kinds(path):
+    """Exact mode's two properties (the same bits whatever the forward's shape or the thread
+    count) depend on the kernels each library picks for this CPU, so a result on one CPU kind is
+    not one on another: a thread-count dependence on Intel's MKL path went unseen on AMD machines.
+    This reruns both tests in a fresh process with the libraries capped to another kind's path
+    (docs/testing.md), and with MKL_CBWR left to what tailrl sets, as in a user's process."""
+    above, caps = OTHER_CPU_PATHS[path]
+    if above not in _cpu_flags():
+        pytest.skip(f"this CPU has no {above}: its own code path is {path}'s or below it, and the suite runs that one")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | caps
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "forward_shape or thread_count"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
