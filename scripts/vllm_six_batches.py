@@ -21,6 +21,8 @@ from tailrl.rl.train import TrainConfig, rollout_requests
 from tailrl.rollout.vllm.config import VllmRolloutConfig
 from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.sampling import SamplingParams
+from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.speculative.modes import SpeculationConfig
 
 
 def main() -> None:
@@ -34,11 +36,12 @@ def main() -> None:
     tc = TrainConfig(num_prompts=16, group_size=4, max_new_tokens=512, temperature=1.0, seed=0)
     batches = [rollout_requests(make_task(DEFAULT_TASK), tokenizer, tc, step, tc.num_prompts * (step - 1),
                                 model.cfg.max_position_embeddings)[1] for step in range(1, args.batches + 1)]
-    modes = {"vllm-off": {}, "vllm-drafter": dict(vllm_drafter=args.drafter, speculative_per_batch="1-64:4"),
-             "vllm-auto": dict(vllm_drafter=args.drafter)}
+    modes = {"vllm-off": "off", "vllm-drafter": "on", "vllm-auto": "auto"}
     params, out = SamplingParams(tc.temperature), {}
-    for name, settings in modes.items():
-        rollout = VllmRolloutConfig(VllmSettings(max_num_seqs=64, **settings)).open(model, seed=0)
+    for name, spec in modes.items():
+        speculation = SpeculationConfig(spec=spec, drafter=args.drafter, draft_depth=4, num_draft_tokens=4)
+        rollout = VllmRolloutConfig(VllmSettings(max_num_seqs=64), speculation,
+                                    adapt=AdaptConfig(adapt_drafter=False)).open(model, seed=0)
         rollout.generate(0, batches[0][:2], params, 2)  # warm the kernels: untimed
         seconds, tokens, accept, sd, buckets = [], [], [], [], []
         for i, batch in enumerate(batches):

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tailrl import config as cfglib
 from tailrl.bench.suite import BENCHES
-from tailrl.engine import EngineConfig, Progress
+from tailrl.engine import EngineConfig
+from tailrl.rollout.protocol import Progress
 from tailrl.sampling import SamplingParams
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading every component
@@ -379,7 +380,8 @@ def _run_bench_drafter(args: argparse.Namespace) -> None:
         print(json.dumps(result))
     else:
         print(f"accept_ratio {result['accept_ratio']:.3f} (adaptive over frozen, last {bench.LAST} steps), "
-              f"overhead {result['overhead']:.3f}, preempt share {result['preempt_share']:.4f}; plot {result['png']}")
+              f"overhead {result['overhead']:.3f}, training on the step's time {result['train_share']:.4f} of it; "
+              f"plot {result['png']}")
 
 
 def _run_bench_train(args: argparse.Namespace) -> None:

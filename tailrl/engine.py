@@ -24,13 +24,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from tailrl.kernels import check_thread_invariance, request_reproducible_kernels
 from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer
+from tailrl.rollout.protocol import Completion, Progress, Request
 from tailrl.sampling import SamplingParams, is_top1, next_position, sample
+from tailrl.stats import EngineStats, StepRecord
 
 
 # Padded tokens per batched prefill forward: bounds its attention scores (heads x tokens x prompt
@@ -51,89 +53,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.exact:  # before this process's first matmul, where that is still possible (tailrl.kernels)
             request_reproducible_kernels()
-
-
-@dataclass(frozen=True)
-class Request:
-    """One sequence to generate. Requests with equal `group` share `prompt_ids` (prefilled once)."""
-
-    prompt_ids: tuple[int, ...]
-    seed: int
-    group: int = 0
-
-
-@dataclass
-class Completion:
-    """What the engine returns per request, in request order."""
-
-    prompt_ids: tuple[int, ...]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "eos" | "stop" | "length"
-    seed: int
-    group: int
-    # (n, E) hidden state that produced each generated token (the LM head's input), when captured.
-    hidden: torch.Tensor | None = None
-    # (P-1, E) the prompt's hidden states but the last (which is hidden[0]), when captured; siblings
-    # share one tensor.
-    prompt_hidden: torch.Tensor | None = None
-    # Per token: was it the target's most likely one (sampling.is_top1)? What a chain drafter
-    # proposing the target's own argmax would have had accepted (spec.report.chain_ceiling).
-    top1: list[bool] = field(default_factory=list)
-
-
-@dataclass
-class SpecStats:
-    """Speculation counters for one generate call."""
-
-    verify_steps: int = 0  # sequence-verifies (one per row per speculative step)
-    proposed: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens accepted
-    emitted: int = 0  # tokens emitted by speculative steps (accepted + bonus)
-    accept_hist: list[int] = field(default_factory=list)  # accept_hist[d]: verifies accepting exactly d drafts
-    spec_steps: int = 0  # batched speculative steps (each verifies every running row)
-    draft_seconds: float = 0.0  # proposing trees
-    verify_seconds: float = 0.0  # target forward, acceptance walk, cache compaction, emission
-    plain_steps: int = 0  # plain steps taken by a speculative decoder (e.g. the tuner's plain arm)
-    plain_tokens: int = 0
-    plain_seconds: float = 0.0
-
-    @property
-    def accept_len(self) -> float:
-        return self.emitted / self.verify_steps if self.verify_steps else 0.0
-
-
-class StepRecord(NamedTuple):
-    """One decode step of a generate call."""
-
-    end: float  # seconds since the call started, at the step's end
-    batch: int  # running sequences the step advanced
-    arm: str  # label of the arm that decoded it ("plain" for plain decoding)
-    tokens: int  # tokens it emitted (after EOS / stop / length cuts)
-    seconds: float  # its wall time
-
-
-@dataclass
-class EngineStats:
-    tokens: int = 0
-    seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    steps: int = 0
-    timeline: list[StepRecord] = field(default_factory=list)  # one per decode step
-    spec: SpecStats = field(default_factory=SpecStats)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-
-@dataclass
-class Progress:
-    done: int
-    total: int
-    running: int
-    tokens: int
-    seconds: float
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tailrl.engine import Completion, Request
+from tailrl.rollout.protocol import Completion, Request
 from tailrl.sampling import derive_seed
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role", "content"}]

@@ -28,7 +28,7 @@ from tailrl.loading import cache_root, model_fingerprint, resolve_model_dir
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.progress import Notice
 from tailrl.rl.rewards import load_reward
-from tailrl.rl.sft import SFTConfig, sft, worked_task
+from tailrl.rl.sft import EvalResult, SFTConfig, SFTProgress, sft, worked_task
 from tailrl.rl.tasks import make_task
 from tailrl.rl.train import RunConfig, TrainConfig
 from tailrl.engine import EngineConfig
@@ -36,7 +36,6 @@ from tailrl.rollout.native import config as native
 from tailrl.rollout.protocol import RolloutConfig
 from tailrl.rollout.vllm import checks as vllm_checks
 from tailrl.rollout.vllm import config as vllm
-from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.sampling import SamplingParams
 from tailrl.warmup import WarmupConfig, WarmupProgress, warmup
 
@@ -57,8 +56,8 @@ TRAIN_SECTIONS: dict[str, type] = {"train": TrainConfig, "grpo": GRPOConfig, **n
 
 def run_config(sections: Mapping[str, object]) -> RunConfig:
     """A run's typed config from its sections by name (those left out take their defaults), on
-    the engine the train section names; the other engine's sections must be left at their
-    defaults (they would configure nothing)."""
+    the engine the train section names; the sections only the other engine reads must be left at
+    their defaults (they would configure nothing)."""
     tc = sections.get("train") or TrainConfig()
     engine = sections.get("engine")
     if tc.engine == "vllm" and isinstance(engine, EngineConfig) and engine.exact:
@@ -66,13 +65,13 @@ def run_config(sections: Mapping[str, object]) -> RunConfig:
                          "vLLM's speculation is lossless in distribution only: drop --exact or use --engine native")
     own, other = (vllm.SECTIONS, native.SECTIONS) if tc.engine == "vllm" else (native.SECTIONS, vllm.SECTIONS)
     for name, cls in other.items():
-        if sections.get(name) not in (None, cls()):
+        if name not in own and sections.get(name) not in (None, cls()):
             raise ValueError(f"[{name}] configures the {'native' if tc.engine == 'vllm' else 'vllm'} engine, but "
                              f"this run's is --engine {tc.engine}")
     chosen = {name: sections[name] for name in own if sections.get(name) is not None}
     if tc.engine == "vllm":
         vllm_checks.check_sampling(SamplingParams(tc.temperature, tc.top_p, tc.top_k))
-        rollout: RolloutConfig = vllm.VllmRolloutConfig(chosen.get("vllm") or VllmSettings())
+        rollout: RolloutConfig = vllm.VllmRolloutConfig.from_sections(chosen)
     else:
         rollout = native.NativeRolloutConfig.from_sections(chosen)
     return RunConfig(rollout, train=tc, grpo=sections.get("grpo") or GRPOConfig())
@@ -99,39 +98,15 @@ def phases(cfg: RunConfig) -> list[str]:
 
 def _warms_drafter(cfg: RunConfig) -> bool:
     """A run warms a drafter up when its engine speculates with a learned drafter and none is
-    named: the native engine with --spec on/auto and no --drafter, the vllm engine with no
-    --vllm-drafter (it then drafts with the warm-up's, and the RL loop trains it on)."""
-    r = cfg.rollout
-    if isinstance(r, native.NativeRolloutConfig):
-        unnamed = r.speculation.spec != "off" and r.speculation.drafter is None
-    elif isinstance(r, vllm.VllmRolloutConfig):
-        unnamed = r.settings.vllm_drafter is None
-    else:
-        raise TypeError(f"no drafter warm-up for {type(r).__name__}")
-    return unnamed and cfg.train.warmup_drafter
+    named (then the rollout drafts with the warm-up's and adapts it during RL)."""
+    return cfg.rollout.needs_drafter() and cfg.train.warmup_drafter
 
 
-def _with_drafter(rollout: RolloutConfig, drafter: Path) -> RolloutConfig:
-    """`rollout` drafting with the learned drafter in `drafter`."""
-    if isinstance(rollout, native.NativeRolloutConfig):
-        return dataclasses.replace(rollout, speculation=dataclasses.replace(rollout.speculation, drafter=str(drafter)))
-    if isinstance(rollout, vllm.VllmRolloutConfig):
-        return dataclasses.replace(rollout, settings=dataclasses.replace(rollout.settings, vllm_drafter=str(drafter)))
-    raise TypeError(f"no drafter for {type(rollout).__name__}")
+# What the phases before GRPO emit (prepare's on_event).
+PhaseEvent = Phase | Notice | SFTProgress | EvalResult
 
 
-def _decoding(rollout: RolloutConfig) -> str:
-    """How the GRPO phase decodes, for its announcement."""
-    if isinstance(rollout, vllm.VllmRolloutConfig):
-        drafter = rollout.settings.vllm_drafter
-        return "on vLLM" + (f" drafting with {drafter}" if drafter else "")
-    if isinstance(rollout, native.NativeRolloutConfig):
-        spec = rollout.speculation
-        return f"speculation {spec.spec}" + (f" with drafter {spec.drafter}" if spec.drafter else "")
-    raise TypeError(f"no announcement for {type(rollout).__name__}")
-
-
-def prepare(cfg: RunConfig, on_event: Callable[[object], None],
+def prepare(cfg: RunConfig, on_event: Callable[[PhaseEvent], None],
             on_warmup: Callable[[WarmupProgress], None] | None = None) -> RunConfig:
     """Run (or find cached) the phases before GRPO; the config GRPO then runs with.
 
@@ -166,10 +141,10 @@ def prepare(cfg: RunConfig, on_event: Callable[[object], None],
                                                + f", then {wcfg.seconds:.0f} s of drafter training (cached)"))
             drafter, reused = cached_warmup(wcfg, on_warmup)
             on_event(Notice(f"drafter {'reused from' if reused else 'written to'} {drafter}"))
-            rollout = _with_drafter(rollout, drafter)
+            rollout = rollout.with_drafter(drafter)
         else:
             on_event(Phase(index, total, name, f"{tc.steps} steps of {tc.num_prompts} x {tc.group_size} responses, "
-                                               + _decoding(rollout)))
+                                               + rollout.describe()))
     return dataclasses.replace(cfg, train=tc, rollout=rollout)
 
 
@@ -182,14 +157,7 @@ def check_inputs(cfg: RunConfig) -> None:
         load_reward(tc.reward)
     if tc.model is not None:
         resolve_model_dir(tc.model)
-    if isinstance(rollout, native.NativeRolloutConfig):
-        drafter = rollout.speculation.drafter
-        if drafter is not None and not Path(drafter).expanduser().is_dir():
-            raise ValueError(f"drafter directory not found: {drafter}")
-    if isinstance(rollout, vllm.VllmRolloutConfig):
-        if rollout.settings.vllm_drafter is not None:
-            vllm_checks.spec_method(Path(rollout.settings.vllm_drafter))
-        vllm_checks.check_installed()
+    rollout.check()
 
 
 def cold_start_config(tc: TrainConfig) -> SFTConfig:

@@ -1,8 +1,8 @@
-"""The drafter trained by the RL loop (tailrl.speculative.drafter.learner) on the hidden states of
-the update's own forwards: the captured states are the policy's final-norm states and leave the
-gradient's bits alone; a learner micro-step is spot training's; the stop check; a checkpoint
-resumes it identically; and `train` with the vLLM engine and a learned drafter publishes new
-versions, then resumes."""
+"""The drafter adapted on the hidden states of the update's own forwards (tailrl.rollout.adapt,
+tailrl.speculative.drafter.learner): the captured states are the policy's final-norm states and
+leave the gradient's bits alone; a learner micro-step is spot training's; the stop check; a
+checkpoint resumes it identically; and `train` with the vLLM engine and a learned drafter
+publishes new versions, then resumes."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ from test_train import task_file  # noqa: F401 (a fixture)
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.packing import Sample
-from tailrl.rl.phases import train_seqs
+from tailrl.rl.phases import policy_forwards
 from tailrl.rl.update import BackgroundUpdate, GroupGradients
-from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, run_spot
-from tailrl.speculative.drafter.learner import DrafterLearner, LearnerConfig
+from tailrl.rollout.adapt import AdaptiveDrafter
+from tailrl.rollout.native.spot import DrafterState, SpotJob, run_spot
+from tailrl.speculative.drafter.learner import AdaptConfig, DrafterLearner
 from tailrl.speculative.drafter.model import Drafter, save_drafter
-from tailrl.speculative.drafter.training import evaluate_loss, pack
+from tailrl.speculative.drafter.training import TrainSeq, evaluate_loss, pack
 
 VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens
 
@@ -68,7 +69,7 @@ def data(policy, seed: int = 0):
     seqs = []
     _, seen = captured(policy, groups_of(policy.cfg.vocab_size, seed), GRPOConfig(micro_batch=3))
     for samples, hidden in seen:
-        seqs += train_seqs(samples, hidden)
+        seqs += [TrainSeq(f.tokens, f.hidden, f.prompt_len) for f in policy_forwards(samples, hidden)]
     policy.zero_grad(set_to_none=True)
     return seqs
 
@@ -98,7 +99,7 @@ def test_captured_hidden_states_are_the_policys_final_norm_states_and_the_gradie
 
 def test_a_learner_micro_step_is_spot_trainings_and_the_loss_goes_down(policy, drafter_dir):
     seqs = data(policy)
-    learner = DrafterLearner.load(drafter_dir, policy, LearnerConfig(batch_tokens=64))
+    learner = DrafterLearner.load(drafter_dir, policy, AdaptConfig(drafter_batch_tokens=64))
     start = DrafterState(0, learner.weights())
     learner.add(seqs)
     learner.begin_step(policy)  # trains on what it was given last step
@@ -107,7 +108,7 @@ def test_a_learner_micro_step_is_spot_trainings_and_the_loss_goes_down(policy, d
     flag = {"stop": 0}
     spot = Drafter.from_target(policy, VOCAB, "tiny", seed=9)  # run_spot loads start's weights into it
     head = policy.lm_head.weight.detach()[spot.d2t].float()
-    result = run_spot(spot, SpotJob(1, start, seqs, SpotConfig(drafter_batch_tokens=64)), start, head,
+    result = run_spot(spot, SpotJob(1, start, seqs, AdaptConfig(drafter_batch_tokens=64)), start, head,
                       lambda: flag["stop"], lambda n: flag.update(stop=1))
     assert result.micro_steps == 1 and learner.micro_steps == 1
     assert all(torch.equal(result.weights[k], v) for k, v in learner.weights().items())
@@ -120,7 +121,7 @@ def test_a_learner_micro_step_is_spot_trainings_and_the_loss_goes_down(policy, d
 
 
 def test_a_learner_asked_to_stop_does_no_further_micro_step(policy, drafter_dir):
-    learner = DrafterLearner.load(drafter_dir, policy, LearnerConfig(batch_tokens=64))
+    learner = DrafterLearner.load(drafter_dir, policy, AdaptConfig(drafter_batch_tokens=64))
     assert not learner.pending()  # the first step has no data: last step's is none
     learner.add(data(policy))
     learner.begin_step(policy)
@@ -134,7 +135,7 @@ def test_a_learner_asked_to_stop_does_no_further_micro_step(policy, drafter_dir)
     # yields to a queued group, and stops for good once the rollout is over (drain).
     groups = groups_of(policy.cfg.vocab_size, seed=1)
     gg = GroupGradients(policy, GRPOConfig(micro_batch=3), 0.8, len(groups))
-    update = BackgroundUpdate(gg, learner)
+    update = BackgroundUpdate(gg, AdaptiveDrafter(learner, min_steps=0))
     assert update.wants_core and not update.has_work
 
     def wait(cond, what: str) -> None:
@@ -162,7 +163,7 @@ def test_a_learner_asked_to_stop_does_no_further_micro_step(policy, drafter_dir)
 
 
 def test_a_checkpointed_learner_resumes_as_the_uninterrupted_one(policy, drafter_dir):
-    cfg = LearnerConfig(batch_tokens=64)
+    cfg = AdaptConfig(drafter_batch_tokens=64)
     first, second = data(policy, 0), data(policy, 1)
     a = DrafterLearner.load(drafter_dir, policy, cfg)
     a.begin_step(policy)
@@ -204,6 +205,7 @@ def test_train_with_the_vllm_engine_trains_and_publishes_the_learned_drafter_the
     from tailrl.rl.run_dir import RunDir
     from tailrl.rl.train import TrainConfig, train
     from tailrl.rollout.vllm.settings import VllmSettings
+    from tailrl.speculative.modes import RolloutSpeculationConfig
 
     model = tmp_path / "model"
     write_char_model(model, **VLLM_TINY)
@@ -214,7 +216,8 @@ def test_train_with_the_vllm_engine_trains_and_publishes_the_learned_drafter_the
         num_prompts=3, group_size=4, max_new_tokens=24, steps=3, seed=5, eval_every=0)
     # lr: a far larger step moves the embedding off the drafter's fingerprint (Drafter.attach refuses)
     configs["grpo"] = GRPOConfig(lr=1e-3, micro_batch=5)
-    configs["vllm"] = VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=8, vllm_drafter=str(drafter))
+    configs["vllm"] = VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=8)
+    configs["speculation"] = RolloutSpeculationConfig(drafter=str(drafter))  # one --drafter for both engines
     out = tmp_path / "run"
     assert train(run_config(configs), out).step == 3
     first = RunDir(out).read_metrics()
@@ -222,15 +225,13 @@ def test_train_with_the_vllm_engine_trains_and_publishes_the_learned_drafter_the
     assert train(run_config(configs), out, resume=True).step == 4
     records = RunDir(out).read_metrics()
     assert records[:3] == first
-    # Step 1 has no data yet (the learner trains on the previous step's); from step 2 on a step
+    # Step 1 has no data yet (the drafter trains on the previous step's); from step 2 on a step
     # trains in its rollout's tail (idle time: a step on a busy machine may get none) and after
-    # the update up to learner_min_steps (2), publishes a new version, and the next rollout
+    # the update up to drafter_min_steps (2), publishes a new version, and the next rollout
     # drafts with that version.
-    assert records[0]["learner_micro_steps"] == records[0]["learner_version"] == records[0]["drafter_version"] == 0
-    trained = records[1:]
-    assert all(r["learner_micro_steps"] >= 2 and r["learner_loss"] > 0 and r["learner_seqs"] == 12 for r in trained)
+    assert records[0]["drafter_micro_steps"] == records[0]["drafter_published"] == records[0]["drafter_version"] == 0
+    assert all(r["drafter_micro_steps"] >= 2 and r["drafter_loss"] > 0 for r in records[1:])
     for before, r in zip(records, records[1:]):
-        assert r["learner_version"] == before["learner_version"] + (r["learner_micro_steps"] > 0)
-        assert r["drafter_version"] == before["learner_version"]  # resumed too: the checkpoint's version
-    # The rollout drafts but trains nothing itself: nothing is reported twice.
-    assert all(r["spec_verify_steps"] > 0 and r["drafter_micro_steps"] == 0 for r in records)
+        assert r["drafter_published"] == before["drafter_published"] + (r["drafter_micro_steps"] > 0)
+        assert r["drafter_version"] == before["drafter_published"]  # resumed too: the checkpoint's version
+    assert all(r["spec_verify_steps"] > 0 and r["drafter_after_s"] >= 0 for r in records)

@@ -2,7 +2,6 @@
 found in the cache by the next run, and hand GRPO the model and drafter they wrote; the regime
 plot is drawn from metrics records."""
 
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +11,6 @@ from tailrl.rl.progress import Notice
 from tailrl.rl.sft import SFTConfig
 from tailrl.pipeline import TRAIN_SECTIONS, run_config
 from tailrl.rl.train import TrainConfig
-from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.warmup import WarmupConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig
 
@@ -89,9 +87,10 @@ def test_task_without_solutions_starts_from_the_base_model(tiny_phases):
     (["--drafter", "/nonexistent/drafter"], "drafter directory not found"),
     (["--engine", "vllm", "--exact"], "--exact is the native engine's"),
     (["--engine", "vllm", "--top-p", "0.9"], "use --top-k 0 --top-p 1 with --engine vllm"),
-    (["--engine", "vllm", "--spec", "off"], "[speculation] configures the native engine"),
-    (["--vllm-drafter", "/some/eagle"], "[vllm] configures the vllm engine"),
-    (["--engine", "vllm", "--vllm-drafter", "/nonexistent/eagle"], "nor a readable config.json"),
+    (["--engine", "vllm", "--workers", "2"], "[workers] configures the native engine"),
+    (["--kv-cache-gb", "1"], "[vllm] configures the vllm engine"),
+    (["--engine", "vllm", "--drafter", "/nonexistent/eagle"], "nor a readable config.json"),
+    (["--engine", "vllm", "--topk", "2"], "the vllm engine drafts chains (--topk 1)"),
     (["--engine", "vllm", "--speculative-per-batch", "2-8:4"], "must start at batch 1"),
 ])
 def test_bad_input_fails_before_any_phase_starts(tiny_phases, tmp_path, capsys, flags, message):
@@ -106,14 +105,18 @@ def test_bad_input_fails_before_any_phase_starts(tiny_phases, tmp_path, capsys, 
 
 def test_the_vllm_engine_drafts_with_the_warmed_up_drafter(tiny_phases):
     """--engine vllm warms a drafter up as the native engine does, and drafts with it (a learned
-    drafter: the RL loop trains it on); --no-warmup-drafter or a named --vllm-drafter skip it."""
+    drafter, which the rollout adapts); --no-warmup-drafter, --spec off or a named --drafter
+    skip it: one --drafter for both engines."""
     first = pipeline.prepare(run_config(default_configs(engine="vllm")), lambda e: None)
-    drafter = first.rollout.settings.vllm_drafter
-    assert drafter and "drafters" in drafter and first.rollout.learned_drafter() == Path(drafter)
+    drafter = first.rollout.drafter()
+    assert drafter is not None and "drafters" in str(drafter) and first.rollout.speculation.drafter == str(drafter)
     assert tiny_phases == {"sft": 1, "warmup": 1}
     assert pipeline.phases(run_config(default_configs(engine="vllm", warmup_drafter=False))) == ["cold start", "GRPO"]
+    off = default_configs(engine="vllm")
+    off["speculation"] = RolloutSpeculationConfig(spec="off")
+    assert pipeline.phases(run_config(off)) == ["cold start", "GRPO"] and run_config(off).rollout.drafting() is None
     named = default_configs(engine="vllm")
-    named["vllm"] = VllmSettings(vllm_drafter=drafter)
+    named["speculation"] = RolloutSpeculationConfig(drafter=str(drafter))
     assert pipeline.phases(run_config(named)) == ["cold start", "GRPO"]
 
 

@@ -45,7 +45,7 @@ def test_ray_workers_give_the_in_process_tokens(target):  # noqa: F811
         with torch.no_grad():
             for p in changed.parameters():
                 p.add_(0.05 * torch.randn_like(p))
-        pool.publish_weights(changed)
+        pool.publish(changed)
         reqs2 = requests(step=2)
         got2 = pool.generate(2, reqs2, PARAMS, 20)
         assert [c.token_ids for c in got2] == [c.token_ids for c in reference(changed, reqs2)]

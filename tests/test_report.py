@@ -1,6 +1,6 @@
 """rollout_report and chain_ceiling against hand-computed summaries of made-up steps and flags."""
 
-from tailrl.engine import EngineStats, SpecStats, StepRecord
+from tailrl.stats import EngineStats, SpecStats, StepRecord
 import pytest
 
 from tailrl.speculative.report import chain_ceiling, rollout_report

@@ -20,7 +20,8 @@ import random
 import pytest
 import torch
 
-from tailrl.engine import Engine, EngineConfig, Request, Seq
+from tailrl.engine import Engine, EngineConfig, Seq
+from tailrl.rollout.protocol import Request
 from tailrl.loading import load_model
 from tailrl.sampling import SamplingParams
 from tailrl.speculative import decoder as decoder_mod

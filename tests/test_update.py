@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from tailrl.engine import Completion, Engine, EngineConfig, Request
+from tailrl.engine import Engine, EngineConfig
+from tailrl.rollout.protocol import Completion, Request
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.packing import ON_POLICY, Sample, packed_logprobs

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,17 +20,22 @@ pytest.importorskip("vllm")
 from conftest import VLLM_TINY, build_hf, write_char_model  # noqa: E402
 from test_train import task_file  # noqa: E402, F401 (a fixture)
 
-from tailrl.engine import Engine, Request  # noqa: E402
+from tailrl.engine import Engine  # noqa: E402
 from tailrl.loading import load_model  # noqa: E402
 from tailrl.pipeline import TRAIN_SECTIONS, run_config  # noqa: E402
 from tailrl.rl.grpo import GRPOConfig  # noqa: E402
 from tailrl.rl.run_dir import RunDir  # noqa: E402
 from tailrl.rl.train import TrainConfig, train  # noqa: E402
-from tailrl.rollout.protocol import DrafterVersion, RolloutReport  # noqa: E402
+from tailrl.rl.packing import Sample, packed_logprobs_and_hidden  # noqa: E402
+from tailrl.rl.phases import policy_forwards  # noqa: E402
+from tailrl.rollout.protocol import Request, RolloutReport  # noqa: E402
 from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402
+from tailrl.rollout.vllm.rollout import VllmRollout  # noqa: E402
 from tailrl.rollout.vllm.settings import VllmSettings  # noqa: E402
 from tailrl.sampling import SamplingParams, token_logprobs  # noqa: E402
+from tailrl.speculative.drafter.learner import AdaptConfig  # noqa: E402
 from tailrl.speculative.drafter.model import Drafter, save_drafter  # noqa: E402
+from tailrl.speculative.modes import RolloutSpeculationConfig  # noqa: E402
 
 # 64 MiB of KV cache: engine start ~2 s instead of ~10 s for vLLM's default share of memory.
 SMALL = dict(kv_cache_gb=1 / 16, max_num_seqs=8)
@@ -86,11 +92,11 @@ class TestRollout:
         with torch.no_grad():
             for p in changed.parameters():
                 p.add_(0.3 * p.std() * torch.randn_like(p))
-        rollout.publish_weights(changed)
+        rollout.publish(changed)
         after = rollout.generate(2, reqs, greedy, 16)
         assert [c.token_ids for c in after] == [c.token_ids for c in Engine(changed).generate(reqs, greedy, 16)]
         assert [c.token_ids for c in after] != [c.token_ids for c in out]
-        rollout.publish_weights(tiny)
+        rollout.publish(tiny)
         assert [c.token_ids for c in rollout.generate(3, reqs, greedy, 16)] == [c.token_ids for c in out]
 
     @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
@@ -129,9 +135,7 @@ class TestRollout:
         with pytest.raises(ValueError, match="already open"):
             VllmRolloutConfig(VllmSettings(**SMALL)).open(tiny, seed=0)
         with pytest.raises(ValueError, match="nor a readable config.json"):
-            VllmRolloutConfig(VllmSettings(vllm_drafter="/nonexistent")).open(tiny, seed=0)
-        with pytest.raises(ValueError, match="learned drafter"):
-            rollout.publish_drafter(DrafterVersion(1, {}))
+            VllmRolloutConfig(VllmSettings(**SMALL), RolloutSpeculationConfig(drafter="/nonexistent")).open(tiny, seed=0)
 
 
 def test_a_tied_head_follows_a_published_embedding(tmp_path):
@@ -145,7 +149,7 @@ def test_a_tied_head_follows_a_published_embedding(tmp_path):
         before = r.generate(1, reqs, greedy, 12)
         with torch.no_grad():  # the head's rows move with the embedding's: tied
             model.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight[torch.randperm(96)])
-        r.publish_weights(model)
+        r.publish(model)
         after = r.generate(2, reqs, greedy, 12)
     finally:
         r.close()
@@ -188,36 +192,49 @@ def test_train_with_the_vllm_engine_then_resume(tmp_path, task_file):
 # ---- the learned drafter ------------------------------------------------------------------------
 
 
-def test_a_published_drafter_drafts_as_an_engine_started_with_it(tmp_path):
-    """Greedy decoding with a learned drafter (tailrl's files, exported at start) and version 2
-    published into the running engine: the same drafts, accepts and tokens as an engine started
-    fresh from version 2's files; version 1's differ (the push took effect)."""
+def test_an_adapted_drafter_version_drafts_as_an_engine_started_with_it(tmp_path):
+    """The rollout adapts its learned drafter on the trainer's forwards (Rollout.observe) and at
+    publish pushes the new version into the running engine in place: greedy decoding then
+    drafts, accepts and emits as an engine started fresh from that version's files; the
+    starting version's acceptance differs (the push took effect); the tokens are the target's."""
     build_hf("llama", seed=1, tie_word_embeddings=False, **VLLM_TINY).save_pretrained(tmp_path / "target")
     model = load_model(tmp_path / "target", "fp32")
-    first = Drafter.from_target(model, list(range(96)), "target", seed=0)
-    second = Drafter.from_target(model, list(range(96)), "target", seed=5)
-    with torch.no_grad():
-        for p in second.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    save_drafter(first, tmp_path / "v1")
-    save_drafter(second, tmp_path / "v2")
+    save_drafter(Drafter.from_target(model, list(range(96)), "target", seed=0), tmp_path / "v0")
     reqs, greedy = requests(8, 16), SamplingParams(temperature=0.0)
 
-    def run(drafter: str, publish: Drafter | None = None) -> tuple[list[list[int]], int, list[int], int]:
+    def open_rollout(drafter: Path, adapt: bool) -> VllmRollout:
         # A fixed draft length: the tuner's choices follow measured time, not a function of the inputs.
-        settings = VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=16, vllm_drafter=drafter, num_speculative_tokens=3,
-                                speculative_per_batch="1-16:3")
-        r = VllmRolloutConfig(settings).open(model, seed=0)
-        try:
-            if publish is not None:
-                r.generate(1, reqs, greedy, 24)  # the first version drafts once before the push
-                r.publish_drafter(DrafterVersion(2, {k: v.float() for k, v in publish.state_dict().items()}))
-            out, report = r.generate(2, reqs, greedy, 24), r.report()
-        finally:
-            r.close()
+        speculation = RolloutSpeculationConfig(spec="on", drafter=str(drafter), draft_depth=3, num_draft_tokens=3)
+        return VllmRolloutConfig(VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=16), speculation,
+                                 adapt=AdaptConfig(adapt_drafter=adapt, drafter_lr=1e-2, drafter_min_steps=4)
+                                 ).open(model, seed=0)
+
+    def decode(r: VllmRollout) -> tuple[list[list[int]], int, list[int], int]:
+        out, report = r.generate(3, reqs, greedy, 24), r.report()
         return [c.token_ids for c in out], report.spec_verify_steps, report.accept_hist, report.drafter_version
 
-    pushed, fresh, old = run(str(tmp_path / "v1"), second), run(str(tmp_path / "v2")), run(str(tmp_path / "v1"))
-    assert pushed[:3] == fresh[:3] and (pushed[3], fresh[3], old[3]) == (2, 0, 0)
+    def decode_fresh(drafter: Path) -> tuple[list[list[int]], int, list[int], int]:
+        r = open_rollout(drafter, adapt=False)
+        try:
+            return decode(r)
+        finally:
+            r.close()
+
+    r = open_rollout(tmp_path / "v0", adapt=True)
+    try:
+        r.publish(model)
+        for step in (1, 2):  # step 1's forwards train version 1 at step 2's publish
+            out = r.generate(step, reqs, greedy, 24)
+            samples = [Sample(c.prompt_ids, c.token_ids, 1.0, c.logprobs) for c in out]
+            with torch.no_grad():
+                r.observe(policy_forwards(samples, packed_logprobs_and_hidden(model, samples, 1.0)[1]))
+            r.publish(model)
+        assert r.report().drafter_published == 1 and r.report().drafter_micro_steps == 4
+        pushed = decode(r)
+        save_drafter(r.adapt.learner.drafter, tmp_path / "v1")
+    finally:
+        r.close()
+    fresh, old = decode_fresh(tmp_path / "v1"), decode_fresh(tmp_path / "v0")
+    assert pushed[:3] == fresh[:3] and (pushed[3], fresh[3], old[3]) == (1, 0, 0)
     assert old[0] == fresh[0] and old[1:3] != fresh[1:3]  # greedy tokens are the target's either way
     assert fresh[0] == [c.token_ids for c in Engine(model).generate(reqs, greedy, 24)]

@@ -1,7 +1,8 @@
 """Rollout workers on a tiny random model: sharding, the data buffer, spot training's preemption,
 local processes giving the in-process engine's tokens, drafter versions published after spot
-training in a (forced) long tail, and dead or hung workers reported with their rank and step.
-Ray actors: tests/test_ray.py."""
+training in a (forced) long tail, the in-process engine adapting its drafter on the trainer's
+forwards, and dead or hung workers reported with their rank and step. Ray actors:
+tests/test_ray.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import threading
 import pytest
 import torch
 
-from tailrl.engine import Engine, EngineConfig, EngineStats, Request, SpecStats
+from tailrl.engine import Engine, EngineConfig
+from tailrl.rollout.protocol import Request
+from tailrl.stats import EngineStats, SpecStats
 from tailrl.rl.progress import RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
@@ -27,10 +30,12 @@ from tailrl.tuner import TunerConfig
 from tailrl.rollout.native.buffer import DataBuffer, train_seq
 from tailrl.pipeline import run_config
 from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.protocol import DrafterVersion
-from tailrl.rollout.native.pool import WorkerConfig, WorkerPool, merge_stats, shard_indices
+from tailrl.rollout.native.pool import NativeRolloutState, WorkerConfig, WorkerPool, merge_stats, shard_indices
 from tailrl.rollout.protocol import WorkerError
 from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, run_spot
+from tailrl.rl.packing import Sample, packed_logprobs_and_hidden
+from tailrl.rl.phases import policy_forwards
+from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.rollout.native.worker import RolloutWorker, SpotBeat, WorkerSetup
 from test_train import comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
 
@@ -58,10 +63,10 @@ def reference(target, reqs, max_new_tokens=20):
     return Engine(target, EngineConfig()).generate(reqs, PARAMS, max_new_tokens)
 
 
-def start_pool(workers: WorkerConfig, spot: SpotConfig, target: Transformer,
-               spec: SpeculationConfig = SpeculationConfig(), state: dict | None = None) -> WorkerPool:
+def start_pool(workers: WorkerConfig, adapt: AdaptConfig, target: Transformer,
+               spec: SpeculationConfig = SpeculationConfig(), state: NativeRolloutState | None = None) -> WorkerPool:
     """The native rollout on `workers`, as a run opens it (seed 0)."""
-    return NativeRolloutConfig(EngineConfig(max_batch=8), spec, TunerConfig(), workers, spot).open(target, 0, state)
+    return NativeRolloutConfig(EngineConfig(max_batch=8), spec, TunerConfig(), adapt, workers).open(target, 0, state)
 
 
 # ---- pieces -----------------------------------------------------------------------------------
@@ -136,7 +141,7 @@ def test_spot_training_stops_before_the_next_micro_step(target):
         if n == 3:  # "rollout ended" arrives during micro-step 3
             stop_at["flag"] = 1
 
-    job = SpotJob(1, start, seqs, SpotConfig(drafter_batch_tokens=64))
+    job = SpotJob(1, start, seqs, AdaptConfig(drafter_batch_tokens=64))
     result = run_spot(drafter, job, start, head, lambda: stop_at["flag"], on_step)
     assert result.micro_steps == 3 and result.loss > 0
     assert any(not torch.equal(result.weights[k], start.weights[k]) for k in start.weights)
@@ -156,7 +161,7 @@ def test_a_job_without_state_trains_on_from_what_the_worker_holds(target, drafte
     out = Engine(target, EngineConfig(capture_hidden=True)).generate(requests(), PARAMS, 20)
     seqs = [train_seq(c) for c in out]
     start = DrafterState(0, {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny").state_dict().items()})
-    cfg = SpotConfig(drafter_batch_tokens=64)
+    cfg = AdaptConfig(drafter_batch_tokens=64)
     spec = SpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=3, num_draft_tokens=3)
     results = []
     for resend in (False, True):
@@ -181,7 +186,7 @@ def test_process_workers_give_the_in_process_tokens(target, tiny_dir):
     reqs = requests()
     want = reference(target, reqs)
     for workers in (1, 2, 3):
-        pool = start_pool(WorkerConfig(workers=workers), SpotConfig(), target)
+        pool = start_pool(WorkerConfig(workers=workers), AdaptConfig(), target)
         finished: list = []
         try:
             got = pool.generate(1, reqs, PARAMS, 20, on_finished=lambda i, c: finished.append((i, c.token_ids)))
@@ -197,14 +202,14 @@ def test_process_workers_give_the_in_process_tokens(target, tiny_dir):
 def test_worker_tuners_learn_from_each_others_rollouts(target):
     # Every decode step rewards its worker's tuner once; before its next rollout each worker
     # also counts the other's rewards, and a checkpoint keeps what is not delivered yet.
-    pool = start_pool(WorkerConfig(workers=2), SpotConfig(), target, SpeculationConfig(spec="auto"))
+    pool = start_pool(WorkerConfig(workers=2), AdaptConfig(), target, SpeculationConfig(spec="auto"))
     try:
         pool.generate(1, requests(step=1), PARAMS, 20)
         first = pool.stats.steps
         pulls = lambda rank: sum(map(sum, pool.tuners[rank]["pulls"]))  # noqa: E731
         assert pulls(0) + pulls(1) == first and pulls(0) > 0 and pulls(1) > 0
         state = pool.state_dict()
-        assert [len(p) for p in state["tuner_pending"]] == [pulls(1), pulls(0)]
+        assert [len(p) for p in state.tuner_pending] == [pulls(1), pulls(0)]
         pool.generate(2, requests(step=2), PARAMS, 20)
         assert pulls(0) + pulls(1) == 2 * first + pool.stats.steps
     finally:
@@ -215,7 +220,7 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
     # Rank 0 is paused (SIGSTOP) so rank 1 finishes first and trains the drafter until rank 0,
     # resumed, finishes: a long tail made on purpose. Tokens stay those of plain decoding.
     spec = SpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=3, num_draft_tokens=3)
-    pool = start_pool(WorkerConfig(workers=2), SpotConfig(drafter_batch_tokens=64), target, spec)
+    pool = start_pool(WorkerConfig(workers=2), AdaptConfig(drafter_batch_tokens=64), target, spec)
     seen = threading.Event()
     on_beat = pool.runtime.on_beat
 
@@ -250,7 +255,7 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
         assert [c.token_ids for c in out2] == [c.token_ids for c in reference(target, reqs2)]
         state = pool.state_dict()
         # The second rollout may have had an idle worker too (timing), training version 2.
-        assert state["drafter"]["version"] == pool.drafter.version >= 1 and len(state["tuners"]) == 2
+        assert state.drafter.version == pool.drafter.version >= 1 and len(state.tuners) == 2
     finally:
         pool.close()
 
@@ -262,9 +267,11 @@ def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, draft
     buffer.add([_seq(5, 9, e=64)])
     reqs = requests(prompts=2)
     for workers in (1, 2):
-        state = {"tuners": [None] * workers, "drafter": dataclasses.asdict(DrafterState(3, weights, None, 7)),
-                 "buffer": buffer.state_dict()}
-        pool = start_pool(WorkerConfig(workers=workers), SpotConfig(), target, spec, state)
+        state = NativeRolloutState([None] * workers, [[] for _ in range(workers)], DrafterState(3, weights, None, 7),
+                                   buffer.state_dict())
+        # Frozen on one worker: an adapting drafter's version comes from its own state (the next test).
+        adapt = AdaptConfig(adapt_drafter=workers > 1)
+        pool = start_pool(WorkerConfig(workers=workers), adapt, target, spec, state)
         try:
             assert pool.drafter.version == 3 and pool.buffer.tokens == 14
             out = pool.generate(1, reqs, PARAMS, 20)
@@ -277,24 +284,46 @@ def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, draft
             pool.close()
 
 
-def test_a_published_drafter_version_is_what_workers_draft_with_next(target, drafter_dir):
-    """Rollout.publish_drafter: the next generate drafts with exactly the published weights (on
-    one worker, read back from its drafter), reports the version, and emits plain decoding's
-    tokens (fp32: speculation is exact here)."""
+def test_an_in_process_rollout_adapts_its_drafter_on_the_trainers_forwards(target, drafter_dir):
+    """One worker has no idle worker to spot-train on, so the rollout trains its drafter on what
+    the trainer's forwards computed (Rollout.observe), on a lent core while the update is idle
+    (work_idle) and up to drafter_min_steps at publish, one step behind; the next generate
+    drafts with exactly the new version and still emits plain decoding's tokens (fp32: exact)."""
     spec = SpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=3, num_draft_tokens=3)
-    weights = {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny", seed=9).state_dict().items()}
-    reqs = requests(prompts=2)
-    pool = start_pool(WorkerConfig(workers=1), SpotConfig(), target, spec)
-    try:
-        pool.generate(1, reqs, PARAMS, 20)
-        before = pool.runtime.worker.in_use.state_dict()
-        assert not all(torch.equal(before[k], weights[k]) for k in weights)
-        pool.publish_drafter(DrafterVersion(4, weights))
-        out = pool.generate(2, reqs, PARAMS, 20)
-        assert pool.report().drafter_version == 4
-        in_use = pool.runtime.worker.in_use.state_dict()
-        assert all(torch.equal(in_use[k], weights[k]) for k in weights)
+    pool = start_pool(WorkerConfig(workers=1), AdaptConfig(drafter_batch_tokens=64, drafter_min_steps=3), target, spec)
+
+    def step(n: int, idle_steps: int) -> list:
+        reqs = requests(step=n, prompts=2)
+        out = pool.generate(n, reqs, PARAMS, 20)
         assert [c.token_ids for c in out] == [c.token_ids for c in reference(target, reqs)]
+        assert pool.wants_forwards()
+        samples = [Sample(c.prompt_ids, c.token_ids, 1.0, c.logprobs) for c in out]
+        with torch.no_grad():
+            pool.observe(policy_forwards(samples, packed_logprobs_and_hidden(target, samples, 1.0)[1]))
+        ran = {"n": 0}
+        if idle_steps:
+            assert pool.has_idle_work()
+            pool.work_idle(lambda: ran.update(n=ran["n"] + 1) or ran["n"] > idle_steps)
+        pool.publish(target)
+        return out
+
+    try:
+        step(1, idle_steps=0)  # nothing to train on in step 1: training lags one step
+        assert pool.report().drafter_micro_steps == 0 and pool.drafter.version == 0
+        assert pool.has_idle_work()  # step 1's forwards, for step 2
+        step(2, idle_steps=1)
+        m = pool.report().metrics()
+        assert m["drafter_version"] == 0 and m["drafter_published"] == 1 and m["drafter_micro_steps"] == 3
+        assert m["idle_seconds_harvested"] > 0 and m["drafter_after_s"] > 0 and m["drafter_loss"] > 0
+        assert pool.drafter.version == 1
+        step(3, idle_steps=0)
+        assert pool.report().drafter_version == 1
+        in_use = pool.runtime.worker.in_use.state_dict()
+        published = pool.adapt.weights()
+        assert pool.report().drafter_published == 2  # step 3 trained version 2 from version 1's weights
+        state = pool.state_dict()
+        assert state.adapt is not None and state.drafter.version == 2
+        assert not all(torch.equal(in_use[k], published[k]) for k in published)  # drafted with 1, not 2
     finally:
         pool.close()
 
@@ -305,7 +334,7 @@ def test_an_in_process_rollout_lends_a_core_and_takes_it_back(target):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     seen = []
-    pool = start_pool(WorkerConfig(workers=1), SpotConfig(), target)
+    pool = start_pool(WorkerConfig(workers=1), AdaptConfig(), target)
     try:
         def on_progress(p):
             seen.append(torch.get_num_threads())
@@ -320,7 +349,7 @@ def test_an_in_process_rollout_lends_a_core_and_takes_it_back(target):
 
 
 def test_a_killed_worker_is_reported_with_rank_and_step(target):
-    pool = start_pool(WorkerConfig(workers=2), SpotConfig(), target)
+    pool = start_pool(WorkerConfig(workers=2), AdaptConfig(), target)
     try:
         os.kill(pool.runtime.pids[1], signal.SIGKILL)
         with pytest.raises(WorkerError, match=r"^worker 1 died \(exit code -9\) in step 4$"):
@@ -332,7 +361,7 @@ def test_a_killed_worker_is_reported_with_rank_and_step(target):
 def test_a_hung_worker_is_detected_by_timeout(target):
     # The live worker must beat within the timeout even on a loaded machine (a decode step of the
     # tiny model takes milliseconds), so 10 s leaves a wide margin; the stopped one never beats.
-    pool = start_pool(WorkerConfig(workers=2, worker_timeout_s=10), SpotConfig(), target)
+    pool = start_pool(WorkerConfig(workers=2, worker_timeout_s=10), AdaptConfig(), target)
     try:
         os.kill(pool.runtime.pids[0], signal.SIGSTOP)
         with pytest.raises(WorkerError, match=r"^worker 0 sent nothing for 10 s \(hung\) in step 3$"):

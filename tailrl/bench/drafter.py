@@ -1,9 +1,10 @@
-"""`tailrl bench drafter`: the adaptive drafter (spot-trained in the long tail) against the same
-warmed-up drafter kept frozen, over K RL steps of the default run.
+"""`tailrl bench drafter`: the adaptive drafter (trained during RL) against the same warmed-up
+drafter kept frozen, over K RL steps of the default run.
 
 Two GRPO runs from the same start and seeds, on the same workers, speculating with the same
-drafter; in one, idle workers train it (spot training) and each step drafts with the newest
-version; in the other it never changes. Speculative decoding is lossless, so both runs sample
+drafter; in one it adapts (tailrl.rollout: spot-trained on idle workers with two or more, else
+on the update's idle core and after the update) and each step drafts with the newest version;
+in the other it never changes. Speculative decoding is lossless, so both runs sample
 the same tokens and train the same policy (bit for bit in exact mode, the default here): they
 differ only in how well the drafter keeps up with the policy, which is what accept_len (tokens
 per verify of the learned drafter's arms, bonus included) shows per step.
@@ -11,10 +12,11 @@ per verify of the learned drafter's arms, bonus included) shows per step.
 Reported: accept_len per step of both runs, accept_ratio (adaptive over frozen, mean of the
 last 5 steps), the ceiling per step (accept_len_ceiling: the target itself as a chain drafter of
 the `--spec on` depth, on the same responses; ceiling_ratio is about the most accept_ratio could
-be), overhead (mean step time with spot training over without; this includes the adaptive
-drafter's own speed-up, so also reported: preempt_share, the rollout's wait for the trainer as a
-share of step time; and overhead_median, the median of per-step ratios, which a one-off such as
-the process's first update does not move), and a PNG.
+be), overhead (mean step time with drafter training over without; this includes the adaptive
+drafter's own speed-up, so also reported: train_share, the drafter's training on the step's own
+time (after the update, or the rollout's wait for a spot trainer) as a share of step time; and
+overhead_median, the median of per-step ratios, which a one-off such as the process's first
+update does not move), and a PNG.
 
 Knows: how to configure two training runs and read their metrics. Does not know: how either runs.
 """
@@ -35,7 +37,7 @@ from tailrl.rl.train import RunConfig, TrainConfig
 from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig
 from tailrl.rollout.native.pool import WorkerConfig
-from tailrl.rollout.native.spot import SpotConfig
+from tailrl.speculative.drafter.learner import AdaptConfig
 
 LAST = 5  # steps averaged for accept_ratio
 
@@ -47,11 +49,6 @@ class BenchDrafterConfig(TwoRunsConfig):
     steps: int = field(default=20, metadata={"help": "RL steps per run"})
     spec: str = field(default="auto", metadata={"help": "speculation mode of both runs", "choices": ("on", "auto")})
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.workers < 2:
-            raise ValueError(f"the adaptive drafter is spot-trained on idle workers: need workers >= 2, got {self.workers}")
-
 
 def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool, steps: int) -> RunConfig:
     """The train() config of one run, stopping after `steps` steps."""
@@ -60,7 +57,7 @@ def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool, steps: int) 
                         steps=steps, seed=cfg.seed, eval_every=0)
     return RunConfig(NativeRolloutConfig(engine=EngineConfig(exact=cfg.exact),
                                          speculation=RolloutSpeculationConfig(spec=cfg.spec, drafter=drafter),
-                                         workers=WorkerConfig(workers=cfg.workers), spot=SpotConfig(spot_train=adaptive)),
+                                         workers=WorkerConfig(workers=cfg.workers), adapt=AdaptConfig(adapt_drafter=adaptive)),
                      train=train)
 
 
@@ -92,7 +89,7 @@ def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str
         "ceiling_ratio": _mean(ceiling[-LAST:]) / _mean(acc_s[-LAST:]),
         "overhead": step_a / step_s,
         "overhead_median": statistics.median(ra["step_s"] / rs["step_s"] for ra, rs in zip(a, s)),
-        "preempt_share": sum(r["preempt_latency_s"] for r in a) / sum(r["step_s"] for r in a),
+        "train_share": sum(r["preempt_latency_s"] + r["drafter_after_s"] for r in a) / sum(r["step_s"] for r in a),
         "step_s_adaptive": step_a,
         "step_s_frozen": step_s,
         "drafter_micro_steps": [r["drafter_micro_steps"] for r in a],
@@ -113,7 +110,7 @@ def plot(adaptive: list[float | None], frozen: list[float | None], ceiling: list
     steps = range(1, len(adaptive) + 1)
     nan = lambda xs: [math.nan if x is None else x for x in xs]  # noqa: E731 - a step without drafter verifies
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, nan(adaptive), "o-", label="adaptive (spot-trained)")
+    ax.plot(steps, nan(adaptive), "o-", label="adaptive (trained during RL)")
     ax.plot(steps, nan(frozen), "s--", label="frozen (warm-up, not trained in RL)")
     ax.plot(steps, nan(ceiling), ":", color="gray", label="ceiling (the target's own chain)")
     ax.set_xlabel("RL step")

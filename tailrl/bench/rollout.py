@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tailrl.engine import Engine, EngineConfig, Request
+from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
 from tailrl.model import Transformer
 from tailrl.rl.plots import log_counts
 from tailrl.rl.run_dir import atomic_file
 from tailrl.rl.tasks import DEFAULT_TASK, make_task
 from tailrl.rl.train import TrainConfig, rollout_requests
-from tailrl.rollout.protocol import Rollout
+from tailrl.rollout.protocol import Request, Rollout, RolloutState
 from tailrl.rollout.vllm.checks import check_installed
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig, install
@@ -109,22 +109,24 @@ def _spec_config(mode: str, drafter: str | None, depth: int) -> SpeculationConfi
 
 
 def _vllm_rollout(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request],
-                  state: dict[str, object] | None = None) -> Rollout:
+                  state: RolloutState | None = None) -> Rollout:
     """A vLLM engine for `mode` (tailrl.rollout.vllm), its kernels warmed on two requests, its
-    tuner resuming `state`."""
+    tuner resuming `state`; its drafter does not adapt (a rollout, not an RL step)."""
     from tailrl.rollout.vllm.config import VllmRolloutConfig
     from tailrl.rollout.vllm.settings import VllmSettings
+    from tailrl.speculative.drafter.learner import AdaptConfig
 
-    n = len(requests)
-    settings = VllmSettings(kv_cache_gb=cfg.kv_cache_gb, max_num_seqs=n, num_speculative_tokens=cfg.draft_depth,
-                            vllm_drafter=cfg.drafter if mode != "vllm-off" else None,
-                            speculative_per_batch=f"1-{n}:{cfg.draft_depth}" if mode == "vllm-drafter" else "auto")
-    rollout = VllmRolloutConfig(settings).open(model, seed=cfg.seed, state=state)
+    spec = {"vllm-off": "off", "vllm-drafter": "on", "vllm-auto": "auto"}[mode]
+    settings = VllmSettings(kv_cache_gb=cfg.kv_cache_gb, max_num_seqs=len(requests))
+    speculation = SpeculationConfig(spec=spec, drafter=cfg.drafter, draft_depth=cfg.draft_depth,
+                                           num_draft_tokens=cfg.draft_depth)
+    rollout = VllmRolloutConfig(settings, speculation, adapt=AdaptConfig(adapt_drafter=False)).open(
+        model, seed=cfg.seed, state=state)
     rollout.generate(0, requests[:2], SamplingParams(cfg.temperature), 2)
     return rollout
 
 
-def _warm_vllm_tuner(cfg: BenchRolloutConfig, model: Transformer, other: list[Request]) -> dict[str, object]:
+def _warm_vllm_tuner(cfg: BenchRolloutConfig, model: Transformer, other: list[Request]) -> RolloutState:
     """vllm-auto's rollout state (its tuner) after one untimed rollout of another batch."""
     rollout = _vllm_rollout(cfg, "vllm-auto", model, other)
     try:
@@ -135,7 +137,7 @@ def _warm_vllm_tuner(cfg: BenchRolloutConfig, model: Transformer, other: list[Re
 
 
 def _vllm_repetition(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request],
-                     state: dict[str, object] | None, r: ModeResult, first: bool) -> tuple[float, int, float]:
+                     state: RolloutState | None, r: ModeResult, first: bool) -> tuple[float, int, float]:
     """One timed rollout of `mode` on a fresh engine, into `r` (the first repetition's report
     too); its seconds, tokens and accept_len. vLLM samples its own tokens (the same distribution
     as the native engine's, other responses), so they are not compared (differing is None)."""

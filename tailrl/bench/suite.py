@@ -272,14 +272,14 @@ def _drafter(r: dict[str, Any]) -> list[str]:
     row = lambda xs: " | ".join(_f(x) for x in xs)  # noqa: E731
     return [f"accept_ratio (adaptive over frozen, mean of the last 5 steps) **{r['accept_ratio']:.2f}x** "
             f"(the ceiling over frozen: {r['ceiling_ratio']:.2f}x); "
-            f"overhead (step time with spot training over without) {r['overhead']:.3f} (median of per-step "
-            f"ratios {r['overhead_median']:.3f}); the rollout's wait for "
-            f"the trainer {r['preempt_share']:.2%} of step time.", "",
+            f"overhead (step time with drafter training over without) {r['overhead']:.3f} (median of per-step "
+            f"ratios {r['overhead_median']:.3f}); drafter training on the step's own time "
+            f"{r['train_share']:.2%} of it.", "",
             "| step | " + " | ".join(map(str, steps)) + " |", "|---|" + "---|" * len(steps),
             f"| adaptive accept_len | {row(r['accept_len_adaptive'])} |",
             f"| frozen accept_len | {row(r['accept_len_frozen'])} |",
             f"| ceiling (target's own chain) | {row(r['accept_len_ceiling'])} |",
-            "| spot micro-steps | " + " | ".join(map(str, r["drafter_micro_steps"])) + " |",
+            "| drafter micro-steps | " + " | ".join(map(str, r["drafter_micro_steps"])) + " |",
             f"| idle s harvested | {row(r['idle_seconds_harvested'])} |"]
 
 

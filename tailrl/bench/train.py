@@ -4,8 +4,9 @@ Four GRPO runs from the same start (the default model, the same seed, data and s
 - baseline: speculative decoding off, no drafter training, the update after the whole rollout
   (what veRL and TRL do);
 - sd_only: `--spec auto` with a warmed-up learned drafter and the n-gram drafter, the drafter
-  spot-trained on idle workers (needs >= 2 workers), drafter versions published every step;
-  the update still after the rollout;
+  adapting during RL (spot-trained on idle workers, or with one worker on the update's idle
+  core and after the update), a new version published every step that trained it; the update
+  still after the rollout;
 - overlap_only: SD off, finished groups' gradients computed in the rollout's tail
   (tailrl.rl.phases);
 - tlt: both.
@@ -43,7 +44,7 @@ from tailrl.rl.train import RunConfig, TrainConfig
 from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig
 from tailrl.rollout.native.pool import WorkerConfig
-from tailrl.rollout.native.spot import SpotConfig
+from tailrl.speculative.drafter.learner import AdaptConfig
 
 RUNS = ("baseline", "sd_only", "overlap_only", "tlt")
 SPECULATE = {"sd_only", "tlt"}
@@ -62,7 +63,8 @@ class TwoRunsConfig:
         default=None, metadata={"help": "warmed-up drafter directory (default: warm one up first, ~5 min)"}
     )
     out: str | None = field(default=None, metadata={"help": "directory for both runs and the PNG (default: runs/bench-<name>-<time>)"})
-    workers: int = field(default=2, metadata={"help": "rollout workers of every run (spot training needs >= 2)"})
+    workers: int = field(default=1, metadata={"help": "rollout workers of every run (1: the default run's; spot "
+                                                      "training needs >= 2)"})
     num_prompts: int = field(default=16, metadata={"help": "prompts per step"})
     group_size: int = field(default=4, metadata={"help": "responses per prompt"})
     max_new_tokens: int = field(default=512, metadata={"help": "longest response"})
@@ -90,7 +92,7 @@ def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) ->
                         overlap_batch=TrainConfig.overlap_batch if run in OVERLAP else 0, eval_every=0)
     speculation = RolloutSpeculationConfig(spec="auto", drafter=drafter) if sd else RolloutSpeculationConfig(spec="off")
     return RunConfig(NativeRolloutConfig(engine=EngineConfig(exact=cfg.exact), speculation=speculation,
-                                         workers=WorkerConfig(workers=cfg.workers), spot=SpotConfig(spot_train=sd)),
+                                         workers=WorkerConfig(workers=cfg.workers), adapt=AdaptConfig(adapt_drafter=sd)),
                      train=train)
 
 

@@ -12,15 +12,15 @@ In the overlapped schedule the background thread computes only in the rollout's 
 better spent on the update than on decoding, so the rollout is asked to lend one
 (Rollout.lend_core) while the update has work.
 
-The drafter's learner (tailrl.speculative.drafter.learner; for a rollout whose learned drafter
-the RL loop trains): the update's forwards hand it each computed group's hidden states, and in
-the overlapped schedule it trains on the lent core while no group waits (policy work first,
-tailrl.rl.update "Idle work"); the core is lent while either has work. The synchronous schedule
-has no such idle time: its learner only collects (the trainer tops it up after the update).
+What the update computes is the rollout's to learn from: a rollout that wants them gets each
+computed group's sequences with the policy's hidden states (Rollout.observe), and in the
+overlapped schedule the rollout's own idle work (its drafter's training) runs on the lent core
+while no group waits (policy work first, tailrl.rl.update "Idle work"); the core is lent while
+either has work. The synchronous schedule has no such idle time.
 
 Knows: the order of a step's phases, groups, rewards, advantages. Does not know: how the
-rollout decodes (tailrl.rollout.protocol), the loss (tailrl.rl.update), the optimizer, how the
-drafter trains.
+rollout decodes (tailrl.rollout.protocol), the loss (tailrl.rl.update), the optimizer, what the
+rollout does with its idle time.
 """
 
 from __future__ import annotations
@@ -32,14 +32,12 @@ from typing import Callable, Sequence
 import torch
 
 from tailrl.model import Transformer
-from tailrl.rollout.protocol import Completion, Progress, Request, Rollout, SamplingParams
+from tailrl.rollout.protocol import Completion, PolicyForward, Progress, Request, Rollout, SamplingParams
 from tailrl.rl.grpo import GRPOConfig, group_advantages
 from tailrl.rl.packing import Sample
 from tailrl.rl.rewards import RewardBatch, safe_rewards
 from tailrl.rl.update import GroupGradients, BackgroundUpdate, UpdateStats
 from tailrl.rl.tasks import Problem, Tokenizer
-from tailrl.speculative.drafter.learner import DrafterLearner
-from tailrl.speculative.drafter.training import TrainSeq
 
 
 @dataclass(frozen=True)
@@ -110,22 +108,22 @@ class StepInputs:
     reward_timeout_s: float
 
 
-def train_seqs(samples: Sequence[Sample], hidden: list[torch.Tensor]) -> list[TrainSeq]:
-    """Samples with their hidden states (tailrl.rl.packing.packed_logprobs_and_hidden) as drafter data."""
-    return [TrainSeq(torch.tensor([*s.prompt_ids, *s.token_ids]), h, len(s.prompt_ids))
+def policy_forwards(samples: Sequence[Sample], hidden: list[torch.Tensor]) -> list[PolicyForward]:
+    """Samples with their hidden states (tailrl.rl.packing.packed_logprobs_and_hidden), as the rollout takes them."""
+    return [PolicyForward(torch.tensor([*s.prompt_ids, *s.token_ids]), h, len(s.prompt_ids))
             for s, h in zip(samples, hidden)]
 
 
 def run_step(rollout: Rollout, step: int, inputs: StepInputs, policy: Transformer, cfg: GRPOConfig, temperature: float,
-             ref: Transformer | None, overlap_batch: int, on_progress: Callable[[Progress], None],
-             learner: DrafterLearner | None = None) -> StepWork:
+             ref: Transformer | None, overlap_batch: int, on_progress: Callable[[Progress], None]) -> StepWork:
     """Rollout, rewards and the gradient (written into the policy's .grad); overlapped when
-    overlap_batch > 0, else synchronous. With a learner: it receives the computed groups'
-    hidden states, and trains in the overlapped rollout's tail (module doc)."""
-    on_hidden = None if learner is None else lambda samples, hidden: learner.add(train_seqs(samples, hidden))
+    overlap_batch > 0, else synchronous (module doc)."""
+    on_hidden = None
+    if rollout.wants_forwards():
+        on_hidden = lambda samples, hidden: rollout.observe(policy_forwards(samples, hidden))  # noqa: E731
     grads = GroupGradients(policy, cfg, temperature, len(inputs.problems), ref, on_hidden)
     if overlap_batch > 0:
-        return _overlapped(rollout, step, inputs, grads, overlap_batch, on_progress, learner)
+        return _overlapped(rollout, step, inputs, grads, overlap_batch, on_progress)
     t0 = time.perf_counter()
     completions = rollout.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens, on_progress=on_progress)
     t1 = time.perf_counter()
@@ -145,12 +143,12 @@ def run_step(rollout: Rollout, step: int, inputs: StepInputs, policy: Transforme
 
 
 def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGradients, overlap_batch: int,
-                on_progress: Callable[[Progress], None], learner: DrafterLearner | None) -> StepWork:
+                on_progress: Callable[[Progress], None]) -> StepWork:
     G, P = inputs.group_size, len(inputs.problems)
     finished: list[list[Completion | None]] = [[None] * G for _ in range(P)]
     left = [G] * P
     groups: list[ScoredGroup | None] = [None] * P
-    update = BackgroundUpdate(grads, learner)
+    update = BackgroundUpdate(grads, rollout)
     reward_s = 0.0
 
     def on_finished(index: int, completion: Completion) -> None:

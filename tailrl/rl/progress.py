@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from tailrl.engine import Progress
+from tailrl.rollout.protocol import Progress
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,10 @@ class EvalDone:
 @dataclass(frozen=True)
 class Notice:
     text: str
+
+
+# What the training loop emits (tailrl.rl.train's on_event).
+TrainEvent = RolloutProgress | StepDone | EvalProgress | EvalDone | Notice
 
 
 def eval_line(e: dict[str, Any]) -> str:
@@ -107,7 +111,7 @@ class ConsolePrinter:
         self.every_s = every_s
         self._last: dict[type, float] = {}  # when the last live line of each kind was written
 
-    def __call__(self, event: Any) -> None:
+    def __call__(self, event: object) -> None:
         if isinstance(event, (RolloutProgress, EvalProgress)):
             now = time.monotonic()
             # No clock origin is assumed: monotonic() may be near zero on a machine just booted.

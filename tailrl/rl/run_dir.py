@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from tailrl.config import ConfigError, dump_toml, read_toml, resolve
 from tailrl.model import Transformer
+from tailrl.rollout.protocol import RolloutState
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -63,8 +64,7 @@ class TrainState:
     step: int = 0  # completed RL steps
     data_cursor: int = 0  # index of the next problem in the task's stream
     rng: dict[str, Any] = field(default_factory=dict)
-    # Free slot for other components (a tuner's statistics, a drafter's weights): name -> state.
-    extra: dict[str, Any] = field(default_factory=dict)
+    rollout: RolloutState | None = None  # the rollout's own (its tuners, drafter, data)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -246,7 +246,8 @@ class RunDir:
                     shutil.copy2(src, tmp / src.name)
             save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
             torch.save(optimizer_state, tmp / "optimizer.pt")
-            torch.save(dataclasses.asdict(state), tmp / "state.pt")
+            # Fields one level deep: asdict would turn the rollout's typed state into dicts.
+            torch.save({f.name: getattr(state, f.name) for f in dataclasses.fields(state)}, tmp / "state.pt")
             for f in tmp.iterdir():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())

@@ -36,7 +36,8 @@ from typing import Any, Callable, Sequence
 import torch
 from safetensors.torch import save_file
 
-from tailrl.engine import Engine, EngineConfig, Request
+from tailrl.engine import Engine, EngineConfig
+from tailrl.rollout.protocol import Request
 from tailrl.loading import (
     DTYPES, cache_root, load_model, load_tokenizer, model_fingerprint, resolve_dtype, resolve_model_dir,
 )
@@ -241,7 +242,8 @@ def save_model(model: Transformer, base_dir: Path, tokenizer: Any, out: Path, me
 # ---- the run ------------------------------------------------------------------------------------
 
 
-def sft(cfg: SFTConfig, out: str | Path | None = None, on_event: Callable[[Any], None] | None = None) -> SFTResult:
+def sft(cfg: SFTConfig, out: str | Path | None = None,
+        on_event: Callable[[SFTProgress | EvalResult], None] | None = None) -> SFTResult:
     """Fine-tune cfg.model on cfg.task's worked solutions; returns where the model is.
 
     Events passed to on_event: SFTProgress after every step, EvalResult after every evaluation.

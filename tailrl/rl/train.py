@@ -34,15 +34,10 @@ update (neither computed nor counted in the token mean, as DAPO's dynamic sampli
 counts in the reward metrics.
 
 Speculative rollouts are the rollout's business, and lossless: they change speed, not the
-distribution of tokens (docs/lossless.md); the rollout reports what its decoding did, and its
-state (tuners, drafter, data buffer) is checkpointed with the run's. A rollout that drafts with
-a learned drafter it does not train itself (RolloutConfig.learned_drafter: the vLLM engine)
-gets it trained here: a DrafterLearner (tailrl.speculative.drafter.learner) learns from the
-hidden states of the update's own forwards, in the rollout's tail on the core lent to the update
-while no group waits (tailrl.rl.phases), topped up after the update to learner_min_steps
-micro-steps when the tail left too little idle time (on the default run's 2-core CPU the update
-often fills the tail), and each step that trained it publishes a new version
-(Rollout.publish_drafter) after the policy's weights; its metrics are the learner_* fields.
+distribution of tokens (docs/lossless.md). So is the drafter: the loop hands the rollout what
+the update's forwards computed (tailrl.rl.phases) and lends it the update's idle core, and the
+rollout decides what to train and publishes it with the policy's weights (Rollout.publish); it
+reports what its decoding and its drafter did, and its state is checkpointed with the run's.
 
 Knows: tasks, rewards, the tokenizer, the Rollout protocol, AdamW, the run directory.
 Does not know: how the engine produces tokens (plain or speculative), where workers run.
@@ -69,16 +64,15 @@ from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.phases import StepInputs, StepWork, run_step
 from tailrl.rl.plots import write_plots
-from tailrl.rl.progress import EvalDone, EvalProgress, Notice, RolloutProgress, StepDone
+from tailrl.rl.progress import EvalDone, EvalProgress, Notice, RolloutProgress, StepDone, TrainEvent
 from tailrl.rl.rewards import ProblemReward, RewardBatch, from_reward_fn, load_reward, task_reward
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, policy_weights, restore_rng
 from tailrl.rl.update import UpdateStats
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, Tokenizer, encode_question, extract_answer, make_task
 from tailrl.rollout.protocol import (
-    Completion, DrafterVersion, Request, Rollout, RolloutConfig, RolloutReport, SamplingParams, WorkerError,
+    Completion, Request, Rollout, RolloutConfig, RolloutReport, SamplingParams, WorkerError,
 )
 from tailrl.sampling import derive_seed
-from tailrl.speculative.drafter.learner import DrafterLearner
 
 DEVICES = ("auto", "cpu", "cuda")
 ENGINES = ("native", "vllm")  # which RolloutConfig tailrl.pipeline.run_config builds
@@ -94,7 +88,7 @@ class TrainConfig:
                                                         "cold-started on the task: see --cold-start)"})
     cold_start: bool = field(default=True, metadata={"help": "a new run without --model first fine-tunes the default "
                                                      "model on the task's worked solutions (tailrl sft; cached)"})
-    warmup_drafter: bool = field(default=True, metadata={"help": "a new run with speculation and no --drafter (--vllm-drafter with --engine vllm) first "
+    warmup_drafter: bool = field(default=True, metadata={"help": "a new run with speculation and no --drafter first "
                                                          "warms a drafter up on the policy (cached)"})
     device: str = field(default="auto", metadata={"help": "auto = cuda when present, else cpu", "choices": DEVICES})
     engine: str = field(default="native", metadata={"help": "rollout engine: native (tailrl's own) or vllm (an in-process "
@@ -126,10 +120,6 @@ class TrainConfig:
     overlap_batch: int = field(
         default=8, metadata={"help": "compute finished groups' gradients while at most this many sequences decode "
                                      "(the rollout's tail); 0 = the update waits for the whole rollout"})
-    learner_min_steps: int = field(
-        default=2, metadata={"help": "a learned drafter trained by the RL loop (--engine vllm): micro-steps per RL step; "
-                                     "those the tail's idle core did not run, run after the update, on the step's "
-                                     "time (learner_after_s); 0 = idle time only"})
     eval_every: int = field(
         default=10, metadata={"help": "mean reward on fixed held-out problems before the first step, every N steps "
                                       "and after the last (eval.jsonl; 0 = never)"})
@@ -140,8 +130,6 @@ class TrainConfig:
             raise ValueError(f"group_size must be >= 2: GRPO normalises rewards within a group, got {self.group_size}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (greedy makes a group's responses identical), got {self.temperature}")
-        if self.learner_min_steps < 0:
-            raise ValueError(f"learner_min_steps must be >= 0, got {self.learner_min_steps}")
         if self.overlap_batch < 0:
             raise ValueError(f"overlap_batch must be >= 0, got {self.overlap_batch}")
         for name in ("num_prompts", "max_new_tokens", "checkpoint_every", "keep_checkpoints", "eval_problems"):
@@ -293,10 +281,9 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     state: TrainState
     rollout: Rollout
-    emit: Callable[[object], None]
+    emit: Callable[[TrainEvent], None]
     saved_step: int  # the step of the newest checkpoint; -1 before the first
     heldout: heldout.HeldOut | None  # the evaluation's problems; None: evaluations are off
-    learner: DrafterLearner | None = None  # trains the rollout's learned drafter (RolloutConfig.learned_drafter)
 
     @property
     def tc(self) -> TrainConfig:
@@ -317,27 +304,9 @@ class Trainer:
         inputs = StepInputs(problems, requests, SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
                             tc.group_size, self.tokenizer, self.reward_fn, tc.reward_timeout_s)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.learner is not None:
-            self.learner.begin_step(self.policy)
         with deterministic(self.device):
             return run_step(self.rollout, step, inputs, self.policy, self.gc, tc.temperature, self.ref, tc.overlap_batch,
-                            lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)), self.learner)
-
-    def publish_drafter(self) -> dict[str, object]:
-        """The learner's new drafter version to the rollout, when it trained this step; its
-        metrics (learner_*: the rollout's own drafter_* fields say what it drafted with)."""
-        if self.learner is None:
-            return {}
-        t0 = time.perf_counter()
-        floor = self.tc.learner_min_steps
-        self.learner.work(lambda: self.learner.steps_this_step() >= floor)
-        after_s = time.perf_counter() - t0
-        stats = self.learner.end_step()
-        if stats.micro_steps:
-            self.rollout.publish_drafter(DrafterVersion(stats.version, self.learner.weights()))
-        return {"learner_version": stats.version, "learner_micro_steps": stats.micro_steps,
-                "learner_loss": stats.loss, "learner_s": stats.seconds, "learner_seqs": stats.seqs,
-                "learner_after_s": after_s}
+                            lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)))
 
     def clip(self, work: StepWork) -> float:
         """Clip the gradient's global norm; its norm before clipping (0 when no group trained)."""
@@ -349,9 +318,7 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint the policy, optimizer, random state and the rollout's state."""
         self.state.rng = capture_rng()
-        self.state.extra["workers"] = self.rollout.state_dict()  # tuners, drafter version and optimizer, buffer
-        if self.learner is not None:
-            self.state.extra["learner"] = self.learner.state_dict()  # as of the last completed step
+        self.state.rollout = self.rollout.state_dict()  # tuners, the drafter and its training data
         path = self.run.save_checkpoint(policy_weights(self.policy), self.optimizer.state_dict(), self.state,
                                         self.model_dir, self.tc.keep_checkpoints)
         self.saved_step = self.state.step
@@ -369,7 +336,7 @@ class Trainer:
         self.emit(Notice(f"held-out evaluation after step {step}: {len(self.heldout.problems)} problems, one response each"))
         rollout = self.cfg.rollout.for_evaluation().open(copy.deepcopy(self.rollout_model), tc.seed)
         try:
-            rollout.publish_weights(self.policy)  # the rollout model may be a worker's stale copy
+            rollout.publish(self.policy)  # the rollout model may be a worker's stale copy
             with deterministic(self.device):
                 record = heldout.evaluate(rollout, self.heldout, tc.seed, SamplingParams(tc.temperature, tc.top_p, tc.top_k),
                                           tc.max_new_tokens, self.tokenizer, self.reward_fn, tc.reward_timeout_s,
@@ -388,7 +355,7 @@ class Trainer:
             self.emit(Notice(f"warning: plots not written: {e!r}"))
 
 
-def start_run(cfg: RunConfig, out_dir: str | Path | None, resume: bool, emit: Callable[[object], None]) -> Trainer:
+def start_run(cfg: RunConfig, out_dir: str | Path | None, resume: bool, emit: Callable[[TrainEvent], None]) -> Trainer:
     """Open the run directory, load the models (from the last checkpoint on a resume), restore
     the optimizer and random state, open the rollout."""
     tc, gc = cfg.train, cfg.grpo
@@ -420,25 +387,18 @@ def start_run(cfg: RunConfig, out_dir: str | Path | None, resume: bool, emit: Ca
     else:
         torch.manual_seed(tc.seed)
         emit(Notice(f"run directory {run.path}"))
-    rollout = cfg.rollout.open(rollout_model, tc.seed, state.extra.get("workers"))
-    learner = None
-    if (learned := cfg.rollout.learned_drafter()) is not None:
-        learner = DrafterLearner.load(learned, policy)
-        if "learner" in state.extra:
-            learner.load_state_dict(state.extra["learner"])
-        if learner.version > 0:  # the rollout started from the directory's drafter
-            rollout.publish_drafter(DrafterVersion(learner.version, learner.weights()))
+    rollout = cfg.rollout.open(rollout_model, tc.seed, state.rollout)
+    rollout.publish(policy)  # the policy the first rollout samples from (and its drafter learns from)
     where = "on the policy" if rollout_model is policy else f"on a {dtype} copy"
     emit(Notice(f"policy in {tc.train_dtype} on {device}; rollouts {where}"))
     held = (heldout.heldout_set(task, tc.seed, tc.eval_problems, lambda q: encode_question(tokenizer, q))
             if tc.eval_every else None)
     return Trainer(cfg, run, task, reward_fn, tokenizer, model_dir, device, policy, rollout_model, ref, optimizer,
-                   state, rollout, emit, saved_step=state.step if checkpoint is not None else -1, heldout=held,
-                   learner=learner)
+                   state, rollout, emit, saved_step=state.step if checkpoint is not None else -1, heldout=held)
 
 
 def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = False,
-          on_event: Callable[[object], None] | None = None) -> TrainResult:
+          on_event: Callable[[TrainEvent], None] | None = None) -> TrainResult:
     """Run GRPO as configured.
 
     A new run writes to `out_dir` (default runs/<timestamp>); `resume=True` continues the run
@@ -460,13 +420,12 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
                         group["lr"] = t.gc.lr_at(step)
                     t.optimizer.step()
                     t.optimizer.zero_grad(set_to_none=True)  # a policy-sized buffer, unused until the next step
-                t.rollout.publish_weights(t.policy)  # 4. the next rollout samples from the updated policy
-                learned = t.publish_drafter()  # and drafts with the drafter the update's idle time trained
+                t.rollout.publish(t.policy)  # 4. the next rollout samples from the updated policy
                 t_train = time.perf_counter()
                 state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
                 metrics = step_metrics(step, tc, work.completions, work.texts, work.rewards, work.skipped,
                                        work.stats, grad_norm, step_times(work, t_train - t_start), t.rollout.report(),
-                                       t.gc.lr_at(step)) | learned
+                                       t.gc.lr_at(step))
                 t.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     t.save()  # 5. checkpoint

@@ -27,9 +27,10 @@ hidden states (tailrl.rl.packing.packed_logprobs_and_hidden), in group order, fo
 learn from; the gradient is the same bits either way. Groups that sit out (no reward spread) are
 not forwarded, so they hand out nothing.
 
-Idle work. Given an `IdleWork` (the drafter's learner), the background thread runs it while the
-gate is open and no group is queued: policy work first, the idle work stopping between its
-micro-steps as soon as a group is queued, the gate closes or the rollout ends.
+Idle work. Given an `IdleWork` (the rollout, whose drafter trains on a lent core), the
+background thread runs it while the gate is open and no group is queued: policy work first, the
+idle work stopping between its units as soon as a group is queued, the gate closes or the
+rollout ends.
 
 Knows: samples, the GRPO loss, autograd, threads. Does not know: how tokens were produced,
 rewards, workers, the optimizer.
@@ -231,13 +232,14 @@ def _one_thread() -> None:
 
 
 class IdleWork(Protocol):
-    """Work for the update's core while the policy's update has none (the drafter's learner)."""
+    """Work for the update's core while the policy's update has none (the rollout's drafter
+    training: tailrl.rollout.protocol.Rollout satisfies it)."""
 
-    def pending(self) -> bool:
+    def has_idle_work(self) -> bool:
         """Whether there is work to do."""
         ...
 
-    def work(self, stop: Callable[[], bool]) -> None:
+    def work_idle(self, stop: Callable[[], bool]) -> None:
         """Units of work (each short) until stop(), asked before each one, is True."""
         ...
 
@@ -294,7 +296,7 @@ class BackgroundUpdate:
     def wants_core(self) -> bool:
         """A group is queued or being computed, or the idle work has work: the rollout's tail
         should lend the update a core."""
-        return self.has_work or (self.idle is not None and self.idle.pending())
+        return self.has_work or (self.idle is not None and self.idle.has_idle_work())
 
     @property
     def active(self) -> bool:
@@ -325,7 +327,7 @@ class BackgroundUpdate:
                     return self._queue.popleft()
                 if not wait_for_gate:
                     return None
-                if self._gate and self.idle is not None and self.idle.pending():
+                if self._gate and self.idle is not None and self.idle.has_idle_work():
                     return _IDLE
                 self._cond.wait()
 
@@ -336,7 +338,7 @@ class BackgroundUpdate:
 
     def _run_idle(self) -> None:
         try:
-            self.idle.work(self._stop_idle)
+            self.idle.work_idle(self._stop_idle)
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread in drain()
             with self._cond:
                 self._error = self._error or e

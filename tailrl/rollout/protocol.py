@@ -1,16 +1,25 @@
 """The seam between RL and the engines: what the RL loop may ask of a rollout, and what it gets back.
 
-The RL loop (tailrl.rl) knows generation only through `Rollout`: generate one step's requests
-(with a callback per finished sequence, so finished GRPO groups can be scored and trained on
-while the tail still decodes), publish the policy's new weights and a new drafter version, lend
-a core to the update while the tail leaves one idle, report what the rollout did, save and
-restore its state, close. `RolloutConfig` opens one. An engine plugs in behind both:
-tailrl.rollout.native is tailrl's own engine across its rollout workers, tailrl.rollout.vllm
-a vLLM engine in the trainer's process.
+The RL loop (tailrl.rl) knows generation only through `Rollout`, one step as one sequence of
+calls whatever the engine:
 
-The records that cross the seam are the engine's plain data types (Request, Completion,
-Progress, SamplingParams, re-exported here so that the RL side imports nothing else) and
-`RolloutReport`, the typed account of one rollout that becomes part of a step's metrics.
+  generate  the step's requests (on_finished per sequence, so finished GRPO groups are scored and
+            their gradient computed while the tail still decodes; lend_core while the update
+            takes a core, observe(what the update's forwards computed), work_idle(stop) on the
+            lent core while the update has nothing queued)
+  publish   the policy's new weights after the optimizer step; whatever the rollout learned this
+            step (its drafter) goes live with them
+  report    what the rollout did, typed (decoding, speculation, the tail, drafter training)
+
+plus state_dict / close. Each engine keeps its own drafter up to date behind these calls: which
+drafter, what it trains on and when it publishes are the engine's business, and the loop never
+names one. `RolloutConfig` opens a rollout and answers what the run's set-up asks of it.
+Engines behind it: tailrl.rollout.native (tailrl's own engine, across its workers),
+tailrl.rollout.vllm (a vLLM engine in the trainer's process).
+
+The records that cross the seam live here: Request, Completion, Progress, PolicyForward,
+RolloutReport, RolloutState, and SamplingParams (tailrl.sampling, re-exported so that the RL
+side imports nothing else).
 
 Knows: what a rollout is asked and answers. Does not know: how any engine produces tokens.
 """
@@ -18,18 +27,74 @@ Knows: what a rollout is asked and answers. Does not know: how any engine produc
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 import torch
 
-from tailrl.engine import Completion, Progress, Request
 from tailrl.model import Transformer
 from tailrl.sampling import SamplingParams
 
-__all__ = ["Completion", "DrafterVersion", "Progress", "Request", "Rollout", "RolloutConfig", "RolloutReport",
-           "SamplingParams", "WorkerError"]
+__all__ = ["Completion", "PolicyForward", "Progress", "Request", "Rollout", "RolloutConfig", "RolloutReport",
+           "RolloutState", "SamplingParams", "WorkerError"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate. Requests with equal `group` share `prompt_ids` (prefilled once)."""
+
+    prompt_ids: tuple[int, ...]
+    seed: int
+    group: int = 0
+
+
+
+@dataclass
+class Completion:
+    """What a rollout returns per request, in request order. hidden and prompt_hidden are the
+    native engine's own capture for spot training on its workers; other engines leave them None."""
+
+    prompt_ids: tuple[int, ...]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "eos" | "stop" | "length"
+    seed: int
+    group: int
+    # (n, E) hidden state that produced each generated token (the LM head's input), when captured.
+    hidden: torch.Tensor | None = None
+    # (P-1, E) the prompt's hidden states but the last (which is hidden[0]), when captured; siblings
+    # share one tensor.
+    prompt_hidden: torch.Tensor | None = None
+    # Per token: was it the target's most likely one (sampling.is_top1)? What a chain drafter
+    # proposing the target's own argmax would have had accepted (spec.report.chain_ceiling).
+    top1: list[bool] = field(default_factory=list)
+
+
+
+@dataclass
+class Progress:
+    """How far a generate call is: finished requests of all, sequences decoding now, tokens and
+    seconds so far."""
+
+    done: int
+    total: int
+    running: int
+    tokens: int
+    seconds: float
+
+
+
+@dataclass(frozen=True)
+class PolicyForward:
+    """One sampled sequence as the trainer's forward computed it: its tokens (prompt, then
+    response) and the policy's final-norm hidden states (the LM head's input) at every position
+    but the last, the row at position q having produced token q + 1. What a drafter learns
+    from, handed to the rollout instead of computed twice."""
+
+    tokens: torch.Tensor  # (P + N,)
+    hidden: torch.Tensor  # (P + N - 1, E) fp32, on the CPU
+    prompt_len: int  # P
 
 
 class WorkerError(RuntimeError):
@@ -42,24 +107,17 @@ class WorkerError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class DrafterVersion:
-    """A learned drafter's weights (its fp32 state dict; the target's embedding and head are
-    not in it) and the version number they are published as."""
-
-    version: int
-    weights: dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
 class RolloutReport:
-    """What one rollout did (the last `generate`), as fields of a step's metrics record.
+    """What one step's rollout did (the last generate and publish), as fields of a step's metrics.
 
     Decoding: throughput, prefill, decode steps; the speculative share and acceptance
     (accept_len: tokens per verify, the bonus included); the tail (decode time with few
     sequences running) as a share of the rollout; per running-batch-size bucket and arm, what
     decoded and how fast; the headroom (accept_len_ceiling: the accept_len the target itself
     would reach as a chain drafter of the configured depth on these responses). Drafter: the
-    version drafted with, its own accept_len, and what spot training harvested of idle time.
+    version drafted with and its own accept_len; its training this step (on idle workers or the
+    update's idle core, and on the step's own time after the update: drafter_after_s, what
+    adapting the drafter cost the step) and the version published for the next rollout.
     """
 
     rollout_tok_s: float
@@ -79,16 +137,32 @@ class RolloutReport:
     arm_by_bucket: dict[str, str]
     batch_timeline: list[list[float | int | str]]
     drafter_version: int
-    drafter_micro_steps: int
-    drafter_loss: float | None
     drafter_accept_len: float | None
-    idle_seconds_harvested: float
-    idle_seconds_left: float
-    preempt_latency_s: float
-    buffer_tokens: int
+    drafter_published: int = 0
+    drafter_micro_steps: int = 0
+    drafter_loss: float | None = None
+    drafter_after_s: float = 0.0
+    idle_seconds_harvested: float = 0.0
+    idle_seconds_left: float | None = None  # None where the engine cannot tell
+    preempt_latency_s: float = 0.0
+    buffer_tokens: int = 0
 
     def metrics(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class RolloutState:
+    """What a checkpoint holds of a rollout, for a resumed run to roll out as the uninterrupted
+    one would: each engine's subclass has its fields (tuners, drafter, its data). An engine
+    opened with another engine's state refuses it (`check_state`)."""
+
+
+def check_state(state: RolloutState | None, own: type[RolloutState]) -> None:
+    """ValueError unless `state` is None or `own`'s."""
+    if state is not None and not isinstance(state, own):
+        raise ValueError(f"this checkpoint holds another engine's rollout state ({type(state).__name__}); resume it "
+                         f"with that engine")
 
 
 class Rollout(Protocol):
@@ -101,9 +175,9 @@ class Rollout(Protocol):
         """The completions of `requests`, in request order, sampled from the last published
         policy. on_progress as the rollout advances; on_finished(request index, completion) once
         per request as it finishes, in the thread that called generate. Idle time inside the
-        rollout goes to the policy's update first: the engine does its own background work
-        (drafter training) only while policy_busy() is False. Raises WorkerError when a worker
-        fails (naming `step`)."""
+        rollout goes to the policy's update first: background work of the rollout's own (spot
+        training on idle workers) runs only while policy_busy() is False. Raises WorkerError
+        when a worker fails (naming `step`)."""
         ...
 
     def lend_core(self, lend: bool) -> None:
@@ -113,20 +187,36 @@ class Rollout(Protocol):
         to lend and ignores it."""
         ...
 
+    def wants_forwards(self) -> bool:
+        """Whether observe keeps what it is handed (the update computes hidden states only then)."""
+        ...
+
+    def observe(self, forwards: Sequence[PolicyForward]) -> None:
+        """What the trainer's forwards computed for this step's responses (any thread, as groups
+        are computed). A rollout that trains its drafter on them keeps them; others drop them."""
+        ...
+
+    def has_idle_work(self) -> bool:
+        """Whether the rollout has work for a core the caller lends it (drafter training)."""
+        ...
+
+    def work_idle(self, stop: Callable[[], bool]) -> None:
+        """That work, on the calling thread (one torch thread), in short units, until stop(),
+        asked before each unit, is True: a caller waits at most one unit for its core back."""
+        ...
+
+    def publish(self, policy: Transformer) -> None:
+        """After the optimizer step: the next generate samples from `policy`'s current weights
+        (cast to the rollout's dtype), and drafts with what the rollout learned this step."""
+        ...
+
     def report(self) -> RolloutReport:
-        """What the last generate did."""
+        """What the last generate and publish did."""
         ...
 
-    def publish_weights(self, policy: Transformer) -> None:
-        """The next generate samples from `policy`'s current weights (cast to the rollout's dtype)."""
-        ...
-
-    def publish_drafter(self, drafter: DrafterVersion) -> None:
-        """The next generate drafts with this learned drafter version."""
-        ...
-
-    def state_dict(self) -> dict[str, object]:
-        """What a checkpoint must hold for a resumed run to roll out as the uninterrupted one."""
+    def state_dict(self) -> RolloutState:
+        """What a checkpoint must hold for a resumed run to roll out as the uninterrupted one, as
+        of the last publish."""
         ...
 
     def close(self) -> None:
@@ -134,26 +224,37 @@ class Rollout(Protocol):
 
 
 class RolloutConfig(Protocol):
-    """How to open a Rollout: the engine's own configuration sections (flags and TOML tables)."""
+    """How to open a Rollout (the engine's own configuration sections, flags and TOML tables),
+    and what a run's set-up asks of it before it opens."""
 
-    def open(self, model: Transformer, seed: int, state: dict[str, object] | None = None) -> Rollout:
+    def open(self, model: Transformer, seed: int, state: RolloutState | None = None) -> Rollout:
         """A rollout decoding with `model`'s architecture and dtype, starting from its weights,
         its sampling and tuning seeded by `seed`, resuming `state` (a Rollout.state_dict())."""
         ...
 
     def for_evaluation(self) -> RolloutConfig:
         """An engine decoding plainly in this process, in the same dtype: held-out evaluations,
-        which must not touch the training rollout's state (tuners, drafter, data buffer). The
-        same engine, unless it cannot run twice in one process (vLLM: the native engine)."""
+        which must not touch the training rollout's state (tuners, drafter, data). The same
+        engine, unless it cannot run twice in one process (vLLM: the native engine)."""
         ...
 
     def sections(self) -> dict[str, object]:
         """The configuration sections (dataclasses) by name, as a run directory saves them."""
         ...
 
-    def learned_drafter(self) -> Path | None:
-        """The learned drafter directory (tailrl.speculative.drafter's files) this rollout
-        drafts with and whose later versions it expects from the RL loop (trained there on the
-        policy's hidden states, handed over by Rollout.publish_drafter); None when it drafts
-        with no learned drafter or trains its own (the native engine's spot training)."""
+    def needs_drafter(self) -> bool:
+        """It speculates with a learned drafter but names none: the run's set-up warms one up."""
+        ...
+
+    def with_drafter(self, drafter: Path) -> RolloutConfig:
+        """The same, drafting with the learned drafter in `drafter`."""
+        ...
+
+    def check(self) -> None:
+        """ValueError for what opening would refuse (a missing engine, an unreadable drafter),
+        so bad input fails before minutes of set-up."""
+        ...
+
+    def describe(self) -> str:
+        """How it decodes, in a few words, for the run's announcement."""
         ...

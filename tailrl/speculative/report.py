@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from tailrl.engine import EngineStats
+from tailrl.stats import EngineStats
 from tailrl.tuner import bucket_index, bucket_label
 
 # Running sequences at or below which a decode step counts as the tail.

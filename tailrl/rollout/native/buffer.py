@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tailrl.engine import Completion
+from tailrl.rollout.protocol import Completion
 from tailrl.speculative.drafter.training import TrainSeq
 
 

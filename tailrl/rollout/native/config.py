@@ -1,9 +1,9 @@
 """How a run configures and opens tailrl's own engine behind the Rollout protocol.
 
 One engine in the trainer's process by default (the policy's rollout copy, its torch threads
-lent to the update in the tail), or several worker processes or Ray actors with spot training
-of the learned drafter on whichever is idle first. Exact mode (bit-identical tokens with
-speculation on and off) is this engine's.
+lent to the update in the tail, its learned drafter adapting on the update's idle core), or
+several worker processes or Ray actors with spot training of the learned drafter on whichever
+is idle first. Exact mode (bit-identical tokens with speculation on and off) is this engine's.
 
 Knows: which sections configure the native engine, how its workers start. Does not know: RL.
 """
@@ -18,19 +18,23 @@ from safetensors.torch import load_file
 
 from tailrl.engine import EngineConfig
 from tailrl.model import Transformer
-from tailrl.speculative.drafter.model import WEIGHTS_FILE
-from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
-from tailrl.tuner import TunerConfig
-from tailrl.rollout.native.pool import WorkerConfig, WorkerPool
+from tailrl.rollout.adapt import AdaptiveDrafter
+from tailrl.rollout.native.pool import NativeRolloutState, WorkerConfig, WorkerPool
 from tailrl.rollout.native.runtimes import InProcessRuntime, ProcessRuntime, Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig
 from tailrl.rollout.native.worker import WorkerSetup
+from tailrl.rollout.protocol import check_state
+from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.speculative.drafter.model import WEIGHTS_FILE
+from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
+from tailrl.tuner import TunerConfig
 
 # The configuration sections of the native engine (flags and TOML tables), by name.
 SECTIONS: dict[str, type] = {
     "engine": EngineConfig,
     "speculation": RolloutSpeculationConfig,
     "tuner": TunerConfig,
+    "adapt": AdaptConfig,
     "workers": WorkerConfig,
     "spot": SpotConfig,
 }
@@ -43,6 +47,7 @@ class NativeRolloutConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     speculation: SpeculationConfig = field(default_factory=RolloutSpeculationConfig)
     tuner: TunerConfig = field(default_factory=TunerConfig)
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
     workers: WorkerConfig = field(default_factory=WorkerConfig)
     spot: SpotConfig = field(default_factory=SpotConfig)
 
@@ -54,28 +59,46 @@ class NativeRolloutConfig:
     def sections(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    def learned_drafter(self) -> Path | None:
-        """None: the native engine trains its learned drafter itself (spot training, pool.py)."""
-        return None
+    def needs_drafter(self) -> bool:
+        return self.speculation.spec != "off" and self.speculation.drafter is None
+
+    def with_drafter(self, drafter: Path) -> NativeRolloutConfig:
+        return dataclasses.replace(self, speculation=dataclasses.replace(self.speculation, drafter=str(drafter)))
+
+    def check(self) -> None:
+        drafter = self.speculation.drafter
+        if drafter is not None and not Path(drafter).expanduser().is_dir():
+            raise ValueError(f"drafter directory not found: {drafter}")
+
+    def describe(self) -> str:
+        spec = self.speculation
+        return f"speculation {spec.spec}" + (f" with drafter {spec.drafter}" if spec.drafter else "")
 
     def for_evaluation(self) -> NativeRolloutConfig:
         return NativeRolloutConfig(engine=self.engine, speculation=SpeculationConfig(spec="off"))
 
-    def open(self, model: Transformer, seed: int, state: dict | None = None) -> WorkerPool:
+    def open(self, model: Transformer, seed: int, state: NativeRolloutState | None = None) -> WorkerPool:
         """Workers as configured, decoding with `model` (the rollout model: one in-process worker
         decodes with it directly, others with a copy) and resuming `state`."""
-        speculation, workers, spot = self.speculation, self.workers, self.spot
+        check_state(state, NativeRolloutState)
+        speculation, workers = self.speculation, self.workers
         drafter = None
         if speculation.drafter and speculation.spec != "off":
-            drafter = DrafterState(0, load_file(Path(speculation.drafter) / WEIGHTS_FILE))  # fp32, as saved
-        collect = drafter is not None and spot.spot_train and workers.workers >= 2
-        tuners = (state or {}).get("tuners")
+            drafter = DrafterState(0, load_file(Path(speculation.drafter).expanduser() / WEIGHTS_FILE))  # fp32, as saved
+        adapting = drafter is not None and self.adapt.adapt_drafter
+        tuners = state.tuners if state is not None else None
         if tuners is not None and len(tuners) != workers.workers:
             raise ValueError(f"the checkpoint holds {len(tuners)} workers' state; resume with --workers {len(tuners)}")
-        setup = WorkerSetup(self.engine, speculation, self.tuner, seed, collect)
+        # With two workers or more an idle one spot-trains on the hidden states its engine captured;
+        # with one, the drafter adapts on the trainer's forwards (tailrl.rollout.adapt).
+        setup = WorkerSetup(self.engine, speculation, self.tuner, seed, collect=adapting and workers.workers >= 2)
         runtime = _runtime(workers, model, setup, tuners)
-        pool = WorkerPool(runtime, spot, drafter, workers.worker_timeout_s, speculation.draft_depth,
-                          self.tuner.bucket_edges, tuners, (state or {}).get("tuner_pending"))
+        adapt = None
+        if adapting and workers.workers == 1:
+            adapt = AdaptiveDrafter.open(Path(speculation.drafter).expanduser(), model, self.adapt,
+                                         state.adapt if state is not None else None)
+        pool = WorkerPool(runtime, self.spot, self.adapt, drafter, workers.worker_timeout_s, speculation.draft_depth,
+                          self.tuner.bucket_edges, tuners, state.tuner_pending if state is not None else None, adapt)
         if state is not None:
             pool.load_state_dict(state)
         return pool

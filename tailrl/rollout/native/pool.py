@@ -11,11 +11,15 @@ opened by tailrl.rollout.native.config). Its `generate`:
    the spot trainer (tailrl.rollout.native.spot) and trains the drafter on the buffer.
 4. When the last shard is done, preempt the trainer; it stops after its current micro-step and
    returns the trained state, which becomes the next drafter version.
+With one worker (the engine in the trainer's process, the default) no worker is ever idle while
+another decodes, so the drafter adapts on the trainer's side instead (tailrl.rollout.adapt): on
+the hidden states the update's forwards hand over (`observe`), on the core the update lends in
+the tail (`work_idle`), a new version at `publish`.
 A worker that dies, raises, or sends nothing for `worker_timeout_s` ends the call with a
 WorkerError naming its rank and the step; the RL loop applies nothing of that step.
 
-Knows: shards, the buffer, drafter versions, spot scheduling, timing of idle windows, the
-decoding report. Does not know: how workers run (runtimes), the engine's internals, rewards or
+Knows: shards, the buffer, drafter versions, which way the drafter adapts, spot scheduling,
+timing of idle windows, the decoding report. Does not know: how workers run (runtimes), the engine's internals, rewards or
 the policy update.
 """
 
@@ -28,14 +32,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from tailrl.engine import Completion, EngineStats, Progress, Request
 from tailrl.model import Transformer
-from tailrl.rollout.protocol import DrafterVersion, RolloutReport, WorkerError
-from tailrl.sampling import SamplingParams
-from tailrl.speculative.report import chain_ceiling, rollout_report
+from tailrl.rollout.adapt import AdaptiveDrafter, AdaptStep
 from tailrl.rollout.native.buffer import DataBuffer
 from tailrl.rollout.native.runtimes import Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, SpotResult
+from tailrl.rollout.protocol import (
+    Completion, PolicyForward, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
+)
+from tailrl.sampling import SamplingParams
+from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.speculative.report import chain_ceiling, rollout_report
+from tailrl.stats import EngineStats
 from tailrl.rollout.native.worker import Beat, Finished, RolloutJob, SetDrafter, ShardResult, WorkerCall, WorkerReply
 
 
@@ -60,6 +68,19 @@ class WorkerConfig:
     @property
     def use_ray(self) -> bool:
         return self.ray or self.ray_address is not None
+
+
+@dataclass
+class NativeRolloutState(RolloutState):
+    """The native engine's checkpointed state: each worker's tuner as of its last rollout and the
+    rewards it has yet to absorb, the drafter version the workers draft with (and its spot
+    training's optimizer), the spot data buffer, and the trainer-side learner's state."""
+
+    tuners: list[dict | None]
+    tuner_pending: list[list]
+    drafter: DrafterState | None
+    buffer: dict
+    adapt: dict | None = None
 
 
 def shard_indices(n: int, workers: int) -> list[range]:
@@ -99,10 +120,13 @@ class WorkerPool:
     """Rollouts across a runtime's workers; the drafter's state, buffer and versions (see module
     doc). Implements tailrl.rollout.protocol.Rollout."""
 
-    def __init__(self, runtime: Runtime, spot: SpotConfig, drafter: DrafterState | None, timeout_s: float,
-                 ceiling_depth: int, bucket_edges: Sequence[int], tuners: list[dict | None] | None = None,
-                 tuner_pending: list[list] | None = None):
-        self.runtime, self.spot, self.timeout_s = runtime, spot, timeout_s
+    def __init__(self, runtime: Runtime, spot: SpotConfig, adapt_cfg: AdaptConfig, drafter: DrafterState | None,
+                 timeout_s: float, ceiling_depth: int, bucket_edges: Sequence[int],
+                 tuners: list[dict | None] | None = None, tuner_pending: list[list] | None = None,
+                 adapt: AdaptiveDrafter | None = None):
+        self.runtime, self.spot, self.adapt_cfg, self.timeout_s = runtime, spot, adapt_cfg, timeout_s
+        self.adapt = adapt  # the drafter adapting on the trainer's side (one in-process worker)
+        self._adapted: AdaptStep | None = None  # what the last publish trained
         self.ceiling_depth, self.bucket_edges = ceiling_depth, tuple(bucket_edges)
         # Each worker's tuner state as of its last finished rollout: what a checkpoint saves, so
         # saving never waits for (or interrupts) a rollout in flight.
@@ -112,7 +136,7 @@ class WorkerPool:
         self.tuner_pending: list[list] = tuner_pending or [[] for _ in range(runtime.size)]
         runtime.on_beat = self._on_beat
         # Spot training needs a learned drafter and a second worker to be idle while one generates.
-        self.spot_on = drafter is not None and spot.spot_train and runtime.size >= 2
+        self.spot_on = drafter is not None and adapt_cfg.adapt_drafter and runtime.size >= 2
         self.drafter = drafter
         self.buffer = DataBuffer(spot.buffer_tokens, spot.keep_long)
         self.published = 0  # drafter version the workers draft with (0: the --drafter files)
@@ -241,7 +265,7 @@ class WorkerPool:
                 trainer = idle[0]  # the first worker done: the longest idle
                 self._job += 1
                 state = None if trainer in self._holders else self.drafter
-                self._start(trainer, SpotJob(self._job, state, self.buffer.training_order(), self.spot))
+                self._start(trainer, SpotJob(self._job, state, self.buffer.training_order(), self.adapt_cfg))
             if not busy and trainer is not None and preempt_at is None:
                 preempt_at = time.monotonic()
                 self.runtime.preempt(trainer, self._job)
@@ -268,6 +292,7 @@ class WorkerPool:
             accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None], self.ceiling_depth),
             **rollout_report(stats, self.bucket_edges),
             drafter_version=self.published,
+            drafter_published=self.drafter.version if self.drafter is not None else 0,
             drafter_micro_steps=spot.micro_steps if spot is not None else 0,
             drafter_loss=spot.loss if spot is not None else None,
             drafter_accept_len=sum(r.drafter_emitted for r in results.values()) / verifies if verifies else None,
@@ -281,7 +306,9 @@ class WorkerPool:
     def report(self) -> RolloutReport:
         if self._report is None:
             raise RuntimeError("no rollout has run yet")
-        return self._report
+        if self._adapted is None:
+            return self._report
+        return dataclasses.replace(self._report, idle_seconds_left=None, **self._adapted.report_fields())
 
     def _spot_done(self, rank: int, spot: SpotResult) -> None:
         """A spot job's result: the next drafter version if it trained; who holds which state."""
@@ -292,33 +319,48 @@ class WorkerPool:
         self.drafter = DrafterState(d.version + 1, spot.weights, spot.optimizer, d.micro_steps + spot.micro_steps)
         self._holders = {rank}
 
-    def publish_drafter(self, drafter: DrafterVersion) -> None:
-        """Workers draft with `drafter` from the next generate on; spot training goes on from
-        its weights with a fresh optimizer."""
-        if self.drafter is None:
-            raise ValueError("this rollout drafts with no learned drafter (--spec on/auto with --drafter)")
-        self.drafter = DrafterState(drafter.version, drafter.weights, None, self.drafter.micro_steps)
-        self._holders = set()
-
     # ---- weights, state, shutdown ---------------------------------------------------------
 
-    def publish_weights(self, policy: Transformer) -> None:
-        """The next rollout samples from `policy`."""
+    # ---- the trainer's forwards, idle time, publishing ---------------------------------------
+
+    def wants_forwards(self) -> bool:
+        return self.adapt is not None
+
+    def observe(self, forwards: Sequence[PolicyForward]) -> None:
+        if self.adapt is not None:
+            self.adapt.observe(forwards)
+
+    def has_idle_work(self) -> bool:
+        return self.adapt is not None and self.adapt.has_idle_work()
+
+    def work_idle(self, stop: Callable[[], bool]) -> None:
+        if self.adapt is not None:
+            self.adapt.work_idle(stop)
+
+    def publish(self, policy: Transformer) -> None:
+        """The next rollout samples from `policy` and drafts with the newest drafter version
+        (spot-trained in the last rollout, or trained now on the trainer's side)."""
         self.runtime.publish_weights(policy)
+        if self.adapt is None:
+            return
+        self._adapted = step = self.adapt.end_step(policy)
+        if step.version != self.drafter.version:
+            self.drafter = DrafterState(step.version, self.adapt.weights(), None,
+                                        self.drafter.micro_steps + step.micro_steps)
 
-    def state_dict(self) -> dict[str, object]:
-        return {
-            "tuners": list(self.tuners),
-            "tuner_pending": [list(p) for p in self.tuner_pending],
-            "drafter": dataclasses.asdict(self.drafter) if self.drafter is not None else None,
-            "buffer": self.buffer.state_dict(),
-        }
+    # ---- state, shutdown ----------------------------------------------------------------------
 
-    def load_state_dict(self, state: dict) -> None:
-        """The drafter and buffer of a checkpoint (tuner states go to the runtime at start)."""
-        if state.get("drafter") is not None:
-            self.drafter = DrafterState(**state["drafter"])
-        self.buffer.load_state_dict(state["buffer"])
+    def state_dict(self) -> NativeRolloutState:
+        return NativeRolloutState(list(self.tuners), [list(p) for p in self.tuner_pending], self.drafter,
+                                  self.buffer.state_dict(), self.adapt.state_dict() if self.adapt is not None else None)
+
+    def load_state_dict(self, state: NativeRolloutState) -> None:
+        """The drafter and buffer of a checkpoint (tuner states go to the runtime at start, the
+        learner's to its opening)."""
+        check_state(state, NativeRolloutState)
+        if state.drafter is not None:
+            self.drafter = state.drafter
+        self.buffer.load_state_dict(state.buffer)
 
     def close(self) -> None:
         self.runtime.close()

@@ -33,23 +33,15 @@ from typing import Any, Callable
 import torch
 
 from tailrl.speculative.drafter.model import Drafter
-from tailrl.speculative.drafter.training import (
-    CONTINUE_BATCH_TOKENS, CONTINUE_LR, TrainSeq, drafter_optimizer, micro_step, pack,
-)
+from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.speculative.drafter.training import TrainSeq, drafter_optimizer, micro_step, pack
 
 
 @dataclass(frozen=True)
 class SpotConfig:
-    """Drafter training on idle rollout workers (spot training) and its data buffer."""
+    """Spot training's data buffer: the responses idle workers train the drafter on (its
+    optimizer settings are the [adapt] section's, shared with the other ways of adapting it)."""
 
-    spot_train: bool = field(
-        default=True, metadata={"help": "train the learned drafter on idle workers (needs --workers >= 2 and --drafter)"}
-    )
-    drafter_lr: float = field(default=CONTINUE_LR, metadata={"help": "spot training AdamW learning rate"})
-    drafter_batch_tokens: int = field(
-        default=CONTINUE_BATCH_TOKENS, metadata={"help": "drafter entries per micro-step (bounds the preemption latency)"}
-    )
-    drafter_ce_weight: float = field(default=0.1, metadata={"help": "weight of the drafter's cross-entropy term (TLT: 0.1)"})
     buffer_tokens: int = field(
         default=65536, metadata={"help": "data buffer bound, tokens incl. prompts (E x 4 bytes each: 2.3 KB for SmolLM2)"}
     )
@@ -58,8 +50,8 @@ class SpotConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.drafter_lr > 0 or self.drafter_batch_tokens < 1 or self.buffer_tokens < 1:
-            raise ValueError("drafter_lr must be > 0, drafter_batch_tokens and buffer_tokens >= 1")
+        if self.buffer_tokens < 1:
+            raise ValueError(f"buffer_tokens must be >= 1, got {self.buffer_tokens}")
         if not 0.0 <= self.keep_long <= 1.0:
             raise ValueError(f"keep_long must be in [0, 1], got {self.keep_long}")
 
@@ -81,7 +73,7 @@ class SpotJob:
     # trainer knows to be the current drafter (then only the data travels, not the state).
     state: DrafterState | None
     seqs: list[TrainSeq]  # in training order
-    cfg: SpotConfig
+    cfg: AdaptConfig
 
 
 @dataclass

@@ -26,7 +26,9 @@ from typing import Callable
 
 import torch
 
-from tailrl.engine import Completion, Engine, EngineConfig, EngineStats, Progress, Request
+from tailrl.engine import Engine, EngineConfig
+from tailrl.rollout.protocol import Completion, Progress, Request
+from tailrl.stats import EngineStats
 from tailrl.model import Transformer
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.decoder import SpecDecoder, StepReport

@@ -50,7 +50,7 @@ def spec_method(drafter: Path) -> str:
     try:
         config = json.loads((drafter.expanduser() / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"vllm_drafter {drafter}: neither a tailrl drafter ({CONFIG_FILE}) nor a readable "
+        raise ValueError(f"drafter {drafter}: neither a tailrl drafter ({CONFIG_FILE}) nor a readable "
                          f"config.json ({e.__class__.__name__})") from None
     architectures = " ".join(config.get("architectures") or [])
     if "Eagle3" in architectures:

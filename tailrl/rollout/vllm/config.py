@@ -1,15 +1,24 @@
 """How a run configures and opens a vLLM engine behind the Rollout protocol (`--engine vllm`).
 
-One section, [vllm], its flags named for what vLLM calls them. Opening it starts an in-process
-vLLM engine on the policy's weights (tailrl.rollout.vllm.rollout). vLLM is imported only then,
-so tailrl runs without it; without it, opening says how to install it.
+Sections: [vllm] (the engine's own, its flags named for what vLLM calls them) and the ones both
+engines read: [speculation] (--spec off/on/auto, --drafter, --draft-depth), [tuner] and
+[adapt] (the learned drafter's training during RL). Opening one starts an in-process vLLM
+engine on the policy's weights (tailrl.rollout.vllm.rollout). vLLM is imported only then, so
+tailrl runs without it; without it, opening says how to install it.
 
-Knows: the section's fields and their checks, which drafter directory vLLM loads how, that
-held-out evaluations decode on the native engine. Does not know: vLLM's API (rollout.py), RL.
+Speculation maps onto vLLM's as follows. --spec off, or no drafter: vLLM decodes plainly (the
+native engine's n-gram drafter has no vLLM counterpart). --spec on: --draft-depth draft tokens
+at every step. --spec auto: tailrl's tuner picks each step's draft length among the native
+engine's learned-drafter chain depths (and plain), per running-batch bucket. A fixed
+--speculative-per-batch table replaces either. vLLM drafts chains only (--topk 1).
+
+Knows: the sections, their checks, which drafter directory vLLM loads how, that held-out
+evaluations decode on the native engine. Does not know: vLLM's API (rollout.py), RL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -18,25 +27,68 @@ from pathlib import Path
 from tailrl.engine import EngineConfig
 from tailrl.model import Transformer
 from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.protocol import Rollout, RolloutConfig
-from tailrl.rollout.vllm.checks import check_installed, is_learned, spec_method
-from tailrl.rollout.vllm.settings import VllmSettings
-from tailrl.speculative.modes import SpeculationConfig
+from tailrl.rollout.protocol import Rollout, RolloutConfig, RolloutState
+from tailrl.rollout.vllm.checks import check_installed, spec_method
+from tailrl.rollout.vllm.settings import Drafting, VllmSettings
+from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.speculative.modes import DRAFTER_ARMS, RolloutSpeculationConfig, SpeculationConfig
+from tailrl.tuner import TunerConfig
+
 
 @dataclass(frozen=True)
 class VllmRolloutConfig:
-    """The vLLM engine as a tailrl.rollout.protocol.RolloutConfig: its [vllm] settings."""
+    """The vLLM engine as a tailrl.rollout.protocol.RolloutConfig."""
 
     settings: VllmSettings = field(default_factory=VllmSettings)
+    speculation: SpeculationConfig = field(default_factory=RolloutSpeculationConfig)
+    tuner: TunerConfig = field(default_factory=TunerConfig)
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
+
+    def __post_init__(self) -> None:
+        if self.speculation.topk != 1:
+            raise ValueError(f"the vllm engine drafts chains (--topk 1), got --topk {self.speculation.topk}")
+
+    @classmethod
+    def from_sections(cls, sections: dict[str, object]) -> VllmRolloutConfig:
+        """From a run's sections by name (those left out take their defaults)."""
+        names = {"vllm": "settings", "speculation": "speculation", "tuner": "tuner", "adapt": "adapt"}
+        return cls(**{attr: sections[name] for name, attr in names.items() if sections.get(name) is not None})
 
     def sections(self) -> dict[str, object]:
-        return {"vllm": self.settings}
+        return {"vllm": self.settings, "speculation": self.speculation, "tuner": self.tuner, "adapt": self.adapt}
 
-    def learned_drafter(self) -> Path | None:
-        """--vllm-drafter when it names a tailrl drafter: the engine drafts with it and takes the
-        versions the RL loop trains (VllmRollout.publish_drafter)."""
-        drafter = self.settings.vllm_drafter
-        return Path(drafter).expanduser() if drafter is not None and is_learned(Path(drafter)) else None
+    def drafter(self) -> Path | None:
+        """The drafter directory the engine drafts with; None: it decodes plainly."""
+        spec = self.speculation
+        return Path(spec.drafter).expanduser() if spec.drafter is not None and spec.spec != "off" else None
+
+    def drafting(self) -> Drafting | None:
+        """How the engine drafts (module doc); None without a drafter."""
+        if self.drafter() is None:
+            return None
+        table = self.settings.batch_schedule()
+        if table is not None:
+            return Drafting(max(k for _, _, k in table), table)
+        if self.speculation.spec == "on":
+            k = self.speculation.draft_depth
+            return Drafting(k, [(1, self.settings.max_num_seqs, k)])
+        tuned = tuple(sorted({arm.draft_depth for arm in DRAFTER_ARMS}))
+        return Drafting(max(tuned), None, tuned)
+
+    def needs_drafter(self) -> bool:
+        return self.speculation.spec != "off" and self.speculation.drafter is None
+
+    def with_drafter(self, drafter: Path) -> VllmRolloutConfig:
+        return dataclasses.replace(self, speculation=dataclasses.replace(self.speculation, drafter=str(drafter)))
+
+    def check(self) -> None:
+        check_installed()
+        if (drafter := self.drafter()) is not None:
+            spec_method(drafter)  # a missing or unreadable drafter fails in one line
+
+    def describe(self) -> str:
+        drafter = self.drafter()
+        return f"on vLLM, speculation {self.speculation.spec}" + (f" with drafter {drafter}" if drafter else "")
 
     def for_evaluation(self) -> RolloutConfig:
         """tailrl's native engine, plain, in this process, with as many slots and as much cache:
@@ -46,14 +98,10 @@ class VllmRolloutConfig:
                                                        kv_budget_gb=self.settings.kv_cache_gb),
                                    speculation=SpeculationConfig(spec="off"))
 
-    def open(self, model: Transformer, seed: int, state: dict[str, object] | None = None) -> Rollout:
+    def open(self, model: Transformer, seed: int, state: RolloutState | None = None) -> Rollout:
         """An in-process vLLM engine on `model`'s architecture, weights and dtype, its unseeded
-        randomness and its tuner seeded by `seed`, the tuner resuming `state`."""
-        if state and set(state) != {"tuner"}:
-            raise ValueError("this checkpoint holds another engine's rollout state; resume it with that engine")
-        check_installed()
-        if self.settings.vllm_drafter is not None:
-            spec_method(Path(self.settings.vllm_drafter))  # a missing or unreadable drafter fails in one line
+        randomness and its tuner seeded by `seed`, resuming `state`."""
+        self.check()
         # The engine runs in this process (rollout.py says why); vLLM's own log lines would bury
         # tailrl's progress (VLLM_LOGGING_LEVEL=INFO shows them; read when vLLM is imported).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -62,8 +110,10 @@ class VllmRolloutConfig:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
         from tailrl.rollout.vllm.rollout import VllmRollout
 
-        return VllmRollout.start(self.settings, model, seed, state)
+        return VllmRollout.start(self, model, seed, state)
 
 
-# The configuration section of the vLLM engine (flags and TOML table), by name.
-SECTIONS: dict[str, type] = {"vllm": VllmSettings}
+# The configuration sections of the vLLM engine (flags and TOML tables), by name; all but [vllm]
+# are shared with the native engine.
+SECTIONS: dict[str, type] = {"vllm": VllmSettings, "speculation": RolloutSpeculationConfig, "tuner": TunerConfig,
+                             "adapt": AdaptConfig}

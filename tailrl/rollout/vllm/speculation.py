@@ -7,9 +7,8 @@
   LLMEngine.collective_rpc.
 - `Schedule`: each engine step's draft length, chosen by tailrl's tuner.
 
-Knows: vLLM's EAGLE drafter model (its compute_logits, load_weights, the layerwise reload), its
-scheduler's per-batch-size lookup, tailrl's drafter files and tuner. Does not know: the step
-loop, RL.
+Knows: tailrl's drafter files and tuner, what the draft head computes. Does not know: vLLM's
+internals (tailrl.rollout.vllm.internals reaches them), the step loop, RL.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.worker.worker_base import WorkerBase
 
 from tailrl.model import Transformer
+from tailrl.rollout.vllm import internals
 from tailrl.speculative.drafter.export import write_eagle
 from tailrl.speculative.drafter.model import DrafterConfig, check_target, read_drafter_config, read_drafter_weights
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
@@ -53,24 +52,15 @@ class DraftVocabHead(nn.Module):
 
 
 def install_draft_head(worker: WorkerBase, weight: torch.Tensor, vocab: torch.Tensor) -> None:
-    """On the engine's worker: the drafter model's logits from a DraftVocabHead, an instance
-    attribute that shadows its compute_logits method (which vLLM's proposer calls). Set past
-    nn.Module.__setattr__, which would register it as a submodule (that the method shadows, and
-    the layerwise reload would walk)."""
-    model = worker.model_runner.drafter.model
-    object.__setattr__(model, "compute_logits", DraftVocabHead(weight, vocab, model.config.vocab_size))
+    """On the engine's worker: the drafter model's logits from a DraftVocabHead."""
+    internals.set_drafter_logits(worker, DraftVocabHead(weight, vocab, internals.drafter_vocab_size(worker)))
 
 
 def load_drafter_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor], head: torch.Tensor) -> None:
-    """On the engine's worker: the EAGLE drafter's own weights (fc and its layer) replaced in
-    place, by the same layerwise reload as the target's, and its draft head's. The embedding it
-    shares with the target receives nothing, so the reload puts it back untouched."""
-    runner = worker.model_runner
-    model = runner.drafter.model
-    initialize_layerwise_reload(model)
-    model.load_weights(iter(weights.items()))
-    finalize_layerwise_reload(model, runner.vllm_config.model_config)
-    model.compute_logits.weight.copy_(head)
+    """On the engine's worker: the EAGLE drafter's own weights (fc and its layer) and its draft
+    head's replaced in place; the embedding it shares with the target stays."""
+    internals.reload_weights(worker, weights, drafter=True)
+    internals.drafter_logits(worker).weight.copy_(head)
 
 
 def write_learned_drafter(drafter: Path, model: Transformer, dtype: torch.dtype,
@@ -89,16 +79,16 @@ class Schedule:
     """Each engine step's draft length, chosen by tailrl's tuner (TLT's adaptive engine).
 
     vLLM's scheduler drafts K(batch) tokens per sequence in a step, read from a dense lookup by
-    running batch size (Scheduler.dynamic_sd_lookup, built from the engine's per-batch table);
-    there is no public call to change it, so before every step the whole lookup is set to the
-    chosen arm's length (0 = plain). The drafts a step proposes are verified in the next step,
-    so a step's reward (tokens per second per sequence) goes to the arm chosen before the step
-    that proposed them (PLAIN when the step verified none)."""
+    running batch size (internals.draft_length_lookup); before every step the whole lookup is
+    set to the chosen arm's length (0 = plain). The drafts a step proposes are verified in the
+    next step, so a step's reward (tokens per second per sequence) goes to the arm chosen before
+    the step that proposed them (PLAIN when the step verified none)."""
 
-    def __init__(self, engine: LLMEngine, lengths: Sequence[int], state: dict[str, object] | None, seed: int):
-        self.lookup: list[int] = engine.engine_core.engine_core.scheduler.dynamic_sd_lookup
+    def __init__(self, engine: LLMEngine, lengths: Sequence[int], cfg: TunerConfig, state: dict[str, object] | None,
+                 seed: int):
+        self.lookup = internals.draft_length_lookup(engine)
         self.arms = {PLAIN: 0, **{Arm("drafter", k, 1, k): k for k in lengths}}
-        self.tuner = Tuner(list(self.arms), TunerConfig(), seed=seed)
+        self.tuner = Tuner(list(self.arms), cfg, seed=seed)
         if state:
             self.tuner.load_state_dict(state)
         self.proposed = PLAIN  # the arm whose drafts the next step verifies

@@ -5,7 +5,7 @@ Transformer, not a directory, so it writes one: config.json from the Transformer
 ModelConfig (`hf_config`; the fields tailrl's forward reads are exactly those written, so vLLM
 runs the architecture tailrl computes, whatever else the original config.json held) and the
 weights in the rollout's dtype. No tokenizer: the engine takes and returns token ids.
-`engine_weights` is what `publish_weights` pushes into the live engine afterwards.
+`engine_weights` is what `publish` pushes into the live engine afterwards.
 
 Knows: ModelConfig's fields, Hugging Face config keys, state-dict names. Does not know: vLLM.
 """

@@ -1,5 +1,6 @@
-"""The learned drafter trained from outside the rollout: for engines that draft with it but do not
-train it themselves (the vLLM engine), on hidden states its owner hands over.
+"""The learned drafter trained on hidden states its owner hands over, in micro-steps its owner
+schedules: how a rollout without idle workers of its own (one in-process native engine, an
+in-process vLLM engine) adapts its drafter during RL, on what the trainer's forwards computed.
 
 A step's life. `begin_step(target)` attaches the drafter to the target's current weights and
 makes what `add` received during the previous step the data to train on (packed once, in the
@@ -14,8 +15,9 @@ of the step it runs in. The cross-entropy target of each data set is the target'
 time that data was produced (snapshotted by begin_step), so hidden states and head belong to one
 model.
 
-One micro-step is training.micro_step on one packed row of `batch_tokens` entries, as spot
-training (tailrl.rollout.native.spot) runs it: same loss, optimizer and clipping.
+One micro-step is training.micro_step on one packed row of `drafter_batch_tokens` entries, as
+spot training (tailrl.rollout.native.spot) runs it: same loss, optimizer and clipping, and the
+same settings (`AdaptConfig`, one section for both engines and both ways of training).
 
 Checkpoints. state_dict() is the state at the last end_step (or load), whatever happened since,
 so a checkpoint written after an interrupted step resumes as the uninterrupted run would.
@@ -29,7 +31,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,16 +45,25 @@ from tailrl.speculative.drafter.training import (
 
 
 @dataclass(frozen=True)
-class LearnerConfig:
-    """The learner's optimizer and micro-step size (spot training's defaults and meaning)."""
+class AdaptConfig:
+    """The learned drafter's training during RL (TLT's adaptive drafter), on either engine."""
 
-    lr: float = CONTINUE_LR
-    batch_tokens: int = CONTINUE_BATCH_TOKENS
-    ce_weight: float = 0.1  # TLT's w, as in spot training
+    adapt_drafter: bool = field(default=True, metadata={"help": (
+        "train the learned drafter during RL on the policy's responses: on idle workers (spot training, "
+        "--workers >= 2), else on the core the update leaves idle in the rollout's tail; each step that "
+        "trained publishes a new version")})
+    drafter_lr: float = field(default=CONTINUE_LR, metadata={"help": "drafter training: AdamW learning rate"})
+    drafter_batch_tokens: int = field(default=CONTINUE_BATCH_TOKENS, metadata={
+        "help": "drafter training: entries per micro-step (what the rollout or the update waits at most)"})
+    drafter_ce_weight: float = field(default=0.1, metadata={"help": "weight of the drafter's cross-entropy term (TLT: 0.1)"})
+    drafter_min_steps: int = field(default=2, metadata={"help": (
+        "drafter micro-steps per RL step when it trains on the update's idle core: those the idle time "
+        "did not run, run after the update, on the step's time (drafter_after_s); 0 = idle time only")})
 
     def __post_init__(self) -> None:
-        if not self.lr > 0 or self.batch_tokens < 1:
-            raise ValueError(f"lr must be > 0 and batch_tokens >= 1, got {self.lr} and {self.batch_tokens}")
+        if not self.drafter_lr > 0 or self.drafter_batch_tokens < 1 or self.drafter_min_steps < 0:
+            raise ValueError(f"drafter_lr must be > 0, drafter_batch_tokens >= 1 and drafter_min_steps >= 0, got "
+                             f"{self.drafter_lr}, {self.drafter_batch_tokens} and {self.drafter_min_steps}")
 
 
 @dataclass(frozen=True)
@@ -69,10 +80,10 @@ class LearnerStats:
 class DrafterLearner:
     """An fp32 drafter, its AdamW state and data, trained in micro-steps (module doc)."""
 
-    def __init__(self, drafter: Drafter, target: Transformer, cfg: LearnerConfig = LearnerConfig()):
+    def __init__(self, drafter: Drafter, target: Transformer, cfg: AdaptConfig = AdaptConfig()):
         self.cfg = cfg
         self.drafter = drafter.float().train().requires_grad_(True)
-        self.params, self.opt = drafter_optimizer(self.drafter, cfg.lr)
+        self.params, self.opt = drafter_optimizer(self.drafter, cfg.drafter_lr)
         self.version = 0  # 0: the drafter loaded; +1 per step that trained it
         self.micro_steps = 0  # in total
         self._lock = threading.Lock()  # add() runs on the caller's update threads
@@ -87,7 +98,7 @@ class DrafterLearner:
         self._committed = self._snapshot(None)
 
     @classmethod
-    def load(cls, path: str | Path, target: Transformer, cfg: LearnerConfig = LearnerConfig()) -> DrafterLearner:
+    def load(cls, path: str | Path, target: Transformer, cfg: AdaptConfig = AdaptConfig()) -> DrafterLearner:
         """The drafter in `path` (tailrl's drafter files), for `target`, on the CPU in fp32."""
         return cls(load_drafter(path, target, dtype=torch.float32, device="cpu"), target, cfg)
 
@@ -104,7 +115,7 @@ class DrafterLearner:
         with self._lock:
             data, self._incoming = self._incoming, []
             self._head, self._incoming_head = self._incoming_head, self._head_of(target)
-        self._batches = pack(data, self.cfg.batch_tokens) if data else []
+        self._batches = pack(data, self.cfg.drafter_batch_tokens) if data else []
         self._seqs, self._done, self._losses, self._seconds = len(data), 0, [], 0.0
 
     def add(self, seqs: list[TrainSeq]) -> None:
@@ -128,7 +139,7 @@ class DrafterLearner:
         try:
             while self._batches and not stop():
                 batch = self._batches[self._done % len(self._batches)]
-                stats = micro_step(self.drafter, self.opt, self.params, batch, self._head, self.cfg.ce_weight)
+                stats = micro_step(self.drafter, self.opt, self.params, batch, self._head, self.cfg.drafter_ce_weight)
                 self._done += 1
                 self.micro_steps += 1
                 self._losses.append(stats.loss)

