@@ -74,7 +74,9 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 
 
 # Renamed fields: the old name (flag or TOML key) is refused with a message naming the new one.
-RENAMED = {"num_steps": "draft_depth", "readme": "results_md"}
+RENAMED = {"num_steps": "draft_depth", "readme": "results_md", "vllm_drafter": "drafter",
+           "num_speculative_tokens": "draft_depth", "spot_train": "adapt_drafter",
+           "learner_min_steps": "drafter_min_steps"}
 
 
 class _Renamed(argparse.Action):
@@ -139,7 +141,7 @@ def resolve(
         table = dict(toml.get(section, {}))
         names = {f.name for f, _ in _fields(cls)}
         extra = set(table) - names
-        renamed = sorted(k for k in extra if RENAMED.get(k) in names)
+        renamed = sorted(k for k in extra if k in RENAMED)
         if renamed:
             raise ConfigError(f"[{section}] {renamed[0]} was renamed {RENAMED[renamed[0]]}")
         if extra:

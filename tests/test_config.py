@@ -90,6 +90,10 @@ def test_renamed_fields_are_refused_with_the_new_name(capsys):
     class Arm:
         draft_depth: int = 4
 
+    @dataclass
+    class Vllm:
+        max_num_seqs: int = 64
+
     parser = argparse.ArgumentParser(prog="tailrl x")
     cfglib.add_arguments(parser, {"speculation": Arm})
     with pytest.raises(SystemExit) as e:
@@ -99,3 +103,6 @@ def test_renamed_fields_are_refused_with_the_new_name(capsys):
         cfglib.resolve({"speculation": Arm}, toml={"speculation": {"num_steps": 3}})
     with pytest.raises(cfglib.ConfigError, match=r"^config section \[spec\] was renamed \[speculation\]$"):
         cfglib.resolve({"speculation": Arm}, toml={"spec": {"draft_depth": 3}})
+    # A setting that moved to a section both engines read: its old table names the new key.
+    with pytest.raises(cfglib.ConfigError, match=r"^\[vllm\] num_speculative_tokens was renamed draft_depth$"):
+        cfglib.resolve({"speculation": Arm, "vllm": Vllm}, toml={"vllm": {"num_speculative_tokens": 3}})

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm")
 
 from conftest import VLLM_TINY, build_hf, write_char_model  # noqa: E402
-from test_train import task_file  # noqa: E402, F401 (a fixture)
+from test_train import comparable, task_file  # noqa: E402, F401 (a fixture)
 
 from tailrl.engine import Engine  # noqa: E402
 from tailrl.loading import load_model  # noqa: E402
@@ -28,6 +28,7 @@ from tailrl.rl.run_dir import RunDir  # noqa: E402
 from tailrl.rl.train import TrainConfig, train  # noqa: E402
 from tailrl.rl.packing import Sample, packed_logprobs_and_hidden  # noqa: E402
 from tailrl.rl.phases import policy_forwards  # noqa: E402
+from tailrl.rl.progress import RolloutProgress  # noqa: E402
 from tailrl.rollout.protocol import Request, RolloutReport  # noqa: E402
 from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402
 from tailrl.rollout.vllm.rollout import VllmRollout  # noqa: E402
@@ -187,6 +188,42 @@ def test_train_with_the_vllm_engine_then_resume(tmp_path, task_file):
         assert r["spec_verify_steps"] == 0 and math.isfinite(r["loss"]) and abs(r["ratio_mean"] - 1) < 0.05
     assert [e["step"] for e in RunDir(out).read_evals()] == [0, 2, 3]
     assert 'engine = "vllm"' in (out / "config.toml").read_text()
+
+
+def test_a_resumed_vllm_run_adapts_and_samples_as_the_uninterrupted_one(tmp_path, task_file):
+    """Stopped by Ctrl-C in step 3 and resumed, a vLLM run samples the same tokens, computes the
+    same rewards and updates, and trains, publishes and drafts with the same drafter versions as
+    the uninterrupted run: vLLM's per-request generators are seeded by tailrl's sequence seeds,
+    the checkpoint holds the adapting drafter's state, and with a fixed draft length (--spec on)
+    and the update after the rollout (no idle time: the drafter trains its drafter_min_steps
+    floor only) nothing depends on timing. Greedy drafts: vLLM samples probabilistic drafts
+    from torch's global generator, whose draws a restarted engine does not repeat (docs/vllm.md);
+    with them the resumed step samples other, equally distributed, tokens."""
+    model = tmp_path / "model"
+    write_char_model(model, **VLLM_TINY)
+    drafter = save_drafter(Drafter.from_target(load_model(model, "fp32"), list(range(1, 128)), "model"), tmp_path / "d")
+    configs = {name: cls() for name, cls in TRAIN_SECTIONS.items()}
+    configs["train"] = TrainConfig(
+        model=str(model), engine="vllm", dtype="fp32", task=str(task_file), reward=f"{__name__}:mean_char_reward",
+        num_prompts=3, group_size=4, max_new_tokens=12, steps=3, seed=5, eval_every=0, overlap_batch=0)
+    # lr: a far larger step moves the embedding off the drafter's fingerprint (Drafter.attach refuses)
+    configs["grpo"] = GRPOConfig(lr=1e-3, micro_batch=5)
+    configs["vllm"] = VllmSettings(**SMALL, draft_sampling="greedy")
+    configs["speculation"] = RolloutSpeculationConfig(spec="on", drafter=str(drafter), draft_depth=3, num_draft_tokens=3)
+    configs["adapt"] = AdaptConfig(drafter_min_steps=3)
+    train(run_config(configs), tmp_path / "straight")
+
+    def ctrl_c_in_step_3(event):
+        if isinstance(event, RolloutProgress) and event.step == 3:
+            raise KeyboardInterrupt
+
+    assert train(run_config(configs), tmp_path / "resumed", on_event=ctrl_c_in_step_3).interrupted
+    train(run_config(configs), tmp_path / "resumed", resume=True)
+    straight, resumed = (RunDir(tmp_path / name).read_metrics() for name in ("straight", "resumed"))
+    assert comparable(resumed) == comparable(straight)
+    assert [(r["drafter_version"], r["drafter_published"], r["drafter_micro_steps"]) for r in straight] == \
+        [(0, 0, 0), (0, 1, 3), (1, 2, 3)]
+    assert all(r["spec_verify_steps"] > 0 for r in straight)
 
 
 # ---- the learned drafter ------------------------------------------------------------------------

@@ -32,12 +32,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tailrl.bench.train import TwoRunsConfig
-from tailrl.engine import EngineConfig
 from tailrl.rl.train import RunConfig, TrainConfig
-from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.speculative.modes import RolloutSpeculationConfig
-from tailrl.rollout.native.pool import WorkerConfig
 from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.speculative.modes import RolloutSpeculationConfig
 
 LAST = 5  # steps averaged for accept_ratio
 
@@ -52,13 +49,19 @@ class BenchDrafterConfig(TwoRunsConfig):
 
 def _configs(cfg: BenchDrafterConfig, drafter: str, adaptive: bool, steps: int) -> RunConfig:
     """The train() config of one run, stopping after `steps` steps."""
+    train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts,
+                        group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, steps=steps, seed=cfg.seed,
+                        eval_every=0, engine=cfg.engine)
+    return RunConfig(cfg.rollout(RolloutSpeculationConfig(spec=cfg.spec, drafter=drafter),
+                                 AdaptConfig(adapt_drafter=adaptive)), train=train)
 
-    train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                        steps=steps, seed=cfg.seed, eval_every=0)
-    return RunConfig(NativeRolloutConfig(engine=EngineConfig(exact=cfg.exact),
-                                         speculation=RolloutSpeculationConfig(spec=cfg.spec, drafter=drafter),
-                                         workers=WorkerConfig(workers=cfg.workers), adapt=AdaptConfig(adapt_drafter=adaptive)),
-                     train=train)
+
+def accept_len(record: dict[str, Any]) -> float | None:
+    """The learned drafter's accept_len in a step: its own where the engine reports it (the
+    native engine, whose tuner also runs the n-gram drafter), else the step's (vLLM drafts with
+    the learned drafter only)."""
+    own = record["drafter_accept_len"]
+    return own if own is not None else (record["spec_accept_len"] if record["spec_verify_steps"] else None)
 
 
 def _mean(xs: list[float | None]) -> float:
@@ -74,11 +77,11 @@ def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str
     runs = {name: (lambda step, adaptive=adaptive: _configs(cfg, drafter, adaptive, step))
             for name, adaptive in (("adaptive", True), ("frozen", False))}
     records = interleaved(out, runs, cfg.steps, lambda m: (
-        f"accept_len {m['drafter_accept_len']} step {m['step_s']:.1f}s micro-steps {m['drafter_micro_steps']} "
+        f"accept_len {accept_len(m)} step {m['step_s']:.1f}s micro-steps {m['drafter_micro_steps']} "
         f"version {m['drafter_version']}"), log)
     a, s = records["adaptive"], records["frozen"]
-    acc_a = [r["drafter_accept_len"] for r in a]
-    acc_s = [r["drafter_accept_len"] for r in s]
+    acc_a = [accept_len(r) for r in a]
+    acc_s = [accept_len(r) for r in s]
     ceiling = [r["accept_len_ceiling"] for r in a]
     step_a, step_s = _mean([r["step_s"] for r in a]), _mean([r["step_s"] for r in s])
     result = {

@@ -40,11 +40,12 @@ from typing import Any, Callable
 
 from tailrl.engine import EngineConfig
 from tailrl.rl.tasks import DEFAULT_TASK
-from tailrl.rl.train import RunConfig, TrainConfig
+from tailrl.rl.train import ENGINES, RunConfig, TrainConfig
 from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.speculative.modes import RolloutSpeculationConfig
 from tailrl.rollout.native.pool import WorkerConfig
+from tailrl.rollout.protocol import RolloutConfig
 from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
 
 RUNS = ("baseline", "sd_only", "overlap_only", "tlt")
 SPECULATE = {"sd_only", "tlt"}
@@ -70,11 +71,31 @@ class TwoRunsConfig:
     max_new_tokens: int = field(default=512, metadata={"help": "longest response"})
     seed: int = field(default=0, metadata={"help": "run seed of both runs"})
     exact: bool = field(default=True, metadata={"help": "row-invariant forwards in both runs, so both sample the same "
-                                                        "tokens bit for bit (slower small-batch steps, see tailrl.model)"})
+                                                        "tokens bit for bit (slower small-batch steps, see tailrl.model; "
+                                                        "the native engine's)"})
+    engine: str = field(default="native", metadata={"help": "rollout engine of every run: native or vllm (an "
+                                                            "in-process vLLM engine; lossless in distribution only, "
+                                                            "so with --no-exact)", "choices": ENGINES})
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.workers < 1:
             raise ValueError(f"need steps >= 1 and workers >= 1, got {self.steps} and {self.workers}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "vllm" and (self.exact or self.workers != 1):
+            raise ValueError("--engine vllm runs one in-process engine, lossless in distribution only: use it with "
+                             "--no-exact and --workers 1")
+
+    def rollout(self, speculation: SpeculationConfig, adapt: AdaptConfig) -> RolloutConfig:
+        """Every run's engine, speculating and adapting its drafter as given."""
+        if self.engine == "vllm":
+            from tailrl.rollout.vllm.config import VllmRolloutConfig
+            from tailrl.rollout.vllm.settings import VllmSettings
+
+            return VllmRolloutConfig(VllmSettings(max_num_seqs=self.num_prompts * self.group_size), speculation,
+                                     adapt=adapt)
+        return NativeRolloutConfig(engine=EngineConfig(exact=self.exact), speculation=speculation,
+                                   workers=WorkerConfig(workers=self.workers), adapt=adapt)
 
 
 @dataclass(frozen=True)
@@ -91,9 +112,8 @@ def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) ->
                         group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, steps=steps, seed=cfg.seed,
                         overlap_batch=TrainConfig.overlap_batch if run in OVERLAP else 0, eval_every=0)
     speculation = RolloutSpeculationConfig(spec="auto", drafter=drafter) if sd else RolloutSpeculationConfig(spec="off")
-    return RunConfig(NativeRolloutConfig(engine=EngineConfig(exact=cfg.exact), speculation=speculation,
-                                         workers=WorkerConfig(workers=cfg.workers), adapt=AdaptConfig(adapt_drafter=sd)),
-                     train=train)
+    return RunConfig(cfg.rollout(speculation, AdaptConfig(adapt_drafter=sd)),
+                     train=dataclasses.replace(train, engine=cfg.engine))
 
 
 def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

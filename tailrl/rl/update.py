@@ -13,7 +13,7 @@ group was computed:
   Floating-point addition is not associative, so a fixed order is what makes the sum's bits
   independent of the order groups finish in. Buffers of groups that finished early wait.
 - At the end the sum is divided by the batch's token count (known only then): the token-mean over
-  the whole batch, as DESIGN's "accumulate unnormalised sums, divide once".
+  the whole batch: unnormalised sums accumulated, divided once.
 
 `BackgroundUpdate` runs `GroupGradients.add` on a background thread as groups arrive, with one
 torch thread, while the rollout decodes. It computes only while the rollout leaves a core to it
