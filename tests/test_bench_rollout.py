@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tailrl.bench.rollout import ModeResult, oracle
 from tailrl.bench.suite import _rollout
 from tailrl.cli import main
 
@@ -13,8 +14,8 @@ from tailrl.cli import main
 def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_shallow_dir, tmp_path, capsys):
     plot = tmp_path / "rollout.png"
     code = main(["bench", "rollout", "--model", str(smollm2_shallow_dir), "--dtype", "fp32", "--num-prompts", "2",
-                 "--group-size", "2", "--max-new-tokens", "12", "--reps", "2", "--modes", "off,ngram,auto", "--exact",
-                 "--plot", str(plot), "--json"])
+                 "--group-size", "2", "--max-new-tokens", "12", "--reps", "2", "--batches", "2", "--modes",
+                 "off,ngram,auto", "--exact", "--plot", str(plot), "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(report["modes"]) == set(report["speedup"]) == {"off", "ngram", "auto"}
@@ -23,8 +24,26 @@ def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_shallow_
     assert len(tokens) == 1 and all(m["differing_sequences"] == 0 for m in report["modes"].values())
     assert report["modes"]["ngram"]["accept_len"] >= 1.0 and report["modes"]["ngram"]["sd_fraction"] == 1.0
     rows = [line for line in _rollout(report) if line.startswith("| ")][1:]  # the results page's rendering
-    assert [line.split(" | ")[0] for line in rows] == ["| off", "| ngram", "| auto"]
+    assert [line.split(" | ")[0] for line in rows[:3]] == ["| off", "| ngram", "| auto"]
+    assert report["batches"] == 2 and report["oracle"]["native_seconds"] > 0 and report["oracle"]["auto_efficiency"] > 0
+    assert any(line.startswith("Oracle time") for line in _rollout(report))
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_oracle_decodes_each_buckets_work_at_its_best_measured_rate():
+    """Hand-computed: off decodes 100 tokens at batch 64 in 2 s and 10 at batch 1 in 1 s (two
+    repetitions: twice that), after 0.5 s of prefill; the drafter mode decodes batch 1 at 30
+    tok/s, vLLM's off batch 64 at 100 tok/s. Native oracle: 0.5 + 100/50 + 10/30; over both
+    engines: 0.5 + 100/100 + 10/30."""
+    off, drafter, vllm_off = ModeResult(prefill=[0.5, 0.5]), ModeResult(seconds=[2.0, 2.0]), ModeResult(prefill=[0.2])
+    off.cells = {">32": {"plain": [200.0, 4.0]}, "1": {"plain": [20.0, 2.0]}}
+    drafter.cells = {"1": {"drafter(6,1,6)": [60.0, 2.0]}}
+    vllm_off.cells = {">32": {"plain": [100.0, 1.0]}}
+    o = oracle({"off": off, "drafter": drafter, "vllm-off": vllm_off}, reps=2)
+    assert o["native_seconds"] == pytest.approx(0.5 + 2.0 + 1 / 3)
+    assert o["any_seconds"] == pytest.approx(0.5 + 1.0 + 1 / 3)
+    assert o["vllm_seconds"] == pytest.approx(0.2 + 0.5)  # vLLM's own work per repetition: 100 / 2 at 100 tok/s
+    assert o["buckets"]["1"]["best"] == "drafter drafter(6,1,6)" and o["buckets"][">32"]["best"] == "vllm-off plain"
 
 
 def test_bench_rollout_runs_the_vllm_modes_beside_the_native_ones(smollm2_shallow_dir, tmp_path, capsys):

@@ -1,7 +1,8 @@
-"""`tailrl bench rollout`: one long-tailed GRPO rollout batch, decoded plain and speculatively.
+"""`tailrl bench rollout`: long-tailed GRPO rollout batches, decoded plain and speculatively.
 
-The batch is the first RL step of the configured run (the task's problems at the start of its
-stream, group_size seeded samples each, the policy before any update). It is generated in each
+The batches are the first `batches` RL steps of the configured run (the task's problems in the
+order of its stream, group_size seeded samples each, the policy before any update); a mode's
+time is the sum over them. They are generated in each
 mode: off (plain decoding), ngram (n-gram drafter every step), drafter (the learned drafter every
 step, when one is given) and auto (the tuner, TLT's switch gate in front); and on vLLM (in
 process, tailrl.rollout.vllm): vllm-off, vllm-drafter (the learned drafter as vLLM's EAGLE
@@ -9,15 +10,22 @@ drafter every step) and vllm-auto (the same drafter, tailrl's tuner choosing eac
 length), each from an engine started for the repetition (start-up untimed, the tuner empty),
 whose tokens are vLLM's samples and not compared with the native engine's. Modes run interleaved
 within each repetition, so slow phases of a shared machine hit every mode alike; each mode starts
-from a fresh decoder every time (an empty n-gram history: a repetition must not draft from its
-own previous answers). The tuner starts from the state it reached on one untimed rollout of
-another batch (the previous step's problems and seeds), as in training from the second step on,
-where the tuner's state carries over; `--cold-tuner` starts it empty instead. Tokens are compared
-with the off run of the same repetition.
+each repetition from a fresh decoder (an empty n-gram history: a repetition must not draft from
+its own previous answers). The tuner starts from the state it reached on one untimed rollout of
+another batch (the step before the first one's problems and seeds), as in training from the
+second step on, and carries its state from batch to batch; `--cold-tuner` starts it empty
+instead. Tokens are compared with the off run of the same repetition.
 
-The long-tail picture: the running batch size over time per mode, and the ideal time, i.e. the
-off run's prefill plus all its decode tokens at the throughput of its full-batch steps: what the
-rollout would take if no sequence were longer than the others.
+The long-tail picture: the running batch size over time per mode (the first batch), and the
+ideal time, i.e. the off run's prefill plus all its decode tokens at the throughput of its
+full-batch steps: what the rollouts would take if no sequence were longer than the others.
+
+The oracle: every decode step falls in a running-batch-size bucket (the tuner's), and every
+mode measures, per bucket and arm, how many tokens per second it decoded there. Decoding the
+off run's tokens of each bucket at the best rate any arm reached in that bucket, after the off
+run's prefill, takes the oracle time: the best schedule of the measured arms on this batch. It
+is reported per engine (native arms after the native off run's prefill, vLLM's after vLLM's)
+and over both, beside each mode, with the tuner's efficiency (oracle time over auto's time).
 
 Knows: how to build a step's requests (tailrl.rl.train), install a mode (tailrl.speculative.modes), open
 a vLLM rollout.
@@ -60,6 +68,7 @@ class BenchRolloutConfig:
     max_new_tokens: int = field(default=512, metadata={"help": "longest response"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     seed: int = field(default=0, metadata={"help": "run seed (problems and sampling)"})
+    batches: int = field(default=1, metadata={"help": "rollout batches: steps 1..N of the run's problem stream"})
     reps: int = field(default=3, metadata={"help": "repetitions of every mode"})
     modes: tuple[str, ...] = field(default=("off", "ngram", "drafter", "auto"), metadata={"help": "comma-separated modes to run (drafter, auto, vllm-drafter, vllm-auto only with --drafter); vllm-* decode on vLLM (tailrl[vllm])"})
     draft_depth: int = field(default=6, metadata={"help": "draft tokens per verify of the drafter modes (a chain; vLLM's num_speculative_tokens)"})
@@ -73,27 +82,52 @@ class BenchRolloutConfig:
         unknown = set(self.modes) - set(MODES)
         if unknown or "off" not in self.modes:
             raise ValueError(f"modes must include off and be among {', '.join(MODES)}, got {', '.join(self.modes)}")
-        if self.reps < 1 or self.draft_depth < 1:
-            raise ValueError(f"reps and draft_depth must be >= 1, got {self.reps} and {self.draft_depth}")
+        if self.reps < 1 or self.draft_depth < 1 or self.batches < 1:
+            raise ValueError(f"reps, batches and draft_depth must be >= 1, got {self.reps}, {self.batches} and "
+                             f"{self.draft_depth}")
 
 
 @dataclass
 class ModeResult:
-    seconds: list[float] = field(default_factory=list)  # one per repetition
+    seconds: list[float] = field(default_factory=list)  # one per repetition, summed over the batches
+    prefill: list[float] = field(default_factory=list)  # its prefill share, the same way
     tokens: int = 0
-    accept_len: float = 0.0  # tokens per sequence-verify of speculative steps (0: none)
-    sd_fraction: float = 0.0  # share of decode tokens from speculative steps
+    emitted: int = 0  # tokens emitted by speculative steps, first repetition
+    verifies: int = 0  # sequence-verifies, first repetition
+    spec_tokens: int = 0  # decode-step tokens from speculative steps, first repetition
+    decode_tokens: int = 0
     differing: int | None = 0  # sequences whose tokens differ from the off run's, summed over repetitions (None: vLLM)
-    timeline: list[list[Any]] = field(default_factory=list)  # the first repetition's batch segments
+    timeline: list[list[Any]] = field(default_factory=list)  # the first repetition's first batch's segments
+    cells: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # bucket -> arm -> [tokens, seconds], all reps
+
+    def add(self, by_bucket: dict[str, dict[str, dict[str, float]]], timeline: list[list[Any]], tokens: int,
+            accept_len: float, verifies: int, sd_fraction: float, first: bool) -> None:
+        """One batch's rollout (its report's fields): its cells always, its counts in the first
+        repetition."""
+        decode = 0.0
+        for bucket, arms in by_bucket.items():
+            for arm, c in arms.items():
+                cell = self.cells.setdefault(bucket, {}).setdefault(arm, [0.0, 0.0])
+                cell[0] += c["tokens"]
+                cell[1] += c["seconds"]
+                decode += c["tokens"]
+        if first:
+            self.timeline = self.timeline or timeline
+            self.tokens += tokens
+            self.emitted += round(accept_len * verifies)
+            self.verifies += verifies
+            self.decode_tokens += int(decode)
+            self.spec_tokens += round(sd_fraction * decode)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "seconds_median": statistics.median(self.seconds),
             "seconds_min": min(self.seconds),
             "seconds_max": max(self.seconds),
+            "prefill_median": statistics.median(self.prefill),
             "tokens": self.tokens,
-            "accept_len": self.accept_len,
-            "sd_fraction": self.sd_fraction,
+            "accept_len": self.emitted / self.verifies if self.verifies else 0.0,
+            "sd_fraction": self.spec_tokens / self.decode_tokens if self.decode_tokens else 0.0,
             "differing_sequences": self.differing,
         }
 
@@ -136,29 +170,36 @@ def _warm_vllm_tuner(cfg: BenchRolloutConfig, model: Transformer, other: list[Re
         rollout.close()
 
 
-def _vllm_repetition(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request],
+def _vllm_repetition(cfg: BenchRolloutConfig, mode: str, model: Transformer, batches: list[list[Request]],
                      state: RolloutState | None, r: ModeResult, first: bool) -> tuple[float, int, float]:
-    """One timed rollout of `mode` on a fresh engine, into `r` (the first repetition's report
-    too); its seconds, tokens and accept_len. vLLM samples its own tokens (the same distribution
-    as the native engine's, other responses), so they are not compared (differing is None)."""
-    rollout = _vllm_rollout(cfg, mode, model, requests, state)
+    """One timed pass of `mode` over the batches on a fresh engine (its tuner carries from batch
+    to batch), into `r`; its seconds, tokens and accept_len. vLLM samples its own tokens (the
+    same distribution as the native engine's, other responses), so they are not compared
+    (differing is None)."""
+    rollout = _vllm_rollout(cfg, mode, model, batches[0], state)
+    seconds = prefill = 0.0
+    tokens = emitted = verifies = 0
     try:
-        t0 = time.perf_counter()
-        out = rollout.generate(1, requests, SamplingParams(cfg.temperature), cfg.max_new_tokens)
-        seconds, report = time.perf_counter() - t0, rollout.report()
+        for step, requests in enumerate(batches, start=1):
+            t0 = time.perf_counter()
+            out = rollout.generate(step, requests, SamplingParams(cfg.temperature), cfg.max_new_tokens)
+            seconds += time.perf_counter() - t0
+            rep = rollout.report()
+            n = sum(len(c.token_ids) for c in out)
+            r.add(rep.by_bucket, rep.batch_timeline, n, rep.spec_accept_len, rep.spec_verify_steps, rep.sd_fraction,
+                  first)
+            tokens, prefill = tokens + n, prefill + rep.prefill_s
+            emitted, verifies = emitted + round(rep.spec_accept_len * rep.spec_verify_steps), verifies + rep.spec_verify_steps
     finally:
         rollout.close()
-    tokens = sum(len(c.token_ids) for c in out)
     r.seconds.append(seconds)
+    r.prefill.append(prefill)
     r.differing = None
-    if first:
-        r.tokens, r.accept_len, r.sd_fraction = tokens, report.spec_accept_len, report.sd_fraction
-        r.timeline = report.batch_timeline
-    return seconds, tokens, report.spec_accept_len
+    return seconds, tokens, emitted / verifies if verifies else 0.0
 
 
 def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every mode `reps` times; the JSON object described in the CLI help."""
+    """Every mode `reps` times over the batches; the JSON object described in the CLI help."""
     # off first: each repetition's other modes are compared with its tokens.
     modes = ["off"] + [m for m in cfg.modes if m != "off" and (m in ("ngram", "auto", "vllm-off") or cfg.drafter)]
     for m in set(cfg.modes) - set(modes):
@@ -171,56 +212,67 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     engine = Engine(model, EngineConfig(max_batch=cfg.num_prompts * cfg.group_size, exact=cfg.exact))
     tc = TrainConfig(task=cfg.task, num_prompts=cfg.num_prompts, group_size=cfg.group_size,
                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
-    _, requests = rollout_requests(make_task(cfg.task), tokenizer, tc, 1, 0, model.cfg.max_position_embeddings)
+    task, context = make_task(cfg.task), model.cfg.max_position_embeddings
+
+    def batch(step: int) -> list[Request]:  # the run's step `step` (0: the one before the first)
+        return rollout_requests(task, tokenizer, tc, step, max(step - 1, 0) * cfg.num_prompts, context)[1]
+
+    batches = [batch(step) for step in range(1, cfg.batches + 1)]
     params = SamplingParams(cfg.temperature)
-    engine.generate(requests[:2], params, 2)  # allocate the cache, warm the kernels: untimed
+    engine.generate(batches[0][:2], params, 2)  # allocate the cache, warm the kernels: untimed
     tuner_state = None
     if "auto" in modes and not cfg.cold_tuner:
-        _, other = rollout_requests(make_task(cfg.task), tokenizer, tc, 0, cfg.num_prompts, model.cfg.max_position_embeddings)
+        other = batch(0)
         tuner = install(engine, _spec_config("auto", cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed)
         engine.generate(other, params, cfg.max_new_tokens)
         tuner_state = tuner.state_dict()
         log(f"tuner warmed on another batch of {len(other)} requests in {engine.stats.seconds:.1f} s")
     vllm_state = None
     if "vllm-auto" in modes and not cfg.cold_tuner:
-        _, other = rollout_requests(make_task(cfg.task), tokenizer, tc, 0, cfg.num_prompts, model.cfg.max_position_embeddings)
-        vllm_state = _warm_vllm_tuner(cfg, model, other)
-        log(f"vLLM's tuner warmed on another batch of {len(other)} requests")
+        vllm_state = _warm_vllm_tuner(cfg, model, batch(0))
+        log("vLLM's tuner warmed on another batch")
     results = {m: ModeResult() for m in modes}
     ideal: list[float] = []
+    edges = TunerConfig().bucket_edges
     for rep in range(cfg.reps):
-        reference = None
+        reference: list[list[list[int]]] = []
         for mode in modes:
             r = results[mode]
             if mode.startswith("vllm"):
                 state = vllm_state if mode == "vllm-auto" else None
-                seconds, tokens, accept_len = _vllm_repetition(cfg, mode, model, requests, state, r, first=rep == 0)
+                seconds, tokens, accept_len = _vllm_repetition(cfg, mode, model, batches, state, r, first=rep == 0)
                 log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {seconds:7.1f} s, {tokens} tokens, "
                     f"{tokens / seconds:6.1f} tok/s, accept_len {accept_len:4.2f}")
                 continue
+            # One decoder (and tuner, whose state carries from batch to batch) per repetition.
             install(engine, _spec_config(mode, cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed,
                     tuner_state=tuner_state)
-            out = engine.generate(requests, params, cfg.max_new_tokens)
-            tokens = [c.token_ids for c in out]
-            st = engine.stats
-            r.seconds.append(st.seconds)
-            if mode == "off":
-                reference = tokens
-                ideal.append(ideal_seconds(st))
-            r.differing += sum(a != b for a, b in zip(tokens, reference))
-            if rep == 0:
-                decoding = rollout_report(st, TunerConfig().bucket_edges)
-                r.tokens, r.accept_len = st.tokens, st.spec.accept_len
-                r.timeline, r.sd_fraction = decoding["batch_timeline"], decoding["sd_fraction"]
-            log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {st.seconds:7.1f} s, {st.tokens} tokens, "
-                f"{st.tokens_per_s:6.1f} tok/s, accept_len {st.spec.accept_len:4.2f}"
-                + (f", {r.differing} sequences differ from off" if r.differing else ""))
+            seconds = prefill = 0.0
+            tokens = 0
+            for b, requests in enumerate(batches):
+                out = engine.generate(requests, params, cfg.max_new_tokens)
+                st = engine.stats
+                decoding = rollout_report(st, edges)
+                r.add(decoding["by_bucket"], decoding["batch_timeline"], st.tokens, st.spec.accept_len,
+                      st.spec.verify_steps, decoding["sd_fraction"], first=rep == 0)
+                seconds, prefill, tokens = seconds + st.seconds, prefill + st.prefill_seconds, tokens + st.tokens
+                got = [c.token_ids for c in out]
+                if mode == "off":
+                    reference.append(got)
+                    ideal.append(ideal_seconds(st))
+                r.differing += sum(a != b for a, b in zip(got, reference[b]))
+            r.seconds.append(seconds)
+            r.prefill.append(prefill)
+            log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {seconds:7.1f} s, {tokens} tokens, "
+                f"{tokens / seconds:6.1f} tok/s" + (f", {r.differing} sequences differ from off" if r.differing else ""))
     base = statistics.median(results["off"].seconds)
     report = {
         "modes": {m: r.to_json() for m, r in results.items()},
         "speedup": {m: base / statistics.median(r.seconds) for m, r in results.items()},
-        "ideal_seconds": statistics.median(ideal),
-        "requests": len(requests),
+        "ideal_seconds": sum(ideal) / cfg.reps,
+        "oracle": oracle(results, cfg.reps),
+        "requests": len(batches[0]),
+        "batches": cfg.batches,
         "max_new_tokens": cfg.max_new_tokens,
     }
     log_summary(report, log)
@@ -230,8 +282,44 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     return report
 
 
+def oracle(results: dict[str, ModeResult], reps: int) -> dict[str, Any]:
+    """The oracle times (module doc): per engine and over both, the tuner's efficiency against
+    its engine's, and per bucket every mode's rate (tokens per second) with the best arm."""
+    rates: dict[str, dict[str, float]] = {}  # bucket -> "mode arm" -> tokens per second
+    for mode, r in results.items():
+        for bucket, arms in r.cells.items():
+            for arm, (tokens, seconds) in arms.items():
+                if seconds > 0:
+                    rates.setdefault(bucket, {})[f"{mode} {arm}"] = tokens / seconds
+
+    def oracle_seconds(off: str, engines: tuple[bool, ...]) -> float | None:
+        if off not in results:
+            return None
+        total = statistics.median(results[off].prefill)
+        for bucket, arms in results[off].cells.items():
+            work = sum(tokens for tokens, _ in arms.values()) / reps
+            best = max((v for k, v in rates[bucket].items() if k.startswith("vllm") in engines), default=None)
+            total += work / best if best else 0.0
+        return total
+
+    out: dict[str, Any] = {
+        "native_seconds": oracle_seconds("off", (False,)),
+        "vllm_seconds": oracle_seconds("vllm-off", (True,)),
+        "any_seconds": oracle_seconds("off", (False, True)),
+        "buckets": {b: {"best": max(v, key=v.get), "rates": v} for b, v in rates.items()},
+    }
+    for auto, key in (("auto", "native_seconds"), ("vllm-auto", "vllm_seconds")):
+        if auto in results and out[key] is not None:
+            out[f"{auto}_efficiency"] = out[key] / statistics.median(results[auto].seconds)
+    return out
+
+
 def log_summary(report: dict[str, Any], log: Callable[[str], None]) -> None:
     log(f"ideal (all tokens at full-batch throughput): {report['ideal_seconds']:.1f} s")
+    o = report["oracle"]
+    log("oracle (each bucket at its best measured arm): " + ", ".join(
+        f"{name} {o[f'{name}_seconds']:.1f} s" for name in ("native", "vllm", "any") if o[f"{name}_seconds"] is not None)
+        + "".join(f"; {m} efficiency {o[f'{m}_efficiency']:.2f}" for m in ("auto", "vllm-auto") if f"{m}_efficiency" in o))
     for m, j in report["modes"].items():
         log(f"{m:>12}: median {j['seconds_median']:7.1f} s [{j['seconds_min']:.1f}-{j['seconds_max']:.1f}], "
             f"speedup vs off {report['speedup'][m]:4.2f}x, {j['tokens'] / j['seconds_median']:6.1f} tok/s, "

@@ -225,6 +225,22 @@ def _rollout(r: dict[str, Any]) -> list[str]:
                      f"{r['speedup'][m]:.2f}x | {j['tokens'] / j['seconds_median']:.1f} | {_f(j['accept_len'] or None)} | "
                      f"{j['sd_fraction']:.0%} | {_differing(j['differing_sequences'])} |")
     lines += ["", f"Ideal time (every token at the full batch's throughput): {r['ideal_seconds']:.1f} s."]
+    if "oracle" in r:
+        lines += ["", *_oracle(r["oracle"])]
+    return lines
+
+
+def _oracle(o: dict[str, Any]) -> list[str]:
+    """The oracle times and, per bucket, each arm's rate (tokens per second) with the best one."""
+    times = ", ".join(f"{name} {o[f'{name}_seconds']:.1f} s" for name in ("native", "vllm", "any")
+                      if o.get(f"{name}_seconds") is not None)
+    eff = "".join(f"; {m} efficiency (oracle over its time) **{o[f'{m}_efficiency']:.2f}**"
+                  for m in ("auto", "vllm-auto") if f"{m}_efficiency" in o)
+    arms = sorted({a for b in o["buckets"].values() for a in b["rates"]})
+    lines = [f"Oracle time (each bucket's tokens at its best measured arm): {times}{eff}.", "",
+             "| bucket | best | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
+    for bucket, b in o["buckets"].items():
+        lines.append(f"| {bucket} | {b['best']} | " + " | ".join(_f(b["rates"].get(a), 0) for a in arms) + " |")
     return lines
 
 

@@ -8,15 +8,17 @@ group computed on one torch thread (two groups at a time once the rollout is ove
 gradient has the same bits either way, on any CPU; only where the time goes differs.
 
 In the overlapped schedule the background thread computes only in the rollout's tail (at most
-`overlap_batch` sequences running): with fewer sequences than cores to keep busy, a core is
-better spent on the update than on decoding, so the rollout is asked to lend one
-(Rollout.lend_core) while the update has work.
+`overlap_batch` sequences running): with few sequences running a core is better spent on the
+update than on decoding, so the rollout is asked to lend one (Rollout.lend_core) while the
+update has work.
 
 What the update computes is the rollout's to learn from: a rollout that wants them gets each
 computed group's sequences with the policy's hidden states (Rollout.observe), and in the
 overlapped schedule the rollout's own idle work (its drafter's training) runs on the lent core
-while no group waits (policy work first, tailrl.rl.update "Idle work"); the core is lent while
-either has work. The synchronous schedule has no such idle time.
+while no group waits (policy work first, tailrl.rl.update "Idle work"). The core is lent for
+the policy's work only: the tail decodes faster on every core it has (docs/workers.md), so the
+rollout's idle work gets the gaps between groups, never a core of its own. The synchronous
+schedule has no such gaps.
 
 Knows: the order of a step's phases, groups, rewards, advantages. Does not know: how the
 rollout decodes (tailrl.rollout.protocol), the loss (tailrl.rl.update), the optimizer, what the
@@ -165,7 +167,7 @@ def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGra
 
     def progress(p: Progress) -> None:
         on_progress(p)
-        tail = p.running <= overlap_batch and update.wants_core
+        tail = p.running <= overlap_batch and update.has_work
         if tail:
             update.open_gate()
         else:

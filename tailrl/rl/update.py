@@ -293,12 +293,6 @@ class BackgroundUpdate:
             return bool(self._queue) or self._busy > 0
 
     @property
-    def wants_core(self) -> bool:
-        """A group is queued or being computed, or the idle work has work: the rollout's tail
-        should lend the update a core."""
-        return self.has_work or (self.idle is not None and self.idle.has_idle_work())
-
-    @property
     def active(self) -> bool:
         """The gate is open and a group is queued or being computed: it is using a core."""
         with self._cond:
