@@ -50,6 +50,10 @@ KV_CHUNK = 128  # keys per attention matmul in exact mode, see chunked_qk and ch
 _ROW_BLOCK = {torch.float32: 4, torch.bfloat16: 16}
 
 
+# oneDNN's prepacked bf16 linear (Linear): torch's x86 builds have it where oneDNN does bf16.
+PACKED_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def row_block(dtype: torch.dtype) -> int:
     return _ROW_BLOCK.get(dtype, 16)
 
@@ -104,13 +108,32 @@ def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict keys), computed in fixed row blocks when exact."""
+    """nn.Linear (same parameters and state-dict keys), computed in fixed row blocks when exact.
+
+    Decoding in bf16 on a CPU (no autograd), the weight goes to oneDNN prepacked: F.linear hands
+    oneDNN the plain row-major weight, which it reorders into its blocked layout on every call,
+    a cost of the weight's size paid per forward; the packed copy is made once per weight
+    version (a published update changes the version) and kept beside the parameter, not in the
+    state dict. Exact mode keeps F.linear: its row invariance is measured on those kernels."""
+
+    _pack: torch.Tensor | None = None
+    _pack_key: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        if not exact:
-            return super().forward(x)
-        out = blocked(lambda rows: F.linear(rows, self.weight, self.bias), x.reshape(-1, x.shape[-1]), 0)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        if exact:
+            out = blocked(lambda rows: F.linear(rows, self.weight, self.bias), x.reshape(-1, x.shape[-1]), 0)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled() and PACKED_BF16:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
+        return super().forward(x)
+
+    def _packed(self) -> torch.Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if self._pack_key != key:
+            self._pack = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            self._pack_key = key
+        return self._pack
 
 
 @dataclass(frozen=True)
@@ -308,20 +331,18 @@ class Attention(nn.Module):
         ck, cv = view.cache.k[layer, rows], view.cache.v[layer, rows]  # (B, K, M, D) views
         ck[view.rows, :, view.write_pos] = k.transpose(1, 2)
         cv[view.rows, :, view.write_pos] = v.transpose(1, 2)
-        keys = ck[:, :, : view.kv_len]  # (B, K, S, D)
-        if not exact and b == 1 and t == 1 and view.sees_all:
-            # One query attending every key: no mask, and SDPA's fused kernel costs about half
-            # the two small matmuls below.
-            return F.scaled_dot_product_attention(q, keys, cv[:, :, : view.kv_len], enable_gqa=True)
         g = self.h // self.k
-        # Plain matmul attention with the G query heads of a kv head stacked as rows: no K/V
-        # copies for GQA, and on CPU it beats masked SDPA for bf16 decode.
-        n = g * t
+        n = g * t  # the G query heads of a kv head stacked as rows: K and V are read once per kv head
         if not exact:
-            scores = (q.reshape(b, self.k, n, d) @ keys.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
-            scores = scores.view(b, self.k, g, t, -1).masked_fill_(view.hidden_keys, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out = probs.view(b, self.k, n, -1) @ cv[:, :, : view.kv_len]  # (B, K, G*T, D)
+            # SDPA reads the cache's first S keys where they lie: a matmul needs them contiguous,
+            # and a row's keys are strided by the cache's capacity, so it would copy K and V on
+            # every layer of every step (most of a batch-64 decode step's time); its fused kernel
+            # also skips the fp32 score tensor of a prefill.
+            mask = None
+            if not view.sees_all:
+                mask = view.mask[:, None] if t == 1 else view.mask[:, None].expand(b, g, t, -1).reshape(b, 1, n, -1)
+            out = F.scaled_dot_product_attention(q.reshape(b, self.k, n, d), ck[:, :, : view.kv_len],
+                                                 cv[:, :, : view.kv_len], attn_mask=mask)  # (B, K, G*T, D)
             return out.view(b, self.h, t, d)
         scores = chunked_qk(q.reshape(b, self.k, n, d), ck, view.kv_len) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
         scores = scores.view(b, self.k, g, t, -1).masked_fill_(view.hidden_keys, float("-inf"))

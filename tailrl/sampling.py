@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -110,18 +111,34 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+# Ids per block of inverse_cdf's two-level search.
+CDF_BLOCK = 1024
+
+
 def inverse_cdf(probs: torch.Tensor, u: np.ndarray | torch.Tensor) -> torch.Tensor:
     """Token ids: the first id whose cumulative probability exceeds u * total.  # (B, V) -> (B,)
 
     The CDF runs in token-id order (not sorted by probability) so that near-equal
     probabilities computed by different kernels cannot reorder the walk; it accumulates in
-    fp64 so a 49k-token vocabulary keeps its tail mass.
+    fp64 so a 49k-token vocabulary keeps its tail mass. Two levels: fp64 sums of CDF_BLOCK-id
+    blocks find the block, a running sum inside it the id. (A running sum over the whole
+    vocabulary is V dependent fp64 additions per row, with an fp64 copy of the row: at batch
+    64 it cost several times the rest of sampling.) A block's sum and its running sum may
+    differ in the last bits; where the target falls in that gap, the block's last id with
+    probability > 0 is taken, so an id of probability 0 is never sampled.
     """
-    cdf = probs.double().cumsum(-1)
+    b, v = probs.shape
+    padded = probs if v % CDF_BLOCK == 0 else F.pad(probs, (0, -v % CDF_BLOCK))
+    blocks = padded.view(b, -1, CDF_BLOCK)  # (B, NB, BS)
+    cum = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (B, NB)
     u = torch.as_tensor(u, dtype=torch.float64, device=probs.device).reshape(-1, 1)
-    target = u * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    target = u * cum[:, -1:]  # (B, 1)
+    j = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)  # (B, 1) the block
+    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)), 0.0)  # (B, 1) the blocks before it
+    block = blocks.gather(1, j[..., None].expand(-1, -1, CDF_BLOCK)).squeeze(1)  # (B, BS)
+    k = torch.searchsorted(block.cumsum(-1, dtype=torch.float64) + before, target, right=True)  # (B, 1)
+    last = CDF_BLOCK - 1 - (block > 0).flip(-1).int().argmax(-1, keepdim=True)  # (B, 1) its last id with p > 0
+    return (j * CDF_BLOCK + torch.minimum(k, last)).squeeze(-1).clamp_(max=v - 1)
 
 
 def sample(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tailrl.sampling import SamplingParams, derive_seed, hash_ints, is_top1, process_logits, sample
+from tailrl.sampling import SamplingParams, derive_seed, hash_ints, inverse_cdf, is_top1, process_logits, sample
 from tailrl.speculative.accept import accept_walk
 from tailrl.speculative.tree import DraftTree, Frontier, build_tree, chain, verify_layout
 
@@ -414,3 +414,25 @@ def test_first_two_tokens_follow_the_target_distribution(params, drafter):
     counts = torch.bincount(pair_ids, minlength=36).reshape(6, 6).double()
     assert _chi2_pvalue(counts.sum(1), q0) > FALSE_FAILURE
     assert _chi2_pvalue(counts.flatten(), (q0[:, None] * q1).flatten()) > FALSE_FAILURE
+
+
+def test_inverse_cdf_is_the_first_id_past_the_target_on_the_whole_vocabularys_running_sum():
+    """The two-level search (sampling.inverse_cdf) against the definition: the first id whose
+    fp64 running sum over the whole row exceeds u * total. Rows of 49,152 ids (SmolLM2's
+    vocabulary, whole blocks) and of 1,000 (a padded last block), a seventh of the ids at
+    probability 0, 2,000 uniforms. The two sums differ in their last bits only, so they can
+    disagree only where u * total lies within ~1e-16 of one of a row's running-sum values:
+    about 1e-8 for all draws together (the false-failure probability). An id of probability 0
+    is never drawn, even at u just below 1, where rounding puts the target past a running
+    sum's end."""
+    gen = torch.Generator().manual_seed(0)
+    for v in (49152, 1000):
+        p = torch.softmax(3 * torch.randn(1000, v, generator=gen), -1)
+        p[:, ::7] = 0.0
+        p = p / p.sum(-1, keepdim=True)
+        u = torch.rand(1000, generator=gen, dtype=torch.float64)
+        cdf = p.double().cumsum(-1)
+        want = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+        assert torch.equal(inverse_cdf(p, u.numpy()), want)
+        near_one = inverse_cdf(p, np.full(1000, 1 - 2**-53))
+        assert bool((p[torch.arange(1000), near_one] > 0).all())

@@ -21,11 +21,17 @@ rewards, the same updates and the same policies. Every step's tokens digest and 
 compared; without exact mode a near-tie may flip a token (docs/lossless.md) and the runs drift
 apart from there, which the report then shows as not identical.
 
+Engines. Every run decodes on `--engine` (native, or vllm: an in-process vLLM engine, whose
+speculation is lossless in distribution only, so its runs sample other tokens than each other);
+`--baseline-engine vllm` puts the baseline alone on vLLM: tailrl with TLT against what users run.
+Where the runs sample other tokens, the fair ratio is tokens per second (speedup_tok_s).
+
 Reported: per step every run's step / rollout / train seconds, tokens, reward_mean and whether
 tokens and rewards agree with the baseline's; per run its speedup over the baseline end to end
-(sum of step times), of the rollout phase, the per-step ratios' range, and how the idle time of
-the rollout's tail was spent (policy gradient, drafter training, unused); speedup_e2e /
-speedup_rollout / speedup_step_range are the tlt run's; a PNG.
+(sum of step times), of the rollout phase, in tokens per second of step and of rollout time, the
+per-step ratios' range, and how the idle time of the rollout's tail was spent (policy gradient,
+drafter training, unused); speedup_e2e / speedup_rollout / speedup_step_range / speedup_tok_s
+are the tlt run's; a PNG.
 
 Knows: how to configure the two runs and read their metrics. Does not know: how either runs.
 """
@@ -103,17 +109,30 @@ class BenchTrainConfig(TwoRunsConfig):
     """The baseline, SD only, overlap only and the full TLT configuration (one worker: no spot
     training, the default run's setting)."""
 
+    baseline_engine: str | None = field(default=None, metadata={
+        "help": "the baseline's engine, when not --engine's: vllm compares tailrl with TLT against what users run "
+                "(vLLM, speculation off, the update after the rollout)", "choices": ENGINES})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.baseline_engine not in (None, *ENGINES):
+            raise ValueError(f"baseline_engine must be one of {', '.join(ENGINES)}, got {self.baseline_engine!r}")
+        if self.baseline_engine == "vllm" and self.exact:
+            raise ValueError("a vLLM baseline samples other tokens than the native runs (lossless in distribution "
+                             "only): use it with --no-exact")
+
 
 def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) -> RunConfig:
     """The train() config of one run, stopping after `steps` steps."""
 
     sd = run in SPECULATE
+    engine = cfg.baseline_engine if run == "baseline" and cfg.baseline_engine else cfg.engine
     train = TrainConfig(model=cfg.model, task=cfg.task, reward=cfg.reward, num_prompts=cfg.num_prompts,
                         group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens, steps=steps, seed=cfg.seed,
-                        overlap_batch=TrainConfig.overlap_batch if run in OVERLAP else 0, eval_every=0)
+                        overlap_batch=TrainConfig.overlap_batch if run in OVERLAP else 0, eval_every=0, engine=engine)
     speculation = RolloutSpeculationConfig(spec="auto", drafter=drafter) if sd else RolloutSpeculationConfig(spec="off")
-    return RunConfig(cfg.rollout(speculation, AdaptConfig(adapt_drafter=sd)),
-                     train=dataclasses.replace(train, engine=cfg.engine))
+    return RunConfig(dataclasses.replace(cfg, engine=engine).rollout(speculation, AdaptConfig(adapt_drafter=sd)),
+                     train=train)
 
 
 def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -141,6 +160,10 @@ def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         runs[name] = {
             "speedup_e2e": sum(r["step_s"] for r in base) / sum(r["step_s"] for r in recs),
             "speedup_rollout": sum(r["rollout_s"] for r in base) / sum(r["rollout_s"] for r in recs),
+            # Tokens per second of step (and of rollout) time: the same ratios when both sampled the
+            # same tokens, the fair one when they did not (another engine samples other tokens).
+            "speedup_tok_s": _rate(recs, "step_s") / _rate(base, "step_s"),
+            "speedup_rollout_tok_s": _rate(recs, "rollout_s") / _rate(base, "rollout_s"),
             "speedup_step_range": [min(ratios), max(ratios)],
             "identical": all(r[f"{name}_identical"] for r in rows),
             # How the tail's idle time went, seconds per step: the policy's gradient (computed
@@ -154,12 +177,17 @@ def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "speedup_e2e": tlt["speedup_e2e"],
         "speedup_rollout": tlt["speedup_rollout"],
         "speedup_step_range": tlt["speedup_step_range"],
+        "speedup_tok_s": tlt["speedup_tok_s"],
         "identical_tokens": all(r["tokens_sha256"] == b["tokens_sha256"] for name in others
                                 for r, b in zip(records[name], base)),
         "identical_rewards": all(r["rewards"] == b["rewards"] for name in others for r, b in zip(records[name], base)),
         "runs": runs,
         "steps": rows,
     }
+
+
+def _rate(records: list[dict[str, Any]], seconds: str) -> float:
+    return sum(r["tokens_generated"] for r in records) / sum(r[seconds] for r in records)
 
 
 def warm_drafter(cfg: Any, out: Path, log: Callable[[str], None]) -> str:
