@@ -107,6 +107,41 @@ def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def packed_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a forward of x through `weight` takes oneDNN's prepacked bf16 linears (Linear's
+    doc): both bf16 on the CPU, no autograd, no autocast (which would cast them itself)."""
+    return (PACKED_BF16 and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"))
+
+
+class FusedLinears:
+    """Linears reading the same input (q, k, v) as one prepacked GEMM on the packed path: one
+    call instead of three, which at decode batch sizes costs about what one of them does. The
+    concatenated packed weight is made again whenever one of the weights changes."""
+
+    def __init__(self, *layers: Linear):
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self._key: tuple | None = None
+        self._weight = self._bias = None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        params = [p for layer in self.layers for p in (layer.weight, layer.bias) if p is not None]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if key != self._key:
+            self._weight = torch.ops.mkldnn._reorder_linear_weight(
+                torch.cat([layer.weight.detach() for layer in self.layers]), None)
+            biases = [layer.bias for layer in self.layers]
+            self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            self._key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "").split(self.sizes, -1)
+
+    def __getstate__(self) -> dict:
+        # Copies and pickles (held-out evaluation's model copy, worker processes) leave the
+        # packed weight behind: oneDNN's opaque tensors have no storage to copy, and a copy packs again.
+        return {**self.__dict__, "_key": None, "_weight": None, "_bias": None}
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict keys), computed in fixed row blocks when exact.
 
@@ -123,9 +158,12 @@ class Linear(nn.Linear):
         if exact:
             out = blocked(lambda rows: F.linear(rows, self.weight, self.bias), x.reshape(-1, x.shape[-1]), 0)
             return out.reshape(*x.shape[:-1], out.shape[-1])
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled() and PACKED_BF16:
+        if packed_path(x, self.weight):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
         return super().forward(x)
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_pack": None, "_pack_key": None}  # as FusedLinears.__getstate__
 
     def _packed(self) -> torch.Tensor:
         w = self.weight
@@ -301,6 +339,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(e, k * d, bias=cfg.attention_bias)
         self.v_proj = Linear(e, k * d, bias=cfg.attention_bias)
         self.o_proj = Linear(h * d, e, bias=False)
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -308,9 +347,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None, exact: bool = False):
         b, t, _ = x.shape
-        q = self.q_proj(x, exact).view(b, t, self.h, self.d)
-        k = self.k_proj(x, exact).view(b, t, self.k, self.d)
-        v = self.v_proj(x, exact).view(b, t, self.k, self.d)
+        if not exact and packed_path(x, self.q_proj.weight):
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = (proj(x, exact) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = q.view(b, t, self.h, self.d), k.view(b, t, self.k, self.d), v.view(b, t, self.k, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)

@@ -15,11 +15,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import build_hf
 from tailrl.engine import EngineConfig
 from tailrl.loading import ModelError, load_model
-from tailrl.model import CacheView, KVCache
+from tailrl.model import PACKED_BF16, CacheView, KVCache
 
 ATOL = 1e-4
 
@@ -200,6 +201,30 @@ def test_exact_forwards_do_not_depend_on_the_thread_count(smollm2_shallow_dir, d
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+@pytest.mark.skipif(not PACKED_BF16, reason="oneDNN has no bf16 kernels on this CPU: the packed path is not taken")
+def test_packed_bf16_linears_are_f_linear_and_follow_weight_updates(tiny_dir):
+    """Decoding in bf16 takes oneDNN's prepacked weights (model.Linear, FusedLinears for q, k,
+    v): the same bits as F.linear on the plain weights, before and after the weights change in
+    place (a published update), and a deep copy (held-out evaluation) packs its own."""
+    import copy
+
+    model = load_model(tiny_dir, dtype="bf16")
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, 5, model.cfg.hidden_size).bfloat16()
+    for _ in range(2):
+        with torch.inference_mode():
+            fused = attn.qkv(x)
+            assert all(torch.equal(f, F.linear(x, p.weight, p.bias)) for f, p in
+                       zip(fused, (attn.q_proj, attn.k_proj, attn.v_proj)))
+            assert torch.equal(model.lm_head(x), F.linear(x, model.lm_head.weight))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+    twin = copy.deepcopy(model)
+    with torch.inference_mode():
+        assert torch.equal(twin.lm_head(x), model.lm_head(x))
 
 
 def test_asking_for_exact_mode_asks_mkl_for_its_strict_mode_unless_the_user_chose(monkeypatch):
