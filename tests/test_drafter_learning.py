@@ -227,7 +227,7 @@ def test_train_with_the_vllm_engine_trains_and_publishes_the_learned_drafter_the
     assert records[:3] == first
     # Step 1 has no data yet (the drafter trains on the previous step's); from step 2 on a step
     # trains in its rollout's tail (idle time: a step on a busy machine may get none) and after
-    # the update up to drafter_min_steps (4), publishes a new version, and the next rollout
+    # the update up to drafter_min_steps (8), publishes a new version, and the next rollout
     # drafts with that version.
     assert records[0]["drafter_micro_steps"] == records[0]["drafter_published"] == records[0]["drafter_version"] == 0
     assert all(r["drafter_micro_steps"] >= 2 and r["drafter_loss"] > 0 for r in records[1:])

@@ -42,7 +42,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {
                  "tailrl.bench.generate:BenchGenerateConfig", "tailrl.bench.generate:report"),
     "spec": ("plain vs speculative tokens/s per batch size and arm",
              "tailrl.bench.speculative:BenchSpeculativeConfig", "tailrl.bench.speculative:report"),
-    "rollout": ("one long-tailed GRPO rollout batch: SD off, n-gram, drafter, auto",
+    "rollout": ("long-tailed GRPO rollout batches: SD off, n-gram, drafter, auto, on either engine, and the oracle",
                 "tailrl.bench.rollout:BenchRolloutConfig", "tailrl.bench.rollout:run"),
     "train": ("K RL steps four ways (baseline, SD only, overlap only, TLT): step times, identical work",
               "tailrl.bench.train:BenchTrainConfig", "tailrl.bench.train:run"),
