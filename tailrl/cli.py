@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from tailrl import config as cfglib
 from tailrl.bench.suite import BENCHES
 from tailrl.engine import EngineConfig
-from tailrl.rollout.protocol import Progress
+from tailrl.rollout.protocol import Progress, WorkerError
 from tailrl.sampling import SamplingParams
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading every component
     from tailrl.warmup import WarmupProgress
-from tailrl.rollout.protocol import WorkerError
 
 
 def progress_printer(label: str = "") -> Callable[[Progress], None]:
@@ -53,6 +52,7 @@ GENERATE_SECTIONS = {
     "engine": EngineConfig,
     "speculation": "tailrl.speculative.modes:SpeculationConfig",
     "tuner": "tailrl.tuner:TunerConfig",
+    "vllm": "tailrl.rollout.vllm.settings:VllmSettings",
 }
 
 
@@ -70,7 +70,7 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="sample completions for prompts", description="Sample completions for prompts.")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", metavar="FILE.jsonl", help='prompts file: objects with "prompt" or "messages"')
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; the native engine's)")
     p.add_argument("--json", action="store_true", help="one JSON line per sample, then a stats line")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with [generate], [sampling], [engine] tables")
     cfglib.add_arguments(p, _sections(GENERATE_SECTIONS))
@@ -78,10 +78,9 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    from tailrl.engine import Engine
     from tailrl.generate import completion_text, encode_prompt, load_prompts, make_requests, stop_checker
+    from tailrl.generation import generate_native, generate_vllm
     from tailrl.loading import load_model, load_tokenizer
-    from tailrl.speculative.modes import install
 
     toml = cfglib.read_toml(args.config) if args.config else None
     c = cfglib.resolve(_sections(GENERATE_SECTIONS), args, toml)
@@ -89,17 +88,22 @@ def _run_generate(args: argparse.Namespace) -> None:
     prompts = list(args.prompt) + (load_prompts(args.prompts) if args.prompts else [])
     if not prompts:
         raise ValueError("no prompts: give --prompt TEXT or --prompts FILE.jsonl")
+    other = ("vllm",) if gen.engine == "native" else ("engine",)
+    for name in other:  # a section only the other engine reads would configure nothing
+        if c[name] != _sections(GENERATE_SECTIONS)[name]():
+            raise ValueError(f"[{name}] configures the {'vllm' if name == 'vllm' else 'native'} engine, but this "
+                             f"generate's is --engine {gen.engine}")
+    if gen.engine == "vllm" and args.stop:
+        raise ValueError("--engine vllm ends a sample at EOS or its length only: --stop is the native engine's")
     model = load_model(gen.model, dtype=gen.dtype)
     tok = load_tokenizer(gen.model)
     ids = [encode_prompt(tok, p, gen.chat) for p in prompts]
     requests = make_requests(ids, gen.n, gen.seed)
-    engine = Engine(model, c["engine"])
-    install(engine, c["speculation"], c["tuner"], seed=gen.seed)
-    out = engine.generate(
-        requests, sampling, gen.max_new_tokens, stop=stop_checker(tok, args.stop),
-        on_progress=None if args.json else progress_printer(),
-    )
-    stats = engine.stats
+    progress = None if args.json else progress_printer()
+    if gen.engine == "vllm":
+        out, summary = generate_vllm(c, model, requests, progress)
+    else:
+        out, summary = generate_native(c, model, requests, stop_checker(tok, args.stop), progress)
     for k, (req, comp) in enumerate(zip(requests, out)):
         text = completion_text(tok, comp, args.stop)
         if args.json:
@@ -110,11 +114,6 @@ def _run_generate(args: argparse.Namespace) -> None:
         else:
             print(f"--- prompt {req.group} sample {k % gen.n} ({len(comp.token_ids)} tokens, {comp.finish_reason})")
             print(text)
-    summary = {"tokens": stats.tokens, "seconds": round(stats.seconds, 4), "tokens_per_s": round(stats.tokens_per_s, 2)}
-    if c["speculation"].spec != "off":
-        sp = stats.spec
-        summary.update(accept_len=round(sp.accept_len, 3), proposed=sp.proposed, accepted=sp.accepted,
-                       verify_steps=sp.verify_steps, accept_hist=sp.accept_hist)
     if args.json:
         print(json.dumps({"stats": summary}))
     else:

@@ -18,6 +18,7 @@ from tailrl.rollout.protocol import Completion, Request
 from tailrl.sampling import derive_seed
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role", "content"}]
+ENGINES = ("native", "vllm")
 
 
 @dataclass
@@ -30,8 +31,12 @@ class GenerateConfig:
     max_new_tokens: int = field(default=256, metadata={"help": "most tokens generated per sample"})
     seed: int = field(default=0, metadata={"help": "run seed; sample seeds derive from (seed, prompt, sample)"})
     chat: bool = field(default=True, metadata={"help": "wrap prompts in the model's chat template"})
+    engine: str = field(default="native", metadata={"help": "native (tailrl's engine) or vllm (an in-process vLLM "
+                                                    "engine, the [vllm] section; docs/vllm.md)", "choices": ENGINES})
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.max_new_tokens < 1:

@@ -127,7 +127,8 @@ class TunerConfig:
         },
     )
     switch_batch: int = field(
-        default=32, metadata={"help": "SD is considered only while the running batch is at most this"}
+        default=256, metadata={"help": "SD is considered only while the running batch is at most this (below it the "
+                                       "bandit decides, plain decoding being one of its arms)"}
     )
     switch_patience: int = field(
         default=10,

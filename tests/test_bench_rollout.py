@@ -33,12 +33,12 @@ def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_shallow_
 def test_the_oracle_decodes_each_buckets_work_at_its_best_measured_rate():
     """Hand-computed: off decodes 100 tokens at batch 64 in 2 s and 10 at batch 1 in 1 s (two
     repetitions: twice that), after 0.5 s of prefill; the drafter mode decodes batch 1 at 30
-    tok/s, vLLM's off batch 64 at 100 tok/s. Native oracle: 0.5 + 100/50 + 10/30; over both
-    engines: 0.5 + 100/100 + 10/30."""
+    tok/s (and an arm measured over too few steps to count at 90), vLLM's off batch 64 at 100
+    tok/s. Native oracle: 0.5 + 100/50 + 10/30; over both engines: 0.5 + 100/100 + 10/30."""
     off, drafter, vllm_off = ModeResult(prefill=[0.5, 0.5]), ModeResult(seconds=[2.0, 2.0]), ModeResult(prefill=[0.2])
-    off.cells = {">32": {"plain": [200.0, 4.0]}, "1": {"plain": [20.0, 2.0]}}
-    drafter.cells = {"1": {"drafter(6,1,6)": [60.0, 2.0]}}
-    vllm_off.cells = {">32": {"plain": [100.0, 1.0]}}
+    off.cells = {">32": {"plain": [200.0, 4.0, 10]}, "1": {"plain": [20.0, 2.0, 20]}}
+    drafter.cells = {"1": {"drafter(6,1,6)": [60.0, 2.0, 8], "ngram(2,1,2)": [90.0, 1.0, 4]}}  # 4 steps: too few
+    vllm_off.cells = {">32": {"plain": [100.0, 1.0, 5]}}
     o = oracle({"off": off, "drafter": drafter, "vllm-off": vllm_off}, reps=2)
     assert o["native_seconds"] == pytest.approx(0.5 + 2.0 + 1 / 3)
     assert o["any_seconds"] == pytest.approx(0.5 + 1.0 + 1 / 3)

@@ -236,7 +236,7 @@ def _drive(tuner: Tuner, batches: list[int], noise: random.Random) -> list[Arm]:
 
 def test_state_round_trip_gives_identical_choices():
     arms = [PLAIN, DRAFTER, NGRAM]
-    config = TunerConfig(epsilon=0.3, window=7)
+    config = TunerConfig(epsilon=0.3, window=7, switch_batch=32)
     schedule = [64] * 20 + [b for b in range(40, 0, -1) for _ in range(4)] + [48] * 3 + [30] * 20 + [2] * 50
     cut = 20 + 4 * 8 + 5  # five steps at <= 32: the gate is half-way when the state is saved
     a = Tuner(arms, config, seed=11)

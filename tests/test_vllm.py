@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -275,3 +276,33 @@ def test_an_adapted_drafter_version_drafts_as_an_engine_started_with_it(tmp_path
     assert pushed[:3] == fresh[:3] and (pushed[3], fresh[3], old[3]) == (1, 0, 0)
     assert old[0] == fresh[0] and old[1:3] != fresh[1:3]  # greedy tokens are the target's either way
     assert fresh[0] == [c.token_ids for c in Engine(model).generate(reqs, greedy, 24)]
+
+
+def test_generate_with_the_vllm_engine_prints_the_native_engines_fields(tmp_path, capsys):
+    """`tailrl generate --engine vllm`: the same JSON lines (a sample's fields, then the stats
+    with the speculative counters) as the native engine, drafting with a tailrl drafter; a
+    section or flag only the other engine reads is refused in one line."""
+    from tailrl.cli import main
+
+    model = tmp_path / "model"
+    write_char_model(model, **VLLM_TINY)
+    drafter = save_drafter(Drafter.from_target(load_model(model, "fp32"), list(range(1, 128)), "model"), tmp_path / "d")
+    argv = ["generate", "--model", str(model), "--dtype", "fp32", "--prompt", "ab", "--prompt", "cde", "--n", "2",
+            "--max-new-tokens", "8", "--spec", "on", "--drafter", str(drafter), "--draft-depth", "3",
+            "--num-draft-tokens", "3", "--json"]
+    lines = {}
+    for engine, extra in (("native", []), ("vllm", ["--kv-cache-gb", "0.0625"])):
+        assert main([*argv, "--engine", engine, *extra]) == 0
+        lines[engine] = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    native, vllm = lines["native"], lines["vllm"]
+    assert len(native) == len(vllm) == 5 and [set(x) for x in native] == [set(x) for x in vllm]
+    stats = vllm[-1]["stats"]
+    assert stats["tokens"] == sum(len(x["token_ids"]) for x in vllm[:-1]) and stats["verify_steps"] > 0
+    assert stats["accepted"] == sum(d * n for d, n in enumerate(stats["accept_hist"]))
+    assert stats["proposed"] == 3 * stats["verify_steps"]  # --spec on: the whole chain every verify
+    for flags, message in ((["--engine", "vllm", "--stop", "x"], "--stop is the native engine's"),
+                           (["--engine", "vllm", "--max-batch", "4"], "[engine] configures the native engine"),
+                           (["--kv-cache-gb", "1"], "[vllm] configures the vllm engine")):
+        assert main(["generate", "--model", str(model), "--prompt", "ab", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tailrl: error: ") and message in err and err.count("\n") == 1

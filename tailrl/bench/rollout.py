@@ -55,6 +55,7 @@ from tailrl.speculative.report import rollout_report
 from tailrl.tuner import TunerConfig
 
 MODES = ("off", "ngram", "drafter", "auto", "vllm-off", "vllm-drafter", "vllm-auto")
+ORACLE_STEPS = 5  # decode steps an arm needs in a bucket for the oracle to count its rate there
 
 
 @dataclass
@@ -98,7 +99,7 @@ class ModeResult:
     decode_tokens: int = 0
     differing: int | None = 0  # sequences whose tokens differ from the off run's, summed over repetitions (None: vLLM)
     timeline: list[list[Any]] = field(default_factory=list)  # the first repetition's first batch's segments
-    cells: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # bucket -> arm -> [tokens, seconds], all reps
+    cells: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # bucket -> arm -> [tokens, seconds, steps], all reps
 
     def add(self, by_bucket: dict[str, dict[str, dict[str, float]]], timeline: list[list[Any]], tokens: int,
             accept_len: float, verifies: int, sd_fraction: float, first: bool) -> None:
@@ -107,9 +108,10 @@ class ModeResult:
         decode = 0.0
         for bucket, arms in by_bucket.items():
             for arm, c in arms.items():
-                cell = self.cells.setdefault(bucket, {}).setdefault(arm, [0.0, 0.0])
+                cell = self.cells.setdefault(bucket, {}).setdefault(arm, [0.0, 0.0, 0])
                 cell[0] += c["tokens"]
                 cell[1] += c["seconds"]
+                cell[2] += c["steps"]
                 decode += c["tokens"]
         if first:
             self.timeline = self.timeline or timeline
@@ -233,7 +235,6 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
         log("vLLM's tuner warmed on another batch")
     results = {m: ModeResult() for m in modes}
     ideal: list[float] = []
-    edges = TunerConfig().bucket_edges
     for rep in range(cfg.reps):
         reference: list[list[list[int]]] = []
         for mode in modes:
@@ -247,22 +248,8 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
             # One decoder (and tuner, whose state carries from batch to batch) per repetition.
             install(engine, _spec_config(mode, cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed,
                     tuner_state=tuner_state)
-            seconds = prefill = 0.0
-            tokens = 0
-            for b, requests in enumerate(batches):
-                out = engine.generate(requests, params, cfg.max_new_tokens)
-                st = engine.stats
-                decoding = rollout_report(st, edges)
-                r.add(decoding["by_bucket"], decoding["batch_timeline"], st.tokens, st.spec.accept_len,
-                      st.spec.verify_steps, decoding["sd_fraction"], first=rep == 0)
-                seconds, prefill, tokens = seconds + st.seconds, prefill + st.prefill_seconds, tokens + st.tokens
-                got = [c.token_ids for c in out]
-                if mode == "off":
-                    reference.append(got)
-                    ideal.append(ideal_seconds(st))
-                r.differing += sum(a != b for a, b in zip(got, reference[b]))
-            r.seconds.append(seconds)
-            r.prefill.append(prefill)
+            seconds, tokens = _native_repetition(cfg, engine, batches, r, reference, ideal if mode == "off" else None,
+                                                 first=rep == 0)
             log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {seconds:7.1f} s, {tokens} tokens, "
                 f"{tokens / seconds:6.1f} tok/s" + (f", {r.differing} sequences differ from off" if r.differing else ""))
     base = statistics.median(results["off"].seconds)
@@ -282,14 +269,40 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     return report
 
 
+def _native_repetition(cfg: BenchRolloutConfig, engine: Engine, batches: list[list[Request]], r: ModeResult,
+                       reference: list[list[list[int]]], ideal: list[float] | None, first: bool) -> tuple[float, int]:
+    """One timed pass of the engine's installed mode over the batches, into `r`; its seconds and
+    tokens. The off mode (ideal given) records each batch's tokens as the reference and its
+    ideal time; the others count the sequences that differ from it."""
+    seconds, prefill, tokens = 0.0, 0.0, 0
+    params = SamplingParams(cfg.temperature)
+    for b, requests in enumerate(batches):
+        out = engine.generate(requests, params, cfg.max_new_tokens)
+        st = engine.stats
+        decoding = rollout_report(st, TunerConfig().bucket_edges)
+        r.add(decoding["by_bucket"], decoding["batch_timeline"], st.tokens, st.spec.accept_len, st.spec.verify_steps,
+              decoding["sd_fraction"], first)
+        seconds, prefill, tokens = seconds + st.seconds, prefill + st.prefill_seconds, tokens + st.tokens
+        got = [c.token_ids for c in out]
+        if ideal is not None:
+            reference.append(got)
+            ideal.append(ideal_seconds(st))
+        r.differing += sum(a != b for a, b in zip(got, reference[b]))
+    r.seconds.append(seconds)
+    r.prefill.append(prefill)
+    return seconds, tokens
+
+
 def oracle(results: dict[str, ModeResult], reps: int) -> dict[str, Any]:
     """The oracle times (module doc): per engine and over both, the tuner's efficiency against
     its engine's, and per bucket every mode's rate (tokens per second) with the best arm."""
     rates: dict[str, dict[str, float]] = {}  # bucket -> "mode arm" -> tokens per second
     for mode, r in results.items():
         for bucket, arms in r.cells.items():
-            for arm, (tokens, seconds) in arms.items():
-                if seconds > 0:
+            for arm, (tokens, seconds, steps) in arms.items():
+                # An arm's rate over a handful of steps is mostly noise, and the best of many noisy
+                # rates is biased upwards: an oracle counts arms measured over ORACLE_STEPS or more.
+                if seconds > 0 and steps >= ORACLE_STEPS:
                     rates.setdefault(bucket, {})[f"{mode} {arm}"] = tokens / seconds
 
     def oracle_seconds(off: str, engines: tuple[bool, ...]) -> float | None:
@@ -297,8 +310,8 @@ def oracle(results: dict[str, ModeResult], reps: int) -> dict[str, Any]:
             return None
         total = statistics.median(results[off].prefill)
         for bucket, arms in results[off].cells.items():
-            work = sum(tokens for tokens, _ in arms.values()) / reps
-            best = max((v for k, v in rates[bucket].items() if k.startswith("vllm") in engines), default=None)
+            work = sum(tokens for tokens, _, _ in arms.values()) / reps
+            best = max((v for k, v in rates.get(bucket, {}).items() if k.startswith("vllm") in engines), default=None)
             total += work / best if best else 0.0
         return total
 

