@@ -56,6 +56,7 @@ def accept_len(target: str, plugins: str | None) -> float:
     return 1 + counts["vllm:spec_decode_num_accepted_tokens"] / counts["vllm:spec_decode_num_drafts"]
 
 
+@pytest.mark.slow  # two multiprocess engines: ~70 s on a 2-core Xeon
 def test_a_multiprocess_engine_speculates_correctly_with_the_plugin_and_not_without(tmp_path):
     hf = build_hf("llama", seed=1, tie_word_embeddings=False, eos_token_id=None, **VLLM_TINY)
     hf.config.architectures = ["LlamaForCausalLM"]

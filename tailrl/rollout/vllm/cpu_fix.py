@@ -61,6 +61,7 @@ def install() -> bool:
 
     if not current_platform.is_cpu() or HAS_TRITON:
         return False
+    import vllm._custom_ops  # noqa: F401 - loads vLLM's C++ ops, which the override calls (a plugin runs first)
     from vllm.triton_utils import dispatcher
     from vllm.utils import cpu_triton_utils
 
