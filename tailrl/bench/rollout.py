@@ -224,11 +224,8 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     engine.generate(batches[0][:2], params, 2)  # allocate the cache, warm the kernels: untimed
     tuner_state = None
     if "auto" in modes and not cfg.cold_tuner:
-        other = batch(0)
-        tuner = install(engine, _spec_config("auto", cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed)
-        engine.generate(other, params, cfg.max_new_tokens)
-        tuner_state = tuner.state_dict()
-        log(f"tuner warmed on another batch of {len(other)} requests in {engine.stats.seconds:.1f} s")
+        tuner_state = _warm_native_tuner(cfg, engine, batch(0), params)
+        log(f"tuner warmed on another batch of {len(batches[0])} requests in {engine.stats.seconds:.1f} s")
     vllm_state = None
     if "vllm-auto" in modes and not cfg.cold_tuner:
         vllm_state = _warm_vllm_tuner(cfg, model, batch(0))
@@ -252,21 +249,34 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
                                                  first=rep == 0)
             log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {seconds:7.1f} s, {tokens} tokens, "
                 f"{tokens / seconds:6.1f} tok/s" + (f", {r.differing} sequences differ from off" if r.differing else ""))
-    base = statistics.median(results["off"].seconds)
-    report = {
-        "modes": {m: r.to_json() for m, r in results.items()},
-        "speedup": {m: base / statistics.median(r.seconds) for m, r in results.items()},
-        "ideal_seconds": sum(ideal) / cfg.reps,
-        "oracle": oracle(results, cfg.reps),
-        "requests": len(batches[0]),
-        "batches": cfg.batches,
-        "max_new_tokens": cfg.max_new_tokens,
-    }
+    report = _report(cfg, results, ideal, len(batches[0]))
     log_summary(report, log)
     if cfg.plot:
         plot(results, report, Path(cfg.plot))
         log(f"plot: {cfg.plot}")
     return report
+
+
+def _warm_native_tuner(cfg: BenchRolloutConfig, engine: Engine, requests: list[Request],
+                       params: SamplingParams) -> dict[str, Any]:
+    """The tuner's state after one untimed rollout of another batch: where every auto
+    repetition starts, so none pays the tuner's first exploration."""
+    tuner = install(engine, _spec_config("auto", cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed)
+    engine.generate(requests, params, cfg.max_new_tokens)
+    return tuner.state_dict()
+
+
+def _report(cfg: BenchRolloutConfig, results: dict[str, ModeResult], ideal: list[float], requests: int) -> dict[str, Any]:
+    base = statistics.median(results["off"].seconds)
+    return {
+        "modes": {m: r.to_json() for m, r in results.items()},
+        "speedup": {m: base / statistics.median(r.seconds) for m, r in results.items()},
+        "ideal_seconds": sum(ideal) / cfg.reps,
+        "oracle": oracle(results, cfg.reps),
+        "requests": requests,
+        "batches": cfg.batches,
+        "max_new_tokens": cfg.max_new_tokens,
+    }
 
 
 def _native_repetition(cfg: BenchRolloutConfig, engine: Engine, batches: list[list[Request]], r: ModeResult,
