@@ -38,6 +38,7 @@ from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import Drafter, save_drafter
 from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
+from tailrl.tuner import TunerConfig
 
 # Metrics that are wall-clock measurements, so differ between runs of the same computation.
 TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_tok_s",
@@ -87,8 +88,12 @@ def tiny_configs(model_dir: Path, task: Path, **train_overrides) -> dict:
         # clip-higher on so that the resume test covers the reference model too, and a warm-up
         # that the resumed step must pick up from the step number.
         "grpo": GRPOConfig(lr=3e-2, lr_warmup_steps=1, micro_batch=5, kl_coef=0.05, clip_high=0.28),
-        # max_batch below num_prompts * group_size: requests queue and slots are refilled.
-        "engine": EngineConfig(max_batch=8),
+        # max_batch below num_prompts * group_size: requests queue and slots are refilled. Exact
+        # mode because these runs are compared with each other: the tuner (--spec auto) picks each
+        # decode step's arm by measured speed, and in ordinary mode the arm moves the low bits of
+        # the log-probs the engine records, which the update reads, so two runs of one seed
+        # differed whenever their timing did (docs/lossless.md, "Same seed, same run").
+        "engine": EngineConfig(max_batch=8, exact=True),
     }
 
 
@@ -304,7 +309,8 @@ def test_heldout_evaluations_score_the_policy_after_their_step(straight_run, cha
     tokenizer = load_tokenizer(char_model_dir)
     held = heldout.heldout_set(make_task(tc.task), tc.seed, tc.eval_problems, lambda q: encode_question(tokenizer, q))
     final = load_model(RunDir(straight).latest_checkpoint(), dtype="bf16")
-    rollout = NativeRolloutConfig(engine=EngineConfig(max_batch=8), speculation=SpeculationConfig(spec="off")).open(final, 0)
+    engine = tiny_configs(char_model_dir, task_file)["engine"]
+    rollout = NativeRolloutConfig(engine=engine, speculation=SpeculationConfig(spec="off")).open(final, 0)
     want = heldout.evaluate(rollout, held, tc.seed, SamplingParams(tc.temperature), tc.max_new_tokens, tokenizer,
                             from_reward_fn(high_chars_reward), 10.0)
     assert {k: v for k, v in evals[-1].items() if k not in ("step", "heldout_s")} == \
@@ -373,18 +379,22 @@ def test_sigkill_mid_step_loses_only_that_step(straight_run, tmp_path, char_mode
 def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_file):
     # fp32 rollouts in exact mode: a verify forward computes a one-token step's logits bit for
     # bit (tailrl.model's row invariance), so the runs are equal (deterministic, no false failures).
+    # "auto" is the tuner picking a uniformly random arm at every step (epsilon 1): the arms a
+    # tuner picks by measured speed change nothing but the speed, whichever they are.
     runs = {}
-    for mode in ("off", "on"):
+    for mode in ("off", "on", "auto"):
         configs = tiny_configs(char_model_dir, task_file, dtype="fp32", steps=2)
         configs["speculation"] = SpeculationConfig(spec=mode, draft_depth=3, num_draft_tokens=3)
-        configs["engine"] = EngineConfig(max_batch=8, exact=True)
+        configs["tuner"] = TunerConfig(epsilon=1.0, switch_patience=0)
         train(run_config(configs), tmp_path / mode)
         runs[mode] = RunDir(tmp_path / mode).read_metrics()
     assert all(r["spec_verify_steps"] == 0 for r in runs["off"])
     assert all(r["spec_verify_steps"] > 0 for r in runs["on"])  # it did speculate
     assert [r["sd_fraction"] for r in runs["off"]] == [0.0, 0.0] and [r["sd_fraction"] for r in runs["on"]] == [1.0, 1.0]
     assert all(set(r["arm_by_bucket"].values()) == {"ngram(3,1,3)"} for r in runs["on"])
-    assert comparable(runs["on"]) == comparable(runs["off"])
+    assert all(0.0 < r["sd_fraction"] < 1.0 for r in runs["auto"])  # plain and speculative steps mixed
+    assert len({arm for r in runs["auto"] for arms in r["by_bucket"].values() for arm in arms}) >= 3
+    assert comparable(runs["on"]) == comparable(runs["off"]) == comparable(runs["auto"])
 
 
 def test_a_resumed_run_adapts_its_drafter_as_the_uninterrupted_one(tmp_path, char_model_dir, task_file):

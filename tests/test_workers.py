@@ -377,12 +377,10 @@ SPLIT = {"decode_steps", "idle_seconds_harvested", "idle_seconds_left", "preempt
 
 
 def exact_fp32_configs(char_model_dir, task_file) -> dict:
-    """fp32 rollouts in exact mode: row-invariant forwards, so how a batch is split between
-    workers changes neither the tokens nor the log-probs the engine records for them, which the
-    update's importance ratio reads (docs/lossless.md)."""
-    configs = tiny_configs(char_model_dir, task_file, dtype="fp32")
-    configs["engine"] = EngineConfig(max_batch=8, exact=True)
-    return configs
+    """fp32 rollouts in exact mode (tiny_configs' engine): row-invariant forwards, so how a batch
+    is split between workers changes neither the tokens nor the log-probs the engine records for
+    them, which the update's importance ratio reads (docs/lossless.md)."""
+    return tiny_configs(char_model_dir, task_file, dtype="fp32")
 
 
 @pytest.fixture(scope="module")
