@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import random
+import threading
 import time
 
 import pytest
@@ -132,34 +133,77 @@ def test_a_learner_asked_to_stop_does_no_further_micro_step(policy, drafter_dir)
     assert learner.micro_steps == 3
 
     # In the update's background thread: it trains while the gate is open and no group waits,
-    # yields to a queued group, and stops for good once the rollout is over (drain).
+    # yields to a queued group, and stops for good once the rollout is over (drain). Synchronised
+    # on what the idle work itself sees (WatchedIdle), never on how long something took.
     groups = groups_of(policy.cfg.vocab_size, seed=1)
     gg = GroupGradients(policy, GRPOConfig(micro_batch=3), 0.8, len(groups))
-    update = BackgroundUpdate(gg, AdaptiveDrafter(learner, min_steps=0))
+    idle = WatchedIdle(AdaptiveDrafter(learner, min_steps=0), lambda: learner.micro_steps >= 6)
+    update = BackgroundUpdate(gg, idle)
     assert not update.has_work  # idle work alone holds no core (tailrl.rl.phases)
 
-    def wait(cond, what: str) -> None:
-        t0 = time.monotonic()
-        while not cond():
-            assert time.monotonic() - t0 < 30, what
-            time.sleep(0.005)
-
     update.open_gate()
-    wait(lambda: learner.micro_steps >= 6, "the learner trains on the open gate")
+    assert idle.reached.wait(HANG_GUARD_S), "the learner trains on the open gate"
     update.close_gate()
-    time.sleep(0.05)
+    idle.closed = True  # from here on every stop() must say stop
+    assert idle.wait_out(HANG_GUARD_S), "the idle work returns once the gate closes"
     n = learner.micro_steps
-    time.sleep(0.1)
-    assert learner.micro_steps == n  # the gate closed: it stopped
     update.open_gate()
+    idle.closed = False
+    assert n >= 6 and idle.ran_while_closed == 0  # the gate closed: it stopped, and did not start again
     for g, group in enumerate(groups):
         update.submit(g, group)
-    wait(lambda: not update.has_work, "queued groups are computed, idle work or not")
-    update.drain()
-    n = learner.micro_steps
-    time.sleep(0.05)
-    assert learner.micro_steps == n
+    deadline = time.monotonic() + HANG_GUARD_S
+    while update.has_work:  # queued groups are computed on the open gate, idle work or not
+        assert time.monotonic() < deadline, "the queued groups were not computed"
+        time.sleep(0.005)
     assert gg.done
+    update.drain()  # joins the background thread: nothing runs after it
+    idle.closed = True
+    assert idle.wait_out(0) and idle.ran_while_closed == 0
+
+
+# A guard against a hang only: each wait ends as soon as what it waits for happens.
+HANG_GUARD_S = 120.0
+
+
+class WatchedIdle:
+    """IdleWork around `inner` that records what the work saw: `reached` is set once `cond()`
+    holds at a stop check; `ran_while_closed` counts stop checks that let a unit of work run
+    while the test had declared the gate closed (`closed`, set after close_gate returned, so
+    every stop() after it must be True); wait_out waits until no work_idle call is running."""
+
+    def __init__(self, inner: AdaptiveDrafter, cond):
+        self.inner, self.cond = inner, cond
+        self.reached = threading.Event()
+        self.closed = False
+        self.ran_while_closed = 0
+        self._running = 0
+        self._idle = threading.Condition()
+
+    def has_idle_work(self) -> bool:
+        return self.inner.has_idle_work()
+
+    def work_idle(self, stop) -> None:
+        def watched() -> bool:
+            closed = self.closed  # read first: a stop() that began after close_gate returned
+            if self.cond():
+                self.reached.set()
+            stopping = stop()
+            self.ran_while_closed += closed and not stopping
+            return stopping
+
+        with self._idle:
+            self._running += 1
+        try:
+            self.inner.work_idle(watched)
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+
+    def wait_out(self, timeout: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._running == 0, timeout)
 
 
 def test_a_checkpointed_learner_resumes_as_the_uninterrupted_one(policy, drafter_dir):
