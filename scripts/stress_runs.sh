@@ -15,7 +15,13 @@ python=.venv/bin/python
 [ -x "$python" ] || { echo "stress_runs.sh: no .venv here: run 'bash run test' once first" >&2; exit 2; }
 
 load_pid=""
-stop_load() { [ -n "$load_pid" ] && kill "$load_pid" 2>/dev/null && wait "$load_pid" 2>/dev/null; load_pid=""; }
+stop_load() {
+    if [ -n "$load_pid" ]; then
+        kill "$load_pid" 2>/dev/null || true
+        wait "$load_pid" 2>/dev/null || true  # a killed process's status is not a failure here
+    fi
+    load_pid=""
+}
 trap stop_load EXIT
 
 failed=0

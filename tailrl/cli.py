@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from tailrl import config as cfglib
 from tailrl.bench.suite import BENCHES
 from tailrl.engine import EngineConfig
-from tailrl.rollout.protocol import Progress, WorkerError
+from tailrl.rollout.protocol import DrafterVersionError, Progress, WorkerError
 from tailrl.sampling import SamplingParams
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading every component
@@ -455,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tailrl: error: {e}", file=sys.stderr)
         return 2
-    except WorkerError as e:  # a rollout worker died or hung; the run directory stays resumable
+    # A rollout worker died or hung, or a drafter version does not fit its engine (a bug, not bad
+    # input): the run directory keeps its last checkpoint.
+    except (WorkerError, DrafterVersionError) as e:
         if os.environ.get("TAILRL_DEBUG"):
             raise
         print(f"tailrl: error: {e}", file=sys.stderr)

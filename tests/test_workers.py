@@ -319,7 +319,7 @@ def test_an_in_process_rollout_adapts_its_drafter_on_the_trainers_forwards(targe
         step(3, idle_steps=0)
         assert pool.report().drafter_version == 1
         in_use = pool.runtime.worker.in_use.state_dict()
-        published = pool.adapt.weights()
+        published = pool.adapt.drafting_weights()
         assert pool.report().drafter_published == 2  # step 3 trained version 2 from version 1's weights
         state = pool.state_dict()
         assert state.adapt is not None and state.drafter.version == 2

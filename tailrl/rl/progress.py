@@ -89,9 +89,30 @@ def summary_line(m: dict[str, Any], steps: int) -> str:
         + (f" | rollout share {m['rollout_share']:.2f} tail share {m['tail_share']:.2f}"
            if "rollout_share" in m and "tail_share" in m else "")
         + (f" ceiling {m['accept_len_ceiling']:.2f}" if m.get("accept_len_ceiling") is not None else "")
+        + _drafter_part(m)
         + (f" | reward failures {m['reward_failures']} timeouts {m['reward_timeouts']}"
            if m["reward_failures"] or m["reward_timeouts"] else "")
     )
+
+
+def _drafter_part(m: dict[str, Any]) -> str:
+    """The learned drafter's version this rollout drafted with, and its accept_len (tokens per
+    verify of its own arms), when there is one."""
+    if m.get("drafter_accept_len") is not None:
+        return f" | drafter v{m['drafter_version']} accept_len {m['drafter_accept_len']:.2f}"
+    return f" | drafter v{m['drafter_version']}" if m.get("drafter_version") or m.get("drafter_published") else ""
+
+
+def rollback_line(m: dict[str, Any]) -> str | None:
+    """A drafter version taken out of use at this step's publish (tailrl.rollout.protocol.Rollback)."""
+    r = m.get("drafter_rollback")
+    if not r:
+        return None
+    if r["reason"] == "non-finite":
+        return f"step {m['step']}: drafter v{r['version']} discarded (weights not finite); v{r['to']} drafts on"
+    return (f"step {m['step']}: drafter v{r['version']} rolled back to v{r['to']}: its first draft token accepted in "
+            f"{r['rate']:.0%} of {r['verifies']} verifies, v{r['to']}'s in {r['reference_rate']:.0%} on the same "
+            f"draft shapes")
 
 
 def rollout_line(e: RolloutProgress) -> str:
@@ -123,6 +144,8 @@ class ConsolePrinter:
             self.stream.write(f"\r\033[K{line}" if self.live else line + "\n")
         elif isinstance(event, StepDone):
             self.stream.write(("\r\033[K" if self.live else "") + summary_line(event.metrics, event.steps) + "\n")
+            if (line := rollback_line(event.metrics)) is not None:
+                self.stream.write(line + "\n")
         elif isinstance(event, Notice):
             self.stream.write(("\r\033[K" if self.live else "") + event.text + "\n")
         elif isinstance(event, EvalDone):

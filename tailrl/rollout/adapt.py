@@ -29,45 +29,67 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tailrl.model import Transformer
-from tailrl.rollout.protocol import PolicyForward
+from tailrl.rollout.protocol import PolicyForward, Rollback
 from tailrl.speculative.drafter.learner import AdaptConfig, DrafterLearner
 from tailrl.speculative.drafter.training import TrainSeq
+from tailrl.speculative.watch import Tallies, VersionWatch, WatchConfig
 
 
 @dataclass(frozen=True)
 class AdaptStep:
-    """What one step's drafter training did, as the rollout report's drafter fields."""
+    """What one step's drafter training did, as the rollout report's drafter fields, and which
+    version the engine drafts with next (`changed`: load drafting_weights() into it)."""
 
-    version: int  # after the step: a new one when it trained
+    drafting: int  # the version the next rollout drafts with
+    changed: bool  # it differs from the version this step's rollout drafted with
     micro_steps: int
     loss: float | None  # mean micro-step loss; None without micro-steps
     idle_s: float  # CPU seconds trained on the lent core while the update had nothing queued
     after_s: float  # wall seconds trained after the update, on the step's own time
+    rollback: Rollback | None = None
 
     def report_fields(self) -> dict[str, Any]:
-        return {"drafter_published": self.version, "drafter_micro_steps": self.micro_steps,
-                "drafter_loss": self.loss, "drafter_after_s": self.after_s, "idle_seconds_harvested": self.idle_s}
+        return {"drafter_published": self.drafting, "drafter_micro_steps": self.micro_steps,
+                "drafter_loss": self.loss, "drafter_after_s": self.after_s, "idle_seconds_harvested": self.idle_s,
+                "drafter_rollback": self.rollback}
 
 
 class AdaptiveDrafter:
     """A DrafterLearner scheduled by the Rollout protocol's calls (module doc); its idle work is
-    what a rollout hands the update (tailrl.rl.update.IdleWork)."""
+    what a rollout hands the update (tailrl.rl.update.IdleWork). With rollback on, every version
+    it publishes is watched (tailrl.speculative.watch): the engine records each rollout's
+    first-token acceptance per draft shape (`record`), and a version that collapsed is rolled
+    back at the next publish to the last version that drafted well, the learner with it (its
+    training goes on from that version's weights); a version whose weights are not finite never
+    drafts."""
 
-    def __init__(self, learner: DrafterLearner, min_steps: int):
-        self.learner, self.min_steps = learner, min_steps
+    def __init__(self, learner: DrafterLearner, min_steps: int, rollback: WatchConfig | None = None,
+                 state: dict[str, Any] | None = None):
+        self.learner, self.min_steps, self.rollback = learner, min_steps, rollback
+        if state is not None:
+            learner.load_state_dict(state["learner"])
+        # The drafting version's weights are the learner's as of its last end_step (a snapshot
+        # no one writes to); the reference's too until another version drafts.
+        self._drafting_w = self._reference_w = learner.state_dict()["weights"]
+        self.drafting = learner.version
+        self.watch = VersionWatch(rollback or WatchConfig(), reference=self.drafting, current=self.drafting)
+        if state is not None:
+            self.watch.load_state_dict(state["watch"])
+            self.drafting = self.watch.current
+            if state["reference_weights"] is not None:
+                self._reference_w = state["reference_weights"]
 
     @classmethod
     def open(cls, drafter: Path, target: Transformer, cfg: AdaptConfig,
              state: dict[str, Any] | None) -> AdaptiveDrafter:
         """The drafter in `drafter` (tailrl's drafter files) for `target`, resuming `state`."""
-        learner = DrafterLearner.load(drafter, target, cfg)
-        if state is not None:
-            learner.load_state_dict(state)
-        return cls(learner, cfg.drafter_min_steps)
+        rollback = WatchConfig(ratio=cfg.drafter_rollback_ratio) if cfg.drafter_rollback else None
+        return cls(DrafterLearner.load(drafter, target, cfg), cfg.drafter_min_steps, rollback, state)
 
     @property
     def version(self) -> int:
-        return self.learner.version
+        """The version the rollout drafts with."""
+        return self.drafting
 
     def observe(self, forwards: Sequence[PolicyForward]) -> None:
         self.learner.add([TrainSeq(f.tokens, f.hidden, f.prompt_len) for f in forwards])
@@ -78,22 +100,65 @@ class AdaptiveDrafter:
     def work_idle(self, stop: Callable[[], bool]) -> None:
         self.learner.work(stop)
 
+    def record(self, tallies: Tallies) -> None:
+        """A rollout's verifies by the drafting version, per draft shape (tailrl.speculative.watch)."""
+        self.watch.record(self.drafting, tallies)
+
     def end_step(self, policy: Transformer) -> AdaptStep:
-        """Close the step (the floor of micro-steps first), then start the next on `policy`'s
-        weights, the model whose forwards the next step observes."""
+        """Judge the version that drafted this step (a collapsed one is rolled back), close the
+        step (the floor of micro-steps first), then start the next on `policy`'s weights, the
+        model whose forwards the next step observes."""
+        before = self.drafting
+        rollback = self._judge()
         t0, cpu0 = time.perf_counter(), time.thread_time()
         self.learner.work(lambda: self.learner.steps_this_step() >= self.min_steps)
         after_s, after_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
         stats = self.learner.end_step()
+        if stats.micro_steps:
+            rollback = self._adopt(stats.version) or rollback
         self.learner.begin_step(policy)
-        return AdaptStep(stats.version, stats.micro_steps, stats.loss, max(stats.seconds - after_cpu, 0.0), after_s)
+        return AdaptStep(self.drafting, self.drafting != before, stats.micro_steps, stats.loss,
+                         max(stats.seconds - after_cpu, 0.0), after_s, rollback)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The current version's fp32 state dict (a copy)."""
-        return self.learner.weights()
+    def _judge(self) -> Rollback | None:
+        """The drafting version's verdict: trusted, it becomes the reference; collapsed, the
+        reference drafts again and the learner goes back to its weights."""
+        verdict = self.watch.verdict()
+        if verdict is None or self.rollback is None:
+            return None
+        if verdict.trusted:
+            self.watch.promote()
+            self._reference_w = self._drafting_w
+        if not verdict.collapsed:
+            return None
+        bad = self.drafting
+        self.learner.restore(self._reference_w)
+        self._draft(self.watch.reference, self._reference_w)
+        return Rollback(bad, self.drafting, "acceptance", verdict.verifies, verdict.rate, verdict.reference_rate)
+
+    def _adopt(self, version: int) -> Rollback | None:
+        """The learner's new version drafts next, unless its weights are not finite: then the
+        learner goes back to the drafting version's, which goes on drafting."""
+        weights = self.learner.state_dict()["weights"]
+        if self.rollback is not None and not all(bool(torch.isfinite(w).all()) for w in weights.values()):
+            self.learner.restore(self._drafting_w)
+            self.learner.end_step()  # commits the restored weights (no micro-step since: no version)
+            return Rollback(version, self.drafting, "non-finite")
+        self._draft(version, weights)
+        return None
+
+    def _draft(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        self.watch.drafting(version)
+        self.drafting, self._drafting_w = version, weights
+
+    def drafting_weights(self) -> dict[str, torch.Tensor]:
+        """The drafting version's fp32 state dict (not to be written to)."""
+        return self._drafting_w
 
     def state_dict(self) -> dict[str, Any]:
-        return self.learner.state_dict()
+        reference = None if self.watch.reference == self.drafting else self._reference_w
+        return {"learner": self.learner.state_dict(), "watch": self.watch.state_dict(),
+                "reference_weights": reference}
 
 
 class AdaptingRollout:

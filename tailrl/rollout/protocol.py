@@ -36,8 +36,8 @@ import torch
 from tailrl.model import Transformer
 from tailrl.sampling import SamplingParams
 
-__all__ = ["Completion", "PolicyForward", "Progress", "Request", "Rollout", "RolloutConfig", "RolloutReport",
-           "RolloutState", "SamplingParams", "WorkerError"]
+__all__ = ["Completion", "DrafterVersionError", "PolicyForward", "Progress", "Request", "Rollback", "Rollout",
+           "RolloutConfig", "RolloutReport", "RolloutState", "SamplingParams", "WorkerError"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,26 @@ class WorkerError(RuntimeError):
         self.rank, self.reason = rank, reason
 
 
+class DrafterVersionError(RuntimeError):
+    """A drafter version the rollout made cannot be loaded into its engine (its weights do not
+    fit the drafter's shapes): a bug, not a slow drafter; the run stops at its last checkpoint."""
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A drafter version taken out of use and the version drafting again instead: `reason` is
+    "acceptance" (it collapsed: its first-token acceptance `rate` over `verifies` verifies against
+    the good version's `reference_rate` on the same draft shapes, tailrl.speculative.watch) or
+    "non-finite" (its weights hold NaN or inf: it never drafted)."""
+
+    version: int
+    to: int
+    reason: str
+    verifies: int = 0
+    rate: float | None = None
+    reference_rate: float | None = None
+
+
 @dataclass(frozen=True)
 class RolloutReport:
     """What one step's rollout did (the last generate and publish), as fields of a step's metrics.
@@ -117,7 +137,8 @@ class RolloutReport:
     would reach as a chain drafter of the configured depth on these responses). Drafter: the
     version drafted with and its own accept_len; its training this step (on idle workers or the
     update's idle core, and on the step's own time after the update: drafter_after_s, what
-    adapting the drafter cost the step) and the version published for the next rollout.
+    adapting the drafter cost the step), the version published for the next rollout, and a
+    rollback of a version that collapsed.
     """
 
     rollout_tok_s: float
@@ -148,6 +169,7 @@ class RolloutReport:
     idle_seconds_left: float | None = None  # None where the engine cannot tell
     preempt_latency_s: float = 0.0
     buffer_tokens: int = 0
+    drafter_rollback: Rollback | None = None  # at this step's publish
 
     def metrics(self) -> dict[str, object]:
         return dataclasses.asdict(self)

@@ -78,6 +78,7 @@ class StepReport:
     tokens: int  # tokens emitted by the step (after EOS / length cuts)
     draft_seconds: float
     verify_seconds: float  # for a plain step: the whole step
+    first_accepted: int = 0  # rows whose verify accepted the first draft token (a drafter's health)
 
     @property
     def seconds(self) -> float:
@@ -138,6 +139,7 @@ class SpecDecoder:
             raise ValueError(f"choose returned {arm.label}, not one of the decoder's arms")
         tokens_before, t0 = engine.stats.tokens, time.perf_counter()
         stats = engine.stats.spec
+        first_accepted = 0
         if arm.kind == "plain":
             engine.plain_step(running, call)
             draft, verify = 0.0, time.perf_counter() - t0
@@ -149,18 +151,19 @@ class SpecDecoder:
             if tree.num_nodes > self.max_tree:  # generate() reserved only max_tree cache positions
                 raise ValueError(f"{arm.kind} proposer returned {tree.num_nodes} nodes for {arm.label}")
             t1 = time.perf_counter()
-            spec_step(engine, running, tree, call)
+            first_accepted = spec_step(engine, running, tree, call)
             draft, verify = t1 - t0, time.perf_counter() - t1
             stats.draft_seconds += draft
             stats.verify_seconds += verify
-        report = StepReport(arm, len(running), engine.stats.tokens - tokens_before, draft, verify)
+        report = StepReport(arm, len(running), engine.stats.tokens - tokens_before, draft, verify, first_accepted)
         for o in self.observers:
             o.observe(report)
         return arm.label
 
 
-def spec_step(engine: Engine, running: list[Seq], tree: DraftTree, call: GenerateCall) -> None:
-    """Verify each row's tree in one target forward; emit the accepted tokens and the target's next."""
+def spec_step(engine: Engine, running: list[Seq], tree: DraftTree, call: GenerateCall) -> int:
+    """Verify each row's tree in one target forward; emit the accepted tokens and the target's
+    next. Returns how many rows accepted at least one draft token."""
     if tree.batch_size != len(running):
         raise ValueError(f"need one draft tree row per running sequence ({len(running)}), got {tree.batch_size}")
     lens_list = [s.length for s in running]
@@ -185,6 +188,7 @@ def spec_step(engine: Engine, running: list[Seq], tree: DraftTree, call: Generat
         stats.accept_hist.extend([0] * (accepted + 1 - len(stats.accept_hist)))
         stats.accept_hist[accepted] += 1
     stats.spec_steps += 1
+    return sum(1 for path in result.path if path)
 
 
 def _verify_forward(engine: Engine, running: list[Seq], tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:

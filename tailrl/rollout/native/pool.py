@@ -43,6 +43,7 @@ from tailrl.rollout.protocol import (
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.report import chain_ceiling, rollout_report
+from tailrl.speculative.watch import Tallies, add_tallies
 from tailrl.stats import EngineStats
 from tailrl.rollout.native.worker import Beat, Finished, RolloutJob, SetDrafter, ShardResult, WorkerCall, WorkerReply
 
@@ -286,6 +287,11 @@ class WorkerPool(AdaptingRollout):
         idle = sum(end - t for t in done_at.values())
         harvested = min(spot.seconds, idle) if spot is not None else 0.0
         verifies = sum(r.drafter_verifies for r in results.values())
+        if self.adapt is not None:
+            tallies: Tallies = {}
+            for r in results.values():
+                add_tallies(tallies, r.drafter_tallies)
+            self.adapt.record(tallies)
         self._report = RolloutReport(
             rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
             spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
@@ -329,8 +335,8 @@ class WorkerPool(AdaptingRollout):
         if self.adapt is None:
             return
         self._adapted = step = self.adapt.end_step(policy)
-        if step.version != self.drafter.version:
-            self.drafter = DrafterState(step.version, self.adapt.weights(), None,
+        if step.changed:
+            self.drafter = DrafterState(step.drafting, self.adapt.drafting_weights(), None,
                                         self.drafter.micro_steps + step.micro_steps)
 
     # ---- state, shutdown ----------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.rollout.protocol import Completion, Progress, Request
+from tailrl.rollout.protocol import Completion, DrafterVersionError, Progress, Request
 from tailrl.stats import EngineStats
 from tailrl.model import Transformer
 from tailrl.sampling import SamplingParams
@@ -35,6 +35,7 @@ from tailrl.speculative.decoder import SpecDecoder, StepReport
 from tailrl.speculative.drafter.model import Drafter
 from tailrl.speculative.drafter.training import TrainSeq
 from tailrl.speculative.modes import SpeculationConfig, install
+from tailrl.speculative.watch import Tallies, Tally
 from tailrl.tuner import TunerConfig
 from tailrl.rollout.native.buffer import train_seq
 from tailrl.rollout.native.spot import DrafterState, SpotJob, SpotResult, run_spot
@@ -69,6 +70,7 @@ class ShardResult:
     train_seqs: list[TrainSeq] = field(default_factory=list)
     drafter_verifies: int = 0  # verifies by the learned drafter's arms
     drafter_emitted: int = 0  # tokens they emitted
+    drafter_tallies: Tallies = field(default_factory=dict)  # their first-token acceptance per arm
     tuner_state: dict | None = None  # the tuner's state after this rollout (--spec auto), for checkpoints
     tuner_new: list = field(default_factory=list)  # its rewards observed in this rollout (Tuner.take_new)
 
@@ -105,18 +107,23 @@ Beat = Progress | Finished | SpotBeat  # what a worker sends while it works
 
 class DrafterSteps:
     """Counts the learned drafter's verifies and the tokens they emitted in one rollout (its own
-    accept_len, apart from the n-gram drafter's); a StepObserver of the worker's decoder."""
+    accept_len, apart from the n-gram drafter's), and per arm how many verifies accepted the first
+    draft token (what the drafter's version is watched by: tailrl.speculative.watch); a
+    StepObserver of the worker's decoder."""
 
     def __init__(self) -> None:
         self.verifies = self.emitted = 0
+        self.tallies: Tallies = {}
 
     def begin(self) -> None:
         self.verifies = self.emitted = 0
+        self.tallies = {}
 
     def observe(self, report: StepReport) -> None:
         if report.arm.kind == "drafter":
             self.verifies += report.batch_size
             self.emitted += report.tokens
+            self.tallies.setdefault(report.arm.label, Tally()).add(report.batch_size, report.first_accepted)
 
 
 class RolloutWorker:
@@ -167,13 +174,17 @@ class RolloutWorker:
         tuner = self.tuner.state_dict() if self.tuner is not None else None
         new = self.tuner.take_new() if self.tuner is not None else []
         steps = self.drafter_steps
-        return ShardResult(out, self.engine.stats, seqs, steps.verifies, steps.emitted, tuner, new)
+        return ShardResult(out, self.engine.stats, seqs, steps.verifies, steps.emitted, steps.tallies, tuner, new)
 
     def set_drafter(self, call: SetDrafter) -> None:
         drafter = self.in_use
         if drafter is None:
             raise ValueError("this worker drafts with no learned drafter (--spec on/auto with --drafter)")
-        drafter.load_state_dict(call.weights)  # casts to the drafter's dtype
+        try:
+            drafter.load_state_dict(call.weights)  # casts to the drafter's dtype
+        except RuntimeError as e:  # missing, unexpected or misshapen tensors: torch says which, over lines
+            raise DrafterVersionError(f"drafter version {call.version} cannot be loaded into the native engine: "
+                                      f"{' '.join(str(e).split())}") from None
         self.drafter_version = call.version
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

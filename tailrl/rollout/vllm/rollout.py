@@ -33,8 +33,9 @@ on_finished fires as each sequence finishes and on_progress after every step.
 - Report: tokens and seconds per engine step from the loop; a step that computed a prompt
   counts as prefill (vLLM mixes a step's prefills and decodes; its time goes to prefill_s, its
   decode tokens to the total only); speculative counters per step from vLLM's scheduler stats
-  (`StepCounters`). What vLLM does not expose is 0 or None: draft_s (drafting and verifying are
-  one step: verify_s holds speculative steps whole) and the drafter's own accept_len.
+  (`StepCounters`). What vLLM does not expose is 0: draft_s (drafting and verifying are one
+  step: verify_s holds speculative steps whole). The drafter's own accept_len is the engine's
+  (every draft is the drafter's).
 - Speculation (tailrl.rollout.vllm.speculation): the learned drafter's export, head and versions;
   without a fixed table, the tuner's draft length before every step.
 - The learned drafter adapts on the trainer's forwards in the update's idle time
@@ -74,7 +75,7 @@ from vllm.v1.worker.worker_base import WorkerBase
 from tailrl.model import ModelConfig, Transformer
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.protocol import (
-    Completion, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
+    Completion, DrafterVersionError, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
 )
 from tailrl.rollout.vllm import cpu_fix, internals
 from tailrl.rollout.vllm.checks import check_sampling, is_learned, spec_method
@@ -85,6 +86,7 @@ from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.export import eagle_weights
 from tailrl.speculative.report import chain_ceiling, rollout_report
+from tailrl.speculative.watch import Tallies, Tally
 from tailrl.stats import EngineStats, StepRecord
 
 @dataclass
@@ -276,7 +278,7 @@ class VllmRollout(AdaptingRollout):
         adapt = None
         if learned and cfg.adapt.adapt_drafter:
             adapt = AdaptiveDrafter.open(drafter, model, cfg.adapt, state.adapt if state is not None else None)
-            drafter_state = adapt.weights()  # a resumed run drafts with its checkpoint's version
+            drafter_state = adapt.drafting_weights()  # a resumed run drafts with its checkpoint's version
         if learned:
             vocab = torch.tensor(drafter_cfg.draft_vocab, dtype=torch.long)
             engine.collective_rpc(install_draft_head, args=(drafter_state["head.weight"].to(dtype), vocab))
@@ -340,6 +342,7 @@ class VllmRollout(AdaptingRollout):
         seqs = [_Sequence() for _ in requests]
         done: list[Completion | None] = [None] * len(requests)
         stats, started, finished = EngineStats(), 0, 0
+        tallies: Tallies = {}  # the drafter's first-token acceptance per draft length
         self.counters.take()
         t0 = time.perf_counter()
         if self.schedule is not None:
@@ -370,20 +373,25 @@ class VllmRollout(AdaptingRollout):
             if verified is not None and not prefill:
                 self.schedule.after_step(len(outs), verified, tokens, s1 - s0)
             label = verified.label if verified is not None else self.arm
-            self._record(stats, StepRecord(s1 - t0, len(outs), label, tokens, s1 - s0), prefill=prefill)
+            self._record(stats, StepRecord(s1 - t0, len(outs), label, tokens, s1 - s0), prefill, tallies)
             if on_progress is not None:
                 on_progress(Progress(finished, len(requests), started - finished, stats.tokens, s1 - t0))
         stats.seconds = time.perf_counter() - t0
+        if self.adapt is not None:
+            self.adapt.record(tallies)
         self._report = self._make_report(stats, done)
         return done  # type: ignore[return-value]
 
-    def _record(self, stats: EngineStats, step: StepRecord, prefill: bool) -> None:
+    def _record(self, stats: EngineStats, step: StepRecord, prefill: bool, tallies: Tallies) -> None:
         """One engine step into `stats`: its time to prefill or to the decode timeline, its
-        speculative counters (its arm "plain" if it verified no draft)."""
+        speculative counters (its arm "plain" if it verified no draft); its verifies, and those
+        that accepted the first draft token, into `tallies` under its arm."""
         stats.tokens += step.tokens
         drafted = [s for s in self.counters.take() if s.num_drafts]
         for spec in drafted:
             _add_spec(stats, spec, 0.0 if prefill else step.seconds)
+            first = spec.num_accepted_tokens_per_pos[0] if spec.num_accepted_tokens_per_pos else 0
+            tallies.setdefault(step.arm, Tally()).add(spec.num_drafts, first)
         if prefill:
             stats.prefill_seconds += step.seconds
             return
@@ -403,7 +411,9 @@ class VllmRollout(AdaptingRollout):
             spec_proposed=stats.spec.proposed, spec_accepted=stats.spec.accepted,
             accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None], self.ceiling_depth),
             **rollout_report(stats, self.cfg.tuner.bucket_edges),
-            drafter_version=self.drafter_version, drafter_accept_len=None, drafter_published=self.drafter_version,
+            # Every draft is the drafter's (vLLM has no second drafter beside it).
+            drafter_version=self.drafter_version, drafter_published=self.drafter_version,
+            drafter_accept_len=stats.spec.accept_len if stats.spec.verify_steps else None,
         )
 
     def report(self) -> RolloutReport:
@@ -430,14 +440,18 @@ class VllmRollout(AdaptingRollout):
         if self.adapt is None:
             return
         self._adapted = step = self.adapt.end_step(policy)
-        if step.version != self.drafter_version:
-            self._push_drafter(step.version, self.adapt.weights())
+        if step.changed:
+            self._push_drafter(step.drafting, self.adapt.drafting_weights())
 
     def _push_drafter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """A learned drafter version's weights, cast to the engine's dtype, into the engine's
         EAGLE drafter in place (its fc, layer and draft head)."""
-        eagle = {k: v.to(self.dtype) for k, v in eagle_weights(weights, "vllm").items()}
-        self.engine.collective_rpc(load_drafter_in_place, args=(eagle, weights["head.weight"].to(self.dtype)))
+        try:
+            eagle = {k: v.to(self.dtype) for k, v in eagle_weights(weights, "vllm").items()}
+            self.engine.collective_rpc(load_drafter_in_place, args=(eagle, weights["head.weight"].to(self.dtype)))
+        except (KeyError, ValueError, RuntimeError) as e:  # a missing or misshapen tensor
+            raise DrafterVersionError(f"drafter version {version} cannot be loaded into the vLLM engine: "
+                                      f"{type(e).__name__}: {' '.join(str(e).split())}") from None
         self.drafter_version = version
 
     def state_dict(self) -> VllmRolloutState:

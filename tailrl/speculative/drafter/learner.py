@@ -59,11 +59,19 @@ class AdaptConfig:
     drafter_min_steps: int = field(default=8, metadata={"help": (
         "drafter micro-steps per RL step when it trains on the update's idle core: those the idle time "
         "did not run, run after the update, on the step's time (drafter_after_s); 0 = idle time only")})
+    drafter_rollback: bool = field(default=True, metadata={"help": (
+        "watch each adapted drafter version's acceptance against the last good version's and roll a "
+        "collapsed one back to it (docs/workers.md, 'A drafter version that does not pay')")})
+    drafter_rollback_ratio: float = field(default=0.5, metadata={"help": (
+        "a version collapsed when its first-token acceptance is surely below this share of the last good "
+        "version's on the same draft shapes (false alarms <= 1e-6 per shape and step, verifies independent)")})
 
     def __post_init__(self) -> None:
         if not self.drafter_lr > 0 or self.drafter_batch_tokens < 1 or self.drafter_min_steps < 0:
             raise ValueError(f"drafter_lr must be > 0, drafter_batch_tokens >= 1 and drafter_min_steps >= 0, got "
                              f"{self.drafter_lr}, {self.drafter_batch_tokens} and {self.drafter_min_steps}")
+        if not 0.0 < self.drafter_rollback_ratio <= 1.0:
+            raise ValueError(f"drafter_rollback_ratio must be in (0, 1], got {self.drafter_rollback_ratio}")
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class DrafterLearner:
         self._seqs, self._done = 0, 0  # this step's sequences, micro-steps
         self._losses: list[float] = []
         self._seconds = 0.0
+        self._restored = False  # restore() ran since the last end_step
         self.drafter.attach(target)
         self._committed = self._snapshot(None)
 
@@ -153,8 +162,19 @@ class DrafterLearner:
             self.version += 1
         self._batches = []
         with self._lock:
-            self._committed = self._snapshot(None if n else self._committed)
+            self._committed = self._snapshot(None if n or self._restored else self._committed)
+            self._restored = False
         return LearnerStats(n, sum(self._losses) / n if n else None, self._seconds, self.version, self._seqs)
+
+    def restore(self, weights: dict[str, torch.Tensor]) -> None:
+        """Go back to `weights` (a version that drafted well, whose optimizer moments are not
+        kept): fresh AdamW moments, and this step's micro-steps so far undone, so that what
+        end_step commits, and the floor it trains, start from these weights."""
+        self.drafter.load_state_dict(weights)
+        self.opt.state.clear()
+        self._done, self._losses = 0, []
+        with self._lock:
+            self._restored = True
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The drafter's fp32 state dict (a copy; the embedding is the target's, not in it)."""
