@@ -66,6 +66,8 @@ class AdaptiveDrafter:
     def __init__(self, learner: DrafterLearner, min_steps: int, rollback: WatchConfig | None = None,
                  state: dict[str, Any] | None = None):
         self.learner, self.min_steps, self.rollback = learner, min_steps, rollback
+        if state is not None and "learner" not in state:  # a checkpoint from before the watch: the learner's alone
+            state = {"learner": state, "watch": None, "reference_weights": None}
         if state is not None:
             learner.load_state_dict(state["learner"])
         # The drafting version's weights are the learner's as of its last end_step (a snapshot
@@ -73,7 +75,7 @@ class AdaptiveDrafter:
         self._drafting_w = self._reference_w = learner.state_dict()["weights"]
         self.drafting = learner.version
         self.watch = VersionWatch(rollback or WatchConfig(), reference=self.drafting, current=self.drafting)
-        if state is not None:
+        if state is not None and state["watch"] is not None:
             self.watch.load_state_dict(state["watch"])
             self.drafting = self.watch.current
             if state["reference_weights"] is not None:
