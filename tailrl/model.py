@@ -39,6 +39,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -455,15 +456,21 @@ class Transformer(nn.Module):
         view: CacheView | None = None,
         mask: torch.Tensor | None = None,  # (B, 1, T, T) for the no-cache path; None = causal
         exact: bool = False,
+        checkpoint: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states, the LM head's input.  # (B, T, E)
 
         exact: row-invariant (module docstring, "Row invariance"); a choice per call, so one
-        model serves exact rollouts and ordinary training at once."""
+        model serves exact rollouts and ordinary training at once. checkpoint: autograd keeps
+        each layer's input only and recomputes the layer in the backward (training on long
+        sequences: a layer's activations are ~30x its input)."""
         x = self.model.embed_tokens(ids)
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, view, mask, exact)
+            if checkpoint:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, i, view, mask, exact, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, i, view, mask, exact)
         return self.model.norm(x)
 
     def forward(self, ids, positions, view=None, mask=None, return_hidden: bool = False, exact: bool = False):

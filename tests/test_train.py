@@ -45,6 +45,8 @@ TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_to
           "plain_s", "draft_s", "verify_s", "by_bucket", "batch_timeline", "update_in_rollout_s", "groups_in_rollout",
           "rollout_share", "tail_s", "tail_share", "drafter_after_s", "idle_seconds_harvested", "idle_seconds_left",
           "preempt_latency_s"}
+# Resident memory: what the allocator and the kernel did, not what the run computed.
+MEMORY = {"peak_rss_gb", "update_peak_rss_gb"}
 # How the rollout decoded: with --spec auto (the default) the tuner picks arms by measured
 # speed, so these differ between runs that emit the same tokens.
 DECODE_PATH = {"decode_steps", "spec_verify_steps", "spec_proposed", "spec_accepted", "spec_accept_len", "sd_fraction", "accept_hist", "arm_by_bucket"}
@@ -53,7 +55,7 @@ REQUIRED = {
     "train_s", "step_s", "tokens_generated", "loss", "pg_loss", "kl", "reward_failures", "reward_timeouts",
     "groups_skipped", "response_lens", "grad_norm", "sd_fraction", "plain_s", "draft_s", "verify_s",
     "accept_hist", "by_bucket", "arm_by_bucket", "batch_timeline", "clip_fraction", "ratio_mean", "ratio_max",
-    "capped_fraction", "mismatch_kl",
+    "capped_fraction", "mismatch_kl", "peak_rss_gb", "update_peak_rss_gb",
 }
 
 
@@ -98,7 +100,7 @@ def tiny_configs(model_dir: Path, task: Path, **train_overrides) -> dict:
 
 
 def comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING | DECODE_PATH} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMING | DECODE_PATH | MEMORY} for r in records]
 
 
 def comparable_evals(run_dir: Path) -> list[dict]:
@@ -243,6 +245,8 @@ def test_metrics_config_and_plots(straight_run, char_model_dir, task_file):
         assert (r["reward_failures"], r["reward_timeouts"]) == (0, 0)
         # bf16 rollouts, fp32 policy: the ratio against the engine's log-probs sees the difference.
         assert r["ratio_max"] > 1.0 and r["mismatch_kl"] > 0.0
+        # The step's resident peak covers the update's (Linux counts both: tailrl.memory).
+        assert sys.platform != "linux" or 0.0 < r["update_peak_rss_gb"] <= r["peak_rss_gb"]
     assert [e.metrics["step"] for e in events if isinstance(e, StepDone)] == [1, 2, 3]
     assert any(isinstance(e, RolloutProgress) for e in events)
     # Off a terminal the printer writes the notices, one rollout line (it is rate-limited) and a

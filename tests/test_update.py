@@ -12,8 +12,8 @@ import torch
 from tailrl.engine import Engine, EngineConfig
 from tailrl.rollout.protocol import Completion, Request
 from tailrl.loading import load_model
-from tailrl.rl.grpo import GRPOConfig
-from tailrl.rl.packing import ON_POLICY, Sample, packed_logprobs
+from tailrl.rl.grpo import GRPOConfig, chunked_logprobs, sequence_logprobs
+from tailrl.rl.packing import ON_POLICY, Sample, pack_tokens, packed_logprobs, packs
 from tailrl.rl.update import GroupGradients, BackgroundUpdate, accumulate_gradients, by_prompt
 from tailrl.sampling import SamplingParams
 
@@ -282,3 +282,53 @@ def test_ratio_statistics_are_the_token_means_of_the_data(policy):
     assert seen[1].capped_fraction < seen[2].capped_fraction
     assert seen[0].mismatch_kl < seen[1].mismatch_kl < seen[2].mismatch_kl
     assert seen[1].ratio_max < seen[2].ratio_max
+
+
+# ---- memory flat in response length ----------------------------------------------------------------
+
+
+def test_packs_close_at_the_response_count_or_the_token_budget():
+    a, b = (1, 2, 3), (4, 5)
+    s = [Sample(a, [0] * 5, 0.0, ON_POLICY), Sample(a, [0] * 5, 0.0, ON_POLICY), Sample(a, [0] * 20, 0.0, ON_POLICY),
+         Sample(b, [0] * 3, 0.0, ON_POLICY), Sample(b, [0] * 3, 0.0, ON_POLICY)]
+    # Tokens: [a 5 5] = 3 + 10 = 13; + the 20-token response would be 33 > 20; it alone is 23 > 20
+    # (its own pack); [b 3 3] = 2 + 6 = 8.
+    assert [len(p) for p in packs(s, 4, 20)] == [2, 1, 2]
+    assert [pack_tokens(p) for p in packs(s, 4, 20)] == [13, 23, 8]
+    assert [len(p) for p in packs(s, 2, 1000)] == [2, 2, 1]
+    assert [len(p) for p in packs(s, 4, 1000)] == [4, 1]
+
+
+def test_chunked_logprobs_and_their_gradients_are_the_full_logits(tiny_dir):
+    """fp64, so that only the rounding of two summation orders separates them: each logit is one
+    dot product of E = 64 terms (relative error <= 64 u, u = 2^-53 ~ 1.1e-16, so ~7e-15), and the
+    gradients sum such products over N rows and V columns; 1e-12 relative is 100x that headroom."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 64, dtype=torch.float64, generator=gen, requires_grad=True)  # (N, E)
+    w = torch.randn(96, 64, dtype=torch.float64, generator=gen, requires_grad=True)  # (V, E)
+    t = torch.randint(0, 96, (37,), generator=gen)
+    g = torch.randn(37, dtype=torch.float64, generator=gen)
+    want = sequence_logprobs(torch.nn.functional.linear(h, w)[None], t[None], 0.7)[0]
+    want_h, want_w = torch.autograd.grad((want * g).sum(), (h, w))
+    for chunk in (1, 8, 37, 64):
+        got = chunked_logprobs(h, w, t, 0.7, chunk)
+        got_h, got_w = torch.autograd.grad((got * g).sum(), (h, w))
+        for x, y in ((got, want), (got_h, want_h), (got_w, want_w)):
+            assert torch.allclose(x, y, rtol=1e-12, atol=1e-12 * y.abs().max().item())
+
+
+def test_a_chunked_and_checkpointed_update_is_the_ordinary_one(tiny_dir):
+    """The whole update with every memory setting forced on (log-probs 3 tokens at a time, every
+    pack checkpointed, packs of at most 24 tokens), against the ordinary update of the same
+    micro-batches, in fp64 (bound as above); checkpointing alone recomputes each layer with the
+    same shapes, so in fp32 it gives the same bits."""
+    groups = _groups(96)
+    plain = GRPOConfig(micro_batch=3, micro_batch_tokens=24)
+    flat = GRPOConfig(micro_batch=3, micro_batch_tokens=24, logprob_chunk=3, checkpoint_tokens=1)
+    policy64 = load_model(tiny_dir, dtype="fp32").double().requires_grad_(True)
+    want, got = (_in_order(policy64, groups, cfg, range(len(groups))) for cfg in (plain, flat))
+    assert all(torch.allclose(x, y, rtol=1e-12, atol=1e-12 * y.abs().max().item()) for x, y in zip(got, want))
+    policy = load_model(tiny_dir, dtype="fp32").requires_grad_(True)
+    checkpointed = GRPOConfig(micro_batch=3, micro_batch_tokens=24, checkpoint_tokens=1)
+    want, got = (_in_order(policy, groups, cfg, range(len(groups))) for cfg in (plain, checkpointed))
+    assert all(torch.equal(x, y) for x, y in zip(got, want))

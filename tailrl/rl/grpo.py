@@ -33,6 +33,15 @@ class GRPOConfig:
         default=4,
         metadata={"help": "responses per forward/backward (packed with their shared prompt); gradients accumulate"},
     )
+    micro_batch_tokens: int = field(default=8192, metadata={"help": (
+        "most tokens (prompts and responses) per forward/backward: a micro-batch closes before a response "
+        "that would pass it (a longer response gets one of its own)")})
+    logprob_chunk: int = field(default=2048, metadata={"help": (
+        "response tokens whose (tokens, vocabulary) logits are held at once: a longer micro-batch computes "
+        "its log-probs chunk by chunk and recomputes the logits in the backward")})
+    checkpoint_tokens: int = field(default=4096, metadata={"help": (
+        "a micro-batch of more tokens recomputes each layer's activations in the backward (activation "
+        "checkpointing) instead of keeping them: memory per token ~30x smaller, ~1.3x the compute")})
     grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0 = no clipping)"})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip range below 1 of the ratio pi_theta / pi_rollout "
                                                                    "(ratio >= 1 - clip_low)"})
@@ -65,8 +74,9 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
-        if self.micro_batch < 1:
-            raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        for name in ("micro_batch", "micro_batch_tokens", "logprob_chunk", "checkpoint_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.autocast not in ("auto", "bf16", "fp32"):
             raise ValueError(f"autocast must be auto, bf16 or fp32, got {self.autocast!r}")
         for name in ("lr_warmup_steps", "weight_decay", "grad_clip", "clip_low", "kl_coef"):
@@ -118,6 +128,61 @@ def sequence_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: f
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logp = torch.log_softmax(x / scale, dim=-1)  # (B, T, V)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """sequence_logprobs of hidden @ weight.T, `chunk` rows at a time, the logits recomputed in
+    the backward: no (N, V) tensor beyond a chunk's is ever held (module doc of chunked_logprobs)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, scale: float, chunk: int, dtype: torch.dtype):  # noqa: D102
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.scale, ctx.chunk, ctx.dtype = scale, chunk, dtype
+        w = weight.to(dtype)  # (V, E)
+        ctx.softmax_dtype = softmax_dtype = torch.promote_types(dtype, torch.float32)  # as sequence_logprobs
+        out = torch.empty(hidden.shape[0], dtype=softmax_dtype, device=hidden.device)  # (N,)
+        for s in range(0, hidden.shape[0], chunk):
+            logits = torch.nn.functional.linear(hidden[s : s + chunk].to(dtype), w).to(softmax_dtype)  # (C, V)
+            logp = torch.log_softmax(logits / scale, dim=-1)
+            out[s : s + chunk] = logp.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        hidden, weight, targets = ctx.saved_tensors
+        w = weight.to(ctx.dtype)  # (V, E)
+        grad_h = torch.empty_like(hidden)  # (N, E)
+        grad_w = torch.zeros(weight.shape, dtype=ctx.softmax_dtype, device=weight.device)  # (V, E)
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s : s + ctx.chunk].to(ctx.dtype)  # (C, E)
+            probs = torch.softmax(torch.nn.functional.linear(h, w).to(ctx.softmax_dtype) / ctx.scale, dim=-1)  # (C, V)
+            g = grad[s : s + ctx.chunk, None]  # (C, 1)
+            # d log p(t) / d logit_v = (1[v = t] - p_v) / scale
+            d = (-g * probs).scatter_add_(-1, targets[s : s + ctx.chunk, None], g) / ctx.scale  # (C, V)
+            d = d.to(ctx.dtype)
+            grad_h[s : s + ctx.chunk] = (d @ w).to(hidden.dtype)
+            grad_w += d.T @ h
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     chunk: int) -> torch.Tensor:
+    """log p(target) under softmax(hidden @ weight.T / temperature), per row: sequence_logprobs
+    of the LM head's logits, computed `chunk` rows at a time.  # (N, E), (V, E), (N,) -> (N,)
+
+    For responses of thousands of tokens the (N, V) logits (and autograd's copies of them) are
+    the update's largest tensors: 4 x 2,048 tokens x a 49k vocabulary is 1.6 GB per fp32 copy.
+    Here the forward keeps only each row's log-prob and the backward recomputes each chunk's
+    logits (one more LM-head product per token) to form the gradient (1[v = t] - p) / T. Under
+    autocast the products run in autocast's dtype, as the unchunked path's would; the softmax is
+    in fp32 either way. Against sequence_logprobs over the whole (N, V) at once the values differ
+    only by the matmul's rounding: the same kernel on fewer rows may sum in another order
+    (tests/test_grpo.py bounds it)."""
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    scale = 1.0 if temperature == 0.0 else float(temperature)
+    with torch.autocast(device_type, enabled=False):
+        return _ChunkedLogprobs.apply(hidden, weight, targets, scale, chunk, dtype)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from tailrl.model import Transformer
-from tailrl.rl.grpo import sequence_logprobs
+from tailrl.rl.grpo import chunked_logprobs, sequence_logprobs
 
 
 # A sample with no behaviour policy of its own (a worked solution, a test's fixed response): it
@@ -45,7 +45,37 @@ class Sample:
                              f"{len(self.token_ids)} response tokens")
 
 
-def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class PackMemory:
+    """How a packed forward keeps its memory flat in the pack's length (the update's settings,
+    tailrl.rl.grpo.GRPOConfig): log-probs `logprob_chunk` response tokens at a time past that
+    many (tailrl.rl.grpo.chunked_logprobs), layers checkpointed past `checkpoint_tokens` tokens."""
+
+    logprob_chunk: int | None = None  # None: the whole (N, V) logits at once
+    checkpoint_tokens: int | None = None  # None: never checkpoint
+
+
+def pack_tokens(samples: Sequence[Sample]) -> int:
+    """Tokens in the packed row of `samples` (each run of one prompt holds it once)."""
+    prompts = sum(len(s.prompt_ids) for i, s in enumerate(samples) if i == 0 or s.prompt_ids != samples[i - 1].prompt_ids)
+    return prompts + sum(len(s.token_ids) for s in samples)
+
+
+def packs(samples: Sequence[Sample], responses: int, tokens: int) -> list[Sequence[Sample]]:
+    """Consecutive micro-batches of at most `responses` samples and, where the samples allow,
+    `tokens` packed tokens: a pack closes before a sample that would pass either (a sample over
+    the token budget on its own gets a pack of its own)."""
+    out: list[Sequence[Sample]] = []
+    first = 0
+    for k in range(1, len(samples) + 1):
+        if k == len(samples) or k - first == responses or pack_tokens(samples[first : k + 1]) > tokens:
+            out.append(samples[first:k])
+            first = k
+    return out
+
+
+def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: float,
+                    memory: PackMemory = PackMemory()) -> torch.Tensor:
     """Each response token's log-prob under `model`, all samples packed in one row.  -> (1, N)
 
     Consecutive samples with the same prompt share one copy of it: the row reads prompt,
@@ -54,18 +84,18 @@ def packed_logprobs(model: Transformer, samples: Sequence[Sample], temperature: 
     it would see in a row of its own, while the prompt is computed once per pack instead of
     once per response (it is most of the tokens when responses are short).
     """
-    return _packed(model, samples, temperature, keep_hidden=False)[0]
+    return _packed(model, samples, temperature, memory, keep_hidden=False)[0]
 
 
-def packed_logprobs_and_hidden(model: Transformer, samples: Sequence[Sample],
-                               temperature: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def packed_logprobs_and_hidden(model: Transformer, samples: Sequence[Sample], temperature: float,
+                               memory: PackMemory = PackMemory()) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """packed_logprobs, and from the same forward each sample's final-normed hidden states (the
     LM head's input), detached, in fp32: one row per prompt + response token but the last (the
     row at position q produced token q + 1), as a drafter trains on them.  -> (1, N), [(P + n - 1, E)]"""
-    return _packed(model, samples, temperature, keep_hidden=True)
+    return _packed(model, samples, temperature, memory, keep_hidden=True)
 
 
-def _packed(model: Transformer, samples: Sequence[Sample], temperature: float,
+def _packed(model: Transformer, samples: Sequence[Sample], temperature: float, memory: PackMemory,
             keep_hidden: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     device = model.lm_head.weight.device
     ids: list[int] = []
@@ -97,11 +127,13 @@ def _packed(model: Transformer, samples: Sequence[Sample], temperature: float,
     d, g = torch.tensor(doc, device=device), torch.tensor(seg, device=device)
     # (L, L): causal, within one prompt's block, and never into a sibling response.
     mask = (row[None] <= row[:, None]) & (d[None] == d[:, None]) & ((g[None] == -1) | (g[None] == g[:, None]))
+    checkpoint = memory.checkpoint_tokens is not None and len(ids) > memory.checkpoint_tokens
     h = model.hidden(
-        torch.tensor([ids], device=device), torch.tensor([positions], device=device), mask=mask[None, None]
+        torch.tensor([ids], device=device), torch.tensor([positions], device=device), mask=mask[None, None],
+        checkpoint=checkpoint and torch.is_grad_enabled(),
     )  # (1, L, E)
     at = torch.tensor(pred, device=device)
-    logits = model.lm_head(h[:, at])  # (1, N, V)
+    target = torch.tensor(targets, device=device)
     hidden: list[torch.Tensor] = []
     if keep_hidden:
         flat = h[0].detach().float()  # (L, E)
@@ -111,7 +143,11 @@ def _packed(model: Transformer, samples: Sequence[Sample], temperature: float,
             # The prompt's rows, then the rows that predicted response tokens 2..n: pred[first + 1 :].
             hidden.append(torch.cat([flat[rows.start : rows.stop], flat[at[first + 1 : first + n]]]))
             first += n
-    return sequence_logprobs(logits, torch.tensor([targets], device=device), temperature), hidden
+    if memory.logprob_chunk is not None and len(targets) > memory.logprob_chunk:
+        logprobs = chunked_logprobs(h[0, at], model.lm_head.weight, target, temperature, memory.logprob_chunk)[None]
+    else:
+        logprobs = sequence_logprobs(model.lm_head(h[:, at]), target[None], temperature)  # (1, N, V) logits
+    return logprobs, hidden
 
 
 def packed_behaviour(samples: Sequence[Sample], own: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tailrl.memory import Peak
 from tailrl.model import Transformer
 from tailrl.rollout.protocol import Completion, PolicyForward, Progress, Request, Rollout, SamplingParams
 from tailrl.rl.grpo import GRPOConfig, group_advantages
@@ -76,6 +77,7 @@ class StepWork:
     groups: list[ScoredGroup]
     stats: UpdateStats
     times: dict[str, float] = field(default_factory=dict)
+    rollout_peak_gb: float | None = None  # resident peak from the step's start to the rollout's end
 
     @property
     def texts(self) -> list[str]:
@@ -117,18 +119,23 @@ def policy_forwards(samples: Sequence[Sample], hidden: list[torch.Tensor]) -> li
 
 
 def run_step(rollout: Rollout, step: int, inputs: StepInputs, policy: Transformer, cfg: GRPOConfig, temperature: float,
-             ref: Transformer | None, overlap_batch: int, on_progress: Callable[[Progress], None]) -> StepWork:
+             ref: Transformer | None, overlap_batch: int, on_progress: Callable[[Progress], None],
+             peak: Peak) -> StepWork:
     """Rollout, rewards and the gradient (written into the policy's .grad); overlapped when
-    overlap_batch > 0, else synchronous (module doc)."""
+    overlap_batch > 0, else synchronous (module doc). `peak`, started with the step, is read at
+    the rollout's end (StepWork.rollout_peak_gb) and started again: from there on it is the
+    update's."""
     on_hidden = None
     if rollout.wants_forwards():
         on_hidden = lambda samples, hidden: rollout.observe(policy_forwards(samples, hidden))  # noqa: E731
     grads = GroupGradients(policy, cfg, temperature, len(inputs.problems), ref, on_hidden)
     if overlap_batch > 0:
-        return _overlapped(rollout, step, inputs, grads, overlap_batch, on_progress)
+        return _overlapped(rollout, step, inputs, grads, overlap_batch, on_progress, peak)
     t0 = time.perf_counter()
     completions = rollout.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens, on_progress=on_progress)
     t1 = time.perf_counter()
+    rollout_peak = peak.gb
+    peak.start()
     G = inputs.group_size
     groups = [score_group(p, completions[g * G : (g + 1) * G], inputs.tokenizer, inputs.score, inputs.reward_timeout_s,
                           cfg.drop_truncated)
@@ -141,11 +148,11 @@ def run_step(rollout: Rollout, step: int, inputs: StepInputs, policy: Transforme
     stats = grads.finish()
     t3 = time.perf_counter()
     return StepWork(completions, groups, stats, {"rollout_s": t1 - t0, "reward_s": t2 - t1, "grad_s": t3 - t2,
-                                                 "update_in_rollout_s": 0.0, "groups_in_rollout": 0})
+                                                 "update_in_rollout_s": 0.0, "groups_in_rollout": 0}, rollout_peak)
 
 
 def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGradients, overlap_batch: int,
-                on_progress: Callable[[Progress], None]) -> StepWork:
+                on_progress: Callable[[Progress], None], peak: Peak) -> StepWork:
     G, P = inputs.group_size, len(inputs.problems)
     finished: list[list[Completion | None]] = [[None] * G for _ in range(P)]
     left = [G] * P
@@ -184,10 +191,12 @@ def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGra
         raise
     t1 = time.perf_counter()
     in_rollout = update.seconds_so_far()
+    rollout_peak = peak.gb
+    peak.start()
     update.drain()
     stats = grads.finish()
     t2 = time.perf_counter()
     return StepWork(completions, list(groups), stats, {  # type: ignore[arg-type]
         "rollout_s": t1 - t0 - reward_s, "reward_s": reward_s, "grad_s": t2 - t1,
         "update_in_rollout_s": in_rollout[0], "groups_in_rollout": in_rollout[1],
-    })
+    }, rollout_peak)

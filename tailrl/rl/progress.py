@@ -90,6 +90,8 @@ def summary_line(m: dict[str, Any], steps: int) -> str:
            if "rollout_share" in m and "tail_share" in m else "")
         + (f" ceiling {m['accept_len_ceiling']:.2f}" if m.get("accept_len_ceiling") is not None else "")
         + _drafter_part(m)
+        + (f" | peak {m['peak_rss_gb']:.1f} GB (update {m['update_peak_rss_gb']:.1f})"
+           if m.get("peak_rss_gb") is not None and m.get("update_peak_rss_gb") is not None else "")
         + (f" | reward failures {m['reward_failures']} timeouts {m['reward_timeouts']}"
            if m["reward_failures"] or m["reward_timeouts"] else "")
     )

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
+from tailrl.memory import Peak
 from tailrl.model import Transformer
 from tailrl.rl import heldout
 from tailrl.rl.grpo import GRPOConfig
@@ -260,6 +261,14 @@ def step_times(work: StepWork, step_s: float) -> dict[str, float]:
             "update_in_rollout_s": w["update_in_rollout_s"], "groups_in_rollout": w["groups_in_rollout"]}
 
 
+def memory_metrics(rollout_gb: float | None, update_gb: float | None, end_gb: float | None) -> dict[str, float | None]:
+    """The step's resident peak (its rollout's, its update's and its publish's: GiB, None where
+    the kernel cannot tell, tailrl.memory) and the update's (from the rollout's end to the
+    optimizer step)."""
+    known = [x for x in (rollout_gb, end_gb) if x is not None]
+    return {"peak_rss_gb": max(known) if known else None, "update_peak_rss_gb": update_gb}
+
+
 # ---- the loop --------------------------------------------------------------------------------
 
 
@@ -293,7 +302,7 @@ class Trainer:
     def gc(self) -> GRPOConfig:
         return self.cfg.grpo
 
-    def rollout_and_gradient(self, step: int) -> StepWork:
+    def rollout_and_gradient(self, step: int, peak: Peak) -> StepWork:
         """The step's rollout, rewards and advantages, and the gradient of the token-mean PPO-clip
         loss in the policy's .grad (tailrl.rl.phases). Problems come from the task's seeded
         stream at the data cursor; each response's sampling seed is keyed by (run seed, step,
@@ -306,7 +315,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         with deterministic(self.device):
             return run_step(self.rollout, step, inputs, self.policy, self.gc, tc.temperature, self.ref, tc.overlap_batch,
-                            lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)))
+                            lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)), peak)
 
     def clip(self, work: StepWork) -> float:
         """Clip the gradient's global norm; its norm before clipping (0 when no group trained)."""
@@ -412,7 +421,8 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
         while state.step < tc.steps:
             step = state.step + 1
             t_start = time.perf_counter()
-            work = t.rollout_and_gradient(step)  # 1-3. rollout, rewards and advantages, the gradient
+            peak = Peak().start()
+            work = t.rollout_and_gradient(step, peak)  # 1-3. rollout, rewards and advantages, the gradient
             grad_norm = t.clip(work)
             with sigint_deferred():  # from here to the checkpoint, all or nothing
                 if work.trained:
@@ -420,12 +430,14 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
                         group["lr"] = t.gc.lr_at(step)
                     t.optimizer.step()
                     t.optimizer.zero_grad(set_to_none=True)  # a policy-sized buffer, unused until the next step
+                update_peak = peak.gb  # from the rollout's end: what is left of the gradient, the optimizer step
                 t.rollout.publish(t.policy)  # 4. the next rollout samples from the updated policy
                 t_train = time.perf_counter()
                 state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
                 metrics = step_metrics(step, tc, work.completions, work.texts, work.rewards, work.skipped,
                                        work.stats, grad_norm, step_times(work, t_train - t_start), t.rollout.report(),
                                        t.gc.lr_at(step))
+                metrics.update(memory_metrics(work.rollout_peak_gb, update_peak, peak.gb))
                 t.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     t.save()  # 5. checkpoint

@@ -49,7 +49,9 @@ import torch
 from tailrl.loading import resolve_dtype
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig, policy_loss
-from tailrl.rl.packing import Sample, packed_behaviour, packed_logprobs, packed_logprobs_and_hidden
+from tailrl.rl.packing import (
+    PackMemory, Sample, packed_behaviour, packed_logprobs, packed_logprobs_and_hidden, packs,
+)
 
 # Token means (policy_loss's LossTerms of the same names), added up as token-weighted sums.
 STAT_NAMES = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "capped_fraction", "mismatch_kl")
@@ -90,26 +92,28 @@ def _empty_share() -> _Share:
 
 def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig, temperature: float,
                 ref: Transformer | None = None, keep_hidden: bool = False) -> _Share:
-    """The gradient of sum-over-tokens of the GRPO loss of `samples`, cfg.micro_batch responses
-    per forward/backward, micro-batches added in order; with keep_hidden, each sample's hidden
-    states from the same forwards."""
+    """The gradient of sum-over-tokens of the GRPO loss of `samples`, micro-batches of at most
+    cfg.micro_batch responses and (where responses allow) cfg.micro_batch_tokens tokens per
+    forward/backward, added in order; with keep_hidden, each sample's hidden states from the same
+    forwards. Long micro-batches keep memory flat (packing.PackMemory); the reference model's
+    pass keeps no autograd state."""
     params = [p for p in policy.parameters() if p.requires_grad]
     share = _empty_share()
     device_type = params[0].device.type
     bf16 = resolve_dtype(cfg.autocast, params[0].device) == "bf16"
-    for first in range(0, len(samples), cfg.micro_batch):
-        pack = samples[first : first + cfg.micro_batch]
+    memory = PackMemory(cfg.logprob_chunk, cfg.checkpoint_tokens)
+    for pack in packs(samples, cfg.micro_batch, cfg.micro_batch_tokens):
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
             if keep_hidden:
-                logprobs, hidden = packed_logprobs_and_hidden(policy, pack, temperature)  # (1, N)
+                logprobs, hidden = packed_logprobs_and_hidden(policy, pack, temperature, memory)  # (1, N)
                 share.samples += pack
                 share.hidden += hidden
             else:
-                logprobs = packed_logprobs(policy, pack, temperature)  # (1, N)
+                logprobs = packed_logprobs(policy, pack, temperature, memory)  # (1, N)
         ref_logprobs = None
         if ref is not None:
             with torch.no_grad():
-                ref_logprobs = packed_logprobs(ref, pack, temperature)  # (1, N)
+                ref_logprobs = packed_logprobs(ref, pack, temperature, memory)  # (1, N)
         adv = torch.tensor([[s.advantage for s in pack for _ in s.token_ids]], dtype=torch.float64)  # (1, N)
         out = policy_loss(
             logprobs, packed_behaviour(pack, logprobs), adv.to(logprobs.device),

@@ -1,0 +1,84 @@
+"""Peak resident memory and seconds of the update of one GRPO group, by response length.
+
+One group of `--group` responses of N tokens each (random tokens after a 200-token prompt, the
+default model), its gradient computed as the RL step computes it (tailrl.rl.update.group_share),
+each (N, settings) in a process of its own so that each peak is its own. Printed per case: the
+resident peak above the policy, its gradient buffers' and AdamW's state (what any update holds
+whatever the length), the seconds, and the per-token slope between consecutive lengths.
+
+    .venv/bin/python scripts/update_memory.py --lengths 512 2048 8192 [--autocast fp32|bf16]
+        [--old-too-up-to 2048]
+
+`--old-too-up-to N` also runs the update as it was before memory-flat micro-batches (one pack
+of all responses, whole logits, no checkpointing) for lengths up to N. Not part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+
+def one(tokens: int, group: int, autocast: str, flat: bool) -> dict:
+    import torch
+
+    from tailrl.loading import default_model_dir, load_model
+    from tailrl.memory import Peak
+    from tailrl.rl.grpo import GRPOConfig
+    from tailrl.rl.packing import ON_POLICY, Sample
+    from tailrl.rl.update import group_share
+
+    torch.manual_seed(0)
+    policy = load_model(default_model_dir(), dtype="fp32").requires_grad_(True)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    # What every update holds whatever the length: AdamW's two moments and the gradient sum.
+    held = [torch.zeros_like(p) for p in params for _ in range(3)]
+    prompt = tuple(torch.randint(100, 20000, (200,)).tolist())
+    samples = [Sample(prompt, torch.randint(100, 20000, (tokens,)).tolist(), 1.0 if i % 2 else -1.0, ON_POLICY)
+               for i in range(group)]
+    cfg = GRPOConfig(autocast=autocast) if flat else GRPOConfig(
+        autocast=autocast, micro_batch=group, micro_batch_tokens=10**9, logprob_chunk=10**9, checkpoint_tokens=10**9)
+    peak = Peak().start()
+    base = peak.gb
+    t0 = time.perf_counter()
+    share = group_share(policy, samples, cfg, 1.0)
+    seconds = time.perf_counter() - t0
+    assert share.grads is not None and len(held) == 3 * len(params)
+    return {"tokens": tokens, "group": group, "autocast": autocast, "flat": flat,
+            "peak_above_gb": round(peak.gb - base, 3), "seconds": round(seconds, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--autocast", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--old-too-up-to", type=int, default=0)
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--old", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one is not None:
+        print(json.dumps(one(args.one, args.group, args.autocast, not args.old)))
+        return
+    rows = []
+    cases = [(n, False) for n in args.lengths if n <= args.old_too_up_to] + [(n, True) for n in args.lengths]
+    for n, flat in cases:
+        cmd = [sys.executable, __file__, "--one", str(n), "--group", str(args.group), "--autocast", args.autocast]
+        out = subprocess.run(cmd + ([] if flat else ["--old"]), capture_output=True, text=True)
+        if out.returncode != 0:
+            print(json.dumps({"tokens": n, "flat": flat, "failed": out.returncode, "stderr": out.stderr[-300:]}))
+            continue
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        prev = [r for r in rows if r["flat"] == flat]
+        if prev:
+            d_tokens = args.group * (n - prev[-1]["tokens"])
+            row["slope_kb_per_token"] = round((row["peak_above_gb"] - prev[-1]["peak_above_gb"]) * 2**20 / d_tokens, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
