@@ -39,7 +39,7 @@ class GRPOConfig:
     logprob_chunk: int = field(default=2048, metadata={"help": (
         "response tokens whose (tokens, vocabulary) logits are held at once: a longer micro-batch computes "
         "its log-probs chunk by chunk and recomputes the logits in the backward")})
-    checkpoint_tokens: int = field(default=4096, metadata={"help": (
+    checkpoint_tokens: int = field(default=2560, metadata={"help": (
         "a micro-batch of more tokens recomputes each layer's activations in the backward (activation "
         "checkpointing) instead of keeping them: memory per token ~30x smaller, ~1.3x the compute")})
     grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0 = no clipping)"})
