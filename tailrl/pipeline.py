@@ -42,10 +42,12 @@ from tailrl.warmup import WarmupConfig, WarmupProgress, warmup
 # Warm-up sized for a CPU: a few minutes of sampling and training before the first RL step. The
 # drafter's acceptance grows with training steps well past two minutes, so most of the budget
 # is training; worked solutions (teacher-forced, cheap) give the longer training more to fit
-# than the few sampled responses. Measurements: docs/workload.md.
+# than the few sampled responses. The budget is optimiser steps, so that every machine warms up
+# the same drafter: 1,000 is about what the earlier 240-second budget ran on 2-core CPUs with
+# native bf16 (866 and 1,072 steps in two runs). Measurements: docs/workload.md.
 WARMUP_PROMPTS = 24
 WARMUP_GROUP = 4
-WARMUP_SECONDS = 240.0
+WARMUP_STEPS = 1000
 WARMUP_SOLUTIONS = 256
 
 
@@ -138,7 +140,7 @@ def prepare(cfg: RunConfig, on_event: Callable[[PhaseEvent], None],
             wcfg = warmup_config(tc)
             on_event(Phase(index, total, name, f"sampling {wcfg.num_prompts} x {wcfg.group_size} responses from the "
                                                f"policy" + (f" and {wcfg.solutions} worked solutions" if wcfg.solutions else "")
-                                               + f", then {wcfg.seconds:.0f} s of drafter training (cached)"))
+                                               + f", then {wcfg.steps} drafter training steps (cached)"))
             drafter, reused = cached_warmup(wcfg, on_warmup)
             on_event(Notice(f"drafter {'reused from' if reused else 'written to'} {drafter}"))
             rollout = rollout.with_drafter(drafter)
@@ -175,7 +177,7 @@ def warmup_config(tc: TrainConfig) -> WarmupConfig:
         solutions = 0
     return WarmupConfig(model=tc.model, task=tc.task, num_prompts=WARMUP_PROMPTS, group_size=WARMUP_GROUP,
                         holdout_prompts=4, max_new_tokens=tc.max_new_tokens, temperature=tc.temperature,
-                        solutions=solutions, seconds=WARMUP_SECONDS, eval_greedy=False)
+                        solutions=solutions, steps=WARMUP_STEPS, eval_greedy=False)
 
 
 def cached_warmup(cfg: WarmupConfig, on_progress: Callable[[WarmupProgress], None] | None) -> tuple[Path, bool]:

@@ -11,8 +11,8 @@ TLT trains its drafter offline before RL starts; this is that step, sized for mi
    sampled one wherever the policy writes like its solutions.
 2. Draft vocabulary: the draft_vocab_size most frequent response tokens (EOS always in), topped
    up with the lowest unused ids (BPE ids roughly follow corpus frequency).
-3. Training (tailrl.speculative.drafter.training) under a time and/or step budget; held-out loss is
-   measured as it goes.
+3. Training (tailrl.speculative.drafter.training) for a number of optimiser steps (and, if asked,
+   at most a time budget); held-out loss is measured as it goes.
 4. Report on the held-out prompts: loss, top-1 agreement, vocabulary coverage, and accept_len
    of speculative decoding replayed with the real proposer (drafter_train.simulate_accept) on
    their sampled responses and on greedy ones (the walk accepts exactly the sampled tokens).
@@ -70,8 +70,10 @@ class WarmupConfig:
     solutions: int = field(default=0, metadata={"help": "also train on the task's worked solutions to this many "
                                                    "further problems (teacher-forced; 0 = none)"})
     holdout_prompts: int = field(default=8, metadata={"help": "prompts whose responses are held out for evaluation"})
-    seconds: float = field(default=150.0, metadata={"help": "training time budget, seconds (0 = no time limit)"})
-    steps: int = field(default=0, metadata={"help": "most optimiser steps (0 = no step limit)"})
+    # Steps, not seconds, by default: the same command trains the same drafter on any machine.
+    steps: int = field(default=600, metadata={"help": "optimiser steps of training (0 = no step limit)"})
+    seconds: float = field(default=0.0, metadata={"help": "training time budget, seconds, if asked for (a "
+                                                  "machine-dependent amount of training; 0 = no time limit)"})
     lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate"})
     batch_tokens: int = field(default=1024, metadata={"help": "drafter entries per optimiser step"})
     draft_vocab_size: int = field(default=4096, metadata={"help": "tokens the drafter can propose"})

@@ -147,6 +147,14 @@ def test_the_default_warmup_adds_worked_solutions_only_where_the_task_has_them(t
     assert pipeline.warmup_config(TrainConfig(task=str(plain))).solutions == 0
 
 
+def test_the_default_warmup_is_a_number_of_steps_not_seconds(tmp_path):
+    """The same command trains the same drafter on any machine: the default run's warm-up and
+    `tailrl drafter warmup` stop at a number of optimiser steps, never at a time budget."""
+    cfg = pipeline.warmup_config(TrainConfig())
+    assert (cfg.steps, cfg.seconds) == (pipeline.WARMUP_STEPS, 0.0)
+    assert (WarmupConfig().steps, WarmupConfig().seconds) == (600, 0.0)
+
+
 def test_warmup_progress_estimates_the_time_left(capsys):
     """Each warm-up phase shows an estimate: by the rate so far (a count), by the rest of the
     time budget, the smaller of the two when both bound it, none before anything is done."""
