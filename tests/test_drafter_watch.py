@@ -145,10 +145,10 @@ SPEC = dict(spec="on", draft_depth=3, num_draft_tokens=3)  # a fixed arm: the ta
 ADAPT = AdaptConfig(drafter_min_steps=2)
 
 
-def run_steps(rollout: Rollout, model, steps: int, before_publish: Callable[[int], None] = lambda step: None
-              ) -> list[RolloutReport]:
+def run_steps(rollout: Rollout, model, steps: int, before_publish: Callable[[int], None]) -> list[RolloutReport]:
     """Steps of greedy rollouts, each handing the rollout the policy's forwards and publishing
     (the policy does not change); before_publish(step) may break the drafter being trained."""
+    rollout.publish(model)
     reports = []
     for step in range(1, steps + 1):
         out = rollout.generate(step, requests(), SamplingParams(temperature=0.0), 32)
@@ -182,46 +182,35 @@ def check_rolled_back(reports: list[RolloutReport]) -> None:
     assert rollback.rate < 0.1 and rollback.reference_rate > 0.9 and rollback.verifies > 100
 
 
-def open_native(model, drafter: Path, adapt: AdaptConfig = ADAPT):
+def run_native(repeater: tuple[Path, Path], steps: int, breaks: Callable[[Rollout, int], None],
+               adapt: AdaptConfig = ADAPT) -> tuple[list[RolloutReport], Rollout]:
+    """run_steps on the native engine (one in-process worker); breaks(rollout, step) before each publish."""
+    target, drafter = repeater
+    model = load_model(target, "fp32")
     speculation = RolloutSpeculationConfig(drafter=str(drafter), **SPEC)
-    return NativeRolloutConfig(EngineConfig(max_batch=16), speculation, TunerConfig(), adapt, WorkerConfig()).open(model, 0)
+    rollout = NativeRolloutConfig(EngineConfig(max_batch=16), speculation, TunerConfig(), adapt, WorkerConfig()).open(model, 0)
+    try:
+        return run_steps(rollout, model, steps, lambda step: breaks(rollout, step)), rollout
+    finally:
+        rollout.close()
 
 
 def test_a_broken_version_is_rolled_back_on_the_native_engine(repeater):
-    target, drafter = repeater
-    model = load_model(target, "fp32")
-    rollout = open_native(model, drafter)
-    try:
-        rollout.publish(model)
-        reports = run_steps(rollout, model, 5, lambda step: randomise(rollout, step, at=3))
-    finally:
-        rollout.close()
+    reports, _ = run_native(repeater, 5, lambda rollout, step: randomise(rollout, step, at=3))
     check_rolled_back(reports)
     # Without the watch the broken version keeps drafting, and its successors train on from it.
-    rollout = open_native(model, drafter, AdaptConfig(drafter_min_steps=2, drafter_rollback=False))
-    try:
-        rollout.publish(model)
-        unwatched = run_steps(rollout, model, 5, lambda step: randomise(rollout, step, at=3))
-    finally:
-        rollout.close()
+    unwatched, _ = run_native(repeater, 5, lambda rollout, step: randomise(rollout, step, at=3),
+                              AdaptConfig(drafter_min_steps=2, drafter_rollback=False))
     assert unwatched[4].drafter_accept_len < 1.2 and all(r.drafter_rollback is None for r in unwatched)
 
 
 def test_a_version_with_non_finite_weights_never_drafts(repeater):
-    target, drafter = repeater
-    model = load_model(target, "fp32")
-    rollout = open_native(model, drafter)
-
-    def poison(step: int) -> None:
+    def poison(rollout, step: int) -> None:
         if step == 2:
             with torch.no_grad():
                 next(rollout.adapt.learner.drafter.fc.parameters()).fill_(float("nan"))
 
-    try:
-        rollout.publish(model)
-        reports = run_steps(rollout, model, 3, poison)
-    finally:
-        rollout.close()
+    reports, rollout = run_native(repeater, 3, poison)
     # Step 2's publish trained version 1 (the first: training lags a step) from the poisoned
     # weights: discarded; version 0 drafts on, and the learner went back to its weights, so step
     # 3's publish trains version 2 from them.
@@ -232,21 +221,13 @@ def test_a_version_with_non_finite_weights_never_drafts(repeater):
 
 
 def test_a_version_that_does_not_fit_the_engine_fails_in_one_line(repeater):
-    target, drafter = repeater
-    model = load_model(target, "fp32")
-    rollout = open_native(model, drafter)
-
-    def misshape(step: int) -> None:
+    def misshape(rollout, step: int) -> None:
         if step == 2:
             fc = rollout.adapt.learner.drafter.fc  # a bug's drafter: an fc with a bias the engine's has not
             rollout.adapt.learner.drafter.fc = torch.nn.Linear(fc.in_features, fc.out_features, bias=True)
 
-    try:
-        rollout.publish(model)
-        with pytest.raises(DrafterVersionError) as e:
-            run_steps(rollout, model, 3, misshape)
-    finally:
-        rollout.close()
+    with pytest.raises(DrafterVersionError) as e:
+        run_native(repeater, 3, misshape)
     assert str(e.value).startswith("drafter version 1 cannot be loaded into the native engine: ")
     assert "fc.bias" in str(e.value) and "\n" not in str(e.value)
 
@@ -263,7 +244,6 @@ def test_a_broken_version_is_rolled_back_on_the_vllm_engine(repeater):
     rollout = VllmRolloutConfig(VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=16, draft_sampling="greedy"),
                                 speculation, adapt=ADAPT).open(model, seed=0)
     try:
-        rollout.publish(model)
         reports = run_steps(rollout, model, 5, lambda step: randomise(rollout, step, at=3))
     finally:
         rollout.close()
