@@ -143,7 +143,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         out = torch.empty(hidden.shape[0], dtype=softmax_dtype, device=hidden.device)  # (N,)
         for s in range(0, hidden.shape[0], chunk):
             logits = torch.nn.functional.linear(hidden[s : s + chunk].to(dtype), w).to(softmax_dtype)  # (C, V)
-            logp = torch.log_softmax(logits / scale, dim=-1)
+            logp = torch.log_softmax(logits.div_(scale), dim=-1)
+            del logits
             out[s : s + chunk] = logp.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
         return out
 
@@ -155,10 +156,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=ctx.softmax_dtype, device=weight.device)  # (V, E)
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s : s + ctx.chunk].to(ctx.dtype)  # (C, E)
-            probs = torch.softmax(torch.nn.functional.linear(h, w).to(ctx.softmax_dtype) / ctx.scale, dim=-1)  # (C, V)
+            logits = torch.nn.functional.linear(h, w).to(ctx.softmax_dtype).div_(ctx.scale)  # (C, V)
             g = grad[s : s + ctx.chunk, None]  # (C, 1)
-            # d log p(t) / d logit_v = (1[v = t] - p_v) / scale
-            d = (-g * probs).scatter_add_(-1, targets[s : s + ctx.chunk, None], g) / ctx.scale  # (C, V)
+            # d log p(t) / d logit_v = (1[v = t] - p_v) / scale, in place: one (C, V) tensor at a time
+            d = torch.softmax(logits, dim=-1)
+            del logits
+            d.mul_(-g).scatter_add_(-1, targets[s : s + ctx.chunk, None], g).div_(ctx.scale)  # (C, V)
             d = d.to(ctx.dtype)
             grad_h[s : s + ctx.chunk] = (d @ w).to(hidden.dtype)
             grad_w += d.T @ h
