@@ -164,9 +164,10 @@ def run_steps(rollout: Rollout, model, steps: int, before_publish: Callable[[int
 def randomise(rollout, step: int, at: int) -> None:
     """Randomise the learner's drafter before step `at`'s publish: the version it trains there is broken."""
     if step == at:
+        gen = torch.Generator().manual_seed(at)
         with torch.no_grad():
             for p in rollout.adapt.learner.drafter.parameters():
-                p.normal_(0.0, 1.0)
+                p.normal_(0.0, 1.0, generator=gen)
 
 
 def check_rolled_back(reports: list[RolloutReport]) -> None:
