@@ -24,6 +24,8 @@ stop_load() {
 }
 trap stop_load EXIT
 
+logs=$(mktemp -d -t tailrl-stress.XXXXXX)
+echo "each repetition's output: $logs/REP.log"
 failed=0
 for ((i = 1; i <= reps; i++)); do
     if ((i % 2 == 0)); then
@@ -34,11 +36,11 @@ for ((i = 1; i <= reps; i++)); do
         what="quiet"
     fi
     start=$SECONDS
-    if "$python" -m pytest -q -p no:cacheprovider "$@" > "/tmp/tailrl-stress-$i.log" 2>&1; then
+    if "$python" -m pytest -q -p no:cacheprovider "$@" > "$logs/$i.log" 2>&1; then
         echo "rep $i/$reps ($what): passed in $((SECONDS - start)) s"
     else
         failed=$((failed + 1))
-        echo "rep $i/$reps ($what): FAILED in $((SECONDS - start)) s: $(grep -E '^FAILED' "/tmp/tailrl-stress-$i.log" | tr '\n' ' ')"
+        echo "rep $i/$reps ($what): FAILED in $((SECONDS - start)) s: $(grep -E '^FAILED' "$logs/$i.log" | tr '\n' ' ')"
     fi
     stop_load
 done
