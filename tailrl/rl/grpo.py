@@ -178,9 +178,9 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     Here the forward keeps only each row's log-prob and the backward recomputes each chunk's
     logits (one more LM-head product per token) to form the gradient (1[v = t] - p) / T. Under
     autocast the products run in autocast's dtype, as the unchunked path's would; the softmax is
-    in fp32 either way. Against sequence_logprobs over the whole (N, V) at once the values differ
-    only by the matmul's rounding: the same kernel on fewer rows may sum in another order
-    (tests/test_grpo.py bounds it)."""
+    in at least fp32 either way. Against sequence_logprobs over the whole (N, V) at once the
+    values differ only by the matmul's rounding: the same kernel on fewer rows may sum in another
+    order (tests/test_update.py bounds it)."""
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     scale = 1.0 if temperature == 0.0 else float(temperature)
