@@ -137,22 +137,50 @@ class Engine:
 
     # ---- set-up -------------------------------------------------------------------------
 
-    def _ensure_cache(self, capacity: int, want_slots: int) -> None:
-        capacity = -(-capacity // KV_CHUNK) * KV_CHUNK  # what KVCache allocates
-        per_seq = KVCache.bytes_per_token(self.model.cfg, self.dtype) * capacity
-        slots = min(want_slots, self.cfg.max_batch, int(self.cfg.kv_budget_gb * 2**30 // per_seq))
-        if slots < 1:
+    def _plan_cache(self, requests: Sequence[Request], max_new_tokens: int) -> None:
+        """Room for the call's first admissions. Where the budget holds every slot at a sequence's
+        worst case (prompt + max_new_tokens + the decoder's reserve), that is what the cache
+        holds and it never grows; otherwise the budget is cut into equal slots, which `_make_room`
+        grows as the sequences' tokens need, preempting some where the budget runs out."""
+        reserve = self.decoder.max_tree + 1
+        worst = self.check_requests(requests, max_new_tokens, extra=reserve)
+        first = -(-(max(len(r.prompt_ids) for r in requests) + reserve) // KV_CHUNK) * KV_CHUNK
+        per_token = KVCache.bytes_per_token(self.model.cfg, self.dtype)
+        self._budget = int(self.cfg.kv_budget_gb * 2**30 // per_token)  # positions
+        self._worst = -(-worst // KV_CHUNK) * KV_CHUNK
+        if self._worst > self._budget:
             raise ValueError(
-                f"kv_budget_gb={self.cfg.kv_budget_gb} cannot hold one sequence of {capacity} tokens "
-                f"({per_seq / 2**30:.2f} GiB needed)"
+                f"kv_budget_gb={self.cfg.kv_budget_gb} cannot hold one sequence of {self._worst} tokens "
+                f"({self._worst * per_token / 2**30:.2f} GiB needed)"
             )
+        self._want = min(len(requests), self.cfg.max_batch)
+        capacity = min(self._worst, max(self._budget // self._want // KV_CHUNK * KV_CHUNK, first))
+        slots = min(self._want, self._budget // capacity)
         c = self.cache
         if c is None or c.capacity < capacity or c.slots < slots:
             self.cache = None  # free the old cache before allocating the new one
             self.cache = KVCache(self.model.cfg, slots, capacity, self.dtype, self.device)
 
+    def _make_room(self, running: list[Seq], preempted: deque[Seq]) -> None:
+        """Grow the cache before a step that would write past it: by a quarter at least (a resize
+        copies the cache), to what fewer slots can hold within the budget. Where the running
+        sequences outnumber those slots, the shortest are preempted: they leave the batch and
+        their KV is recomputed when they are admitted again (`_resume`), as vLLM's default does."""
+        need = max(s.length for s in running) + self.decoder.max_tree + 1
+        c = self.cache
+        if need <= c.capacity:
+            return
+        capacity = min(self._worst, -(-max(need, c.capacity * 5 // 4) // KV_CHUNK) * KV_CHUNK)
+        slots = min(self._want, self._budget // capacity)
+        for seq in sorted(running, key=lambda s: s.length)[: max(0, len(running) - slots)]:
+            self._leave(running, next(i for i, s in enumerate(running) if s is seq))
+            preempted.append(seq)
+            self.stats.preempted += 1
+        c.resize(slots, capacity, len(running), max(s.length for s in running))
+        self.stats.cache_resizes += 1
+
     def check_requests(self, requests: Sequence[Request], max_new_tokens: int, extra: int = 0) -> int:
-        """Validate lengths; return the cache capacity needed per sequence."""
+        """Validate lengths; return the cache positions a sequence needs at most."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         limit = self.model.cfg.max_position_embeddings
@@ -183,8 +211,9 @@ class Engine:
 
         on_progress(Progress) is called after every decode step; on_finished(request index,
         completion) as each sequence finishes, before the call returns them all."""
-        capacity = self.check_requests(requests, max_new_tokens, extra=self.decoder.max_tree + 1)
-        self._ensure_cache(capacity, len(requests))
+        if not requests:
+            return []
+        self._plan_cache(requests, max_new_tokens)
         self.stats = EngineStats()
         call = GenerateCall(params, max_new_tokens, stop)
         self.decoder.begin(self)
@@ -192,14 +221,16 @@ class Engine:
         # Siblings adjacent, so one admission wave usually covers a whole group.
         order = sorted(range(len(requests)), key=lambda i: (requests[i].group, i))
         waiting = deque((i, requests[i]) for i in order)
+        preempted: deque[Seq] = deque()  # admitted before any waiting request
         running: list[Seq] = []
         results: list[Completion | None] = [None] * len(requests)
         with torch.inference_mode():
-            while waiting or running:
-                self._admit(waiting, running, call)
+            while waiting or preempted or running:
+                self._admit(waiting, preempted, running, call)
                 self._retire(running, results, on_finished)  # a first token can already end a sequence
                 if not running:
                     continue
+                self._make_room(running, preempted)
                 t0, tokens0 = time.perf_counter(), self.stats.tokens
                 label = self.decoder.step(self, running, call)
                 t1 = time.perf_counter()
@@ -213,10 +244,13 @@ class Engine:
         self.stats.seconds = time.perf_counter() - start
         return results  # type: ignore[return-value]
 
-    def _admit(self, waiting: deque, running: list[Seq], call: GenerateCall) -> None:
-        """Prefill waiting requests into free slots: one prefill per distinct prompt, the distinct
-        prompts of a wave batched into one forward (up to PREFILL_TOKENS padded tokens)."""
+    def _admit(self, waiting: deque, preempted: deque[Seq], running: list[Seq], call: GenerateCall) -> None:
+        """Fill free slots: preempted sequences first (`_resume`), then waiting requests, one
+        prefill per distinct prompt, the distinct prompts of a wave batched into one forward (up
+        to PREFILL_TOKENS padded tokens)."""
         t0 = time.perf_counter()
+        while preempted and len(running) < self.cache.slots:
+            self._resume(preempted.popleft(), running)
         free = self.cache.slots - len(running)
         groups: list[list[tuple[int, Request]]] = []  # adjacent requests with one prompt
         while waiting and free > 0:
@@ -261,6 +295,19 @@ class Engine:
             for j, sib in g[1:]:
                 self.cache.copy_slot(first + i, len(running), lens[i])
                 running.append(self._start(j, sib, call, logits[i : i + 1], h[i, : lens[i]]))
+
+    def _resume(self, seq: Seq, running: list[Seq]) -> None:
+        """Recompute a preempted sequence's KV into the next slot, PREFILL_TOKENS at a time (each
+        piece attends to the pieces before it through the cache); its tokens, log-probs and
+        hidden states were kept, so nothing is sampled again."""
+        slot, ids = len(running), (list(seq.req.prompt_ids) + seq.tokens)[: seq.length]
+        for start in range(0, seq.length, PREFILL_TOKENS):
+            piece = torch.tensor(ids[start : start + PREFILL_TOKENS], device=self.device)[None]  # (1, T)
+            pos = start + torch.arange(piece.shape[1], device=self.device)[None]  # (1, T)
+            kv_len = start + piece.shape[1]
+            mask = torch.arange(kv_len, device=self.device)[None, None] <= pos[..., None]  # (1, T, S)
+            self.model.hidden(piece, pos, CacheView(self.cache, slot, pos, kv_len, mask), exact=self.cfg.exact)
+        running.append(seq)
 
     def _start(self, idx: int, req: Request, call: GenerateCall, logits: torch.Tensor, h_prompt: torch.Tensor) -> Seq:
         """A running sequence from its prompt's last logits (1, V) and hidden states (P, E)."""
@@ -321,11 +368,15 @@ class Engine:
             )
             if on_finished is not None:
                 on_finished(seq.req_index, results[seq.req_index])
-            last = running.pop()
-            if last is not seq:
-                self.cache.copy_slot(len(running), i, last.length)
-                self.decoder.moved(len(running), i, last)
-                running[i] = last
+            self._leave(running, i)
+
+    def _leave(self, running: list[Seq], i: int) -> None:
+        """Take slot i's sequence out of the batch; the last running sequence moves into its slot."""
+        last = running.pop()
+        if i < len(running):
+            self.cache.copy_slot(len(running), i, last.length)
+            self.decoder.moved(len(running), i, last)
+            running[i] = last
 
     # ---- what decoders use ----------------------------------------------------------------
 

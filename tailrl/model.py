@@ -233,27 +233,47 @@ class ModelConfig:
 
 
 class KVCache:
-    """Preallocated keys/values: C slots x M positions per layer.  k, v: (L, C, K, M, D)
+    """Preallocated keys/values: C slots x M positions, one tensor per layer.  k[l], v[l]: (C, K, M, D)
 
     A sequence owns one slot; the engine keeps running sequences in slots 0..B-1 so a batch's
-    cache is a view, never a gather.
+    cache is a view, never a gather. A tensor per layer, so that `resize` holds the old and the
+    new cache together for one layer at a time, not whole.
     """
 
     def __init__(self, cfg: ModelConfig, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
-        # Whole KV_CHUNKs, so chunked_pv never copies the values to pad them.
-        capacity = -(-capacity // KV_CHUNK) * KV_CHUNK
-        shape = (cfg.num_layers, slots, cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.slots, self.capacity = slots, capacity
+        self.slots, self.capacity = slots, _whole_chunks(capacity)
+        self.k = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
+        self.v = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
+
+    def _empty(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        # Zeros, not torch.empty: exact mode's chunked_pv multiplies unwritten positions by 0.
+        return torch.zeros(self.slots, cfg.num_kv_heads, self.capacity, cfg.head_dim, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        for kv in (*self.k, *self.v):
+            kv[dst, :, :length] = kv[src, :, :length]
+
+    def resize(self, slots: int, capacity: int, keep: int, length: int) -> None:
+        """Reallocate to `slots` x `capacity` (whole chunks), keeping the first `length` positions
+        of slots 0..keep-1."""
+        capacity = _whole_chunks(capacity)
+        if keep > slots or length > capacity:
+            raise ValueError(f"cannot keep {keep} slots x {length} positions in {slots} x {capacity}")
+        for kvs in (self.k, self.v):
+            for layer, old in enumerate(kvs):
+                new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
+                new[:keep, :, :length] = old[:keep, :, :length]
+                kvs[layer] = new  # the old layer's memory goes before the next layer's is allocated
+        self.slots, self.capacity = slots, capacity
+
+
+def _whole_chunks(positions: int) -> int:
+    """Positions rounded up to whole KV_CHUNKs, so chunked_pv never copies the values to pad them."""
+    return -(-positions // KV_CHUNK) * KV_CHUNK
 
 
 @dataclass
@@ -370,7 +390,7 @@ class Attention(nn.Module):
     def _cached(self, q, k, v, layer: int, view: CacheView, exact: bool) -> torch.Tensor:
         b, _, t, d = q.shape
         rows = slice(view.first, view.first + b)
-        ck, cv = view.cache.k[layer, rows], view.cache.v[layer, rows]  # (B, K, M, D) views
+        ck, cv = view.cache.k[layer][rows], view.cache.v[layer][rows]  # (B, K, M, D) views
         ck[view.rows, :, view.write_pos] = k.transpose(1, 2)
         cv[view.rows, :, view.write_pos] = v.transpose(1, 2)
         g = self.h // self.k

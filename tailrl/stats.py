@@ -50,6 +50,8 @@ class EngineStats:
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     steps: int = 0
+    preempted: int = 0  # sequences taken out of a full KV cache, their KV recomputed on readmission
+    cache_resizes: int = 0  # times the KV cache grew (tailrl.engine `_make_room`)
     timeline: list[StepRecord] = field(default_factory=list)  # one per decode step
     spec: SpecStats = field(default_factory=SpecStats)
 

@@ -183,6 +183,47 @@ def test_kv_budget(tiny):
     assert [c.token_ids for c in out] == [c.token_ids for c in Engine(tiny).generate(reqs, SamplingParams(), 16)]
 
 
+def _drafting(target):
+    """A random drafter drafting trees: the proposer whose per-slot state a preemption must not
+    corrupt (its draft KV is rebuilt from the kept hidden states when a sequence returns)."""
+    from tailrl.speculative.decoder import fixed
+    from tailrl.speculative.drafter.model import Drafter, DrafterProposer
+    from tailrl.tuner import Arm
+
+    return fixed(Arm("drafter", draft_depth=3, topk=2, num_draft_tokens=6),
+                 DrafterProposer(Drafter.from_target(target, list(range(96)), "tiny", seed=0)))
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "drafter"])
+def test_a_full_cache_grows_and_preempts_without_changing_a_bit(tiny, monkeypatch, speculate):
+    """A budget that holds 6 sequences of 128 positions but not of their worst case (7 + 300 + the
+    verify reserve): the cache starts at 6 x 128, grows as they lengthen (to 256, then 384
+    positions, 3 and then 2 slots), preempting the shortest each time; each preempted sequence's
+    KV is recomputed on readmission, in pieces (PREFILL_TOKENS made 96). In exact mode every
+    completion (tokens, log-probs, hidden states) is the same bits as with room for all."""
+    monkeypatch.setattr(engine_mod, "PREFILL_TOKENS", 96)
+    reqs, params = _requests(6), SamplingParams(temperature=1.0)
+    per_token = KVCache.bytes_per_token(tiny.cfg, torch.float32)
+
+    def run(budget_gb: float) -> tuple[list, Engine]:
+        engine = Engine(tiny, EngineConfig(kv_budget_gb=budget_gb, capture_hidden=True, exact=True))
+        engine.eos = set()  # every sequence runs to the limit, so the cache must grow
+        if speculate:
+            engine.decoder = _drafting(tiny)
+        return engine.generate(reqs, params, 300), engine
+
+    roomy, room = run(4.0)
+    tight, engine = run(6 * KV_CHUNK * per_token / 2**30)
+    assert room.stats.preempted == room.stats.cache_resizes == 0
+    assert engine.stats.cache_resizes == 2 and engine.stats.preempted == 4
+    assert (engine.cache.slots, engine.cache.capacity) == (2, 3 * KV_CHUNK)
+    assert max(r.batch for r in engine.stats.timeline) == 6
+    for a, b in zip(roomy, tight):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 300
+        assert a.logprobs == b.logprobs
+        assert torch.equal(a.hidden, b.hidden) and torch.equal(a.prompt_hidden, b.prompt_hidden)
+
+
 # ---- CLI ----------------------------------------------------------------------------------------
 
 def _cli_error(capsys, argv) -> str:

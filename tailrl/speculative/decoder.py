@@ -209,7 +209,7 @@ def _verify_forward(engine: Engine, running: list[Seq], tree: DraftTree) -> tupl
 
 
 def _compact(cache: KVCache, lens: list[int], paths: list[list[int]]) -> None:
-    """Move accepted nodes' K/V from length + verify index to length + 1 + k, all layers at once.
+    """Move accepted nodes' K/V from length + verify index to length + 1 + k, layer by layer.
 
     Nodes already in place (a chain drafter's accepted prefix) are skipped. The gather on the
     right-hand side completes before the write, so overlapping sources and destinations are safe.
@@ -219,9 +219,9 @@ def _compact(cache: KVCache, lens: list[int], paths: list[list[int]]) -> None:
     ]
     if not moves:
         return
-    rows, src, dst = (torch.tensor(x, device=cache.k.device) for x in zip(*moves))  # (M,) each
-    for kv in (cache.k, cache.v):  # (L, C, K, M_cap, D)
-        kv[:, rows, :, dst] = kv[:, rows, :, src]
+    rows, src, dst = (torch.tensor(x, device=cache.k[0].device) for x in zip(*moves))  # (M,) each
+    for kv in (*cache.k, *cache.v):  # (C, K, M_cap, D) each
+        kv[rows, :, dst] = kv[rows, :, src]
 
 
 def fixed(arm: Arm, proposer: Proposer, observers: Sequence[StepObserver] = ()) -> SpecDecoder:

@@ -329,13 +329,11 @@ class DrafterProposer:
         if c is not None and c.slots >= slots and c.capacity >= capacity:
             return
         d = self.drafter
-        slots = max(slots, c.slots if c else 0)
-        capacity = max(256 * math.ceil(capacity / 256), c.capacity if c else 0)
-        new = KVCache(d.cfg.layer, slots, capacity, d.dtype, d.fc.weight.device)
-        if c is not None:  # keep what the old cache held
-            new.k[:, : c.slots, :, : c.capacity] = c.k
-            new.v[:, : c.slots, :, : c.capacity] = c.v
-        self.cache = new
+        capacity = 256 * math.ceil(capacity / 256)
+        if c is None:
+            self.cache = KVCache(d.cfg.layer, slots, capacity, d.dtype, d.fc.weight.device)
+        else:  # keep what the old cache held
+            c.resize(max(slots, c.slots), max(capacity, c.capacity), c.slots, c.capacity)
 
     def propose(self, engine: Engine, running: list[Seq], arm: Arm) -> DraftTree:
         """One tree per running row; root = seq.pending at position seq.length; target token ids.
