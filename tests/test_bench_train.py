@@ -4,6 +4,7 @@ compares them step by step; `compare` flags a run whose tokens or rewards differ
 drafter`: adaptive and frozen drafter, interleaved, same tokens, accept_len per step."""
 
 import json
+import sys
 
 from tailrl.bench.suite import _drafter, _train
 from tailrl.bench.train import compare
@@ -51,6 +52,10 @@ def test_bench_train_runs_tlt_and_baseline_on_identical_tokens(char_model_dir, t
     assert [r["step"] for r in report["steps"]] == [1, 2]
     assert report["identical_tokens"] and report["identical_rewards"]
     assert report["speedup_e2e"] > 0 and report["speedup_rollout"] > 0
+    # Every run's resident peak is its steps' highest (Linux counts it: tailrl.memory).
+    assert sys.platform != "linux" or all(
+        report["peak_rss_gb"][name] == max(r[f"{name}_peak_rss_gb"] for r in report["steps"]) > 0
+        for name in ("baseline", "sd_only", "overlap_only", "tlt"))
     runs = {name: [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
             for name in ("baseline", "sd_only", "overlap_only", "tlt")}
     # The runs differ in what TLT adds: speculation, the drafter and the overlapped update, never

@@ -14,7 +14,9 @@ each repetition from a fresh decoder (an empty n-gram history: a repetition must
 its own previous answers). The tuner starts from the state it reached on one untimed rollout of
 another batch (the step before the first one's problems and seeds), as in training from the
 second step on, and carries its state from batch to batch; `--cold-tuner` starts it empty
-instead. Tokens are compared with the off run of the same repetition.
+instead. Tokens are compared with the off run of the same repetition. Each mode's resident
+peak (the process's, from the start of its repetition: the model, the caches, the transients) is
+reported beside its time.
 
 The long-tail picture: the running batch size over time per mode (the first batch), and the
 ideal time, i.e. the off run's prefill plus all its decode tokens at the throughput of its
@@ -42,6 +44,7 @@ from typing import Any, Callable
 
 from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
+from tailrl.memory import Peak
 from tailrl.model import Transformer
 from tailrl.rl.plots import log_counts
 from tailrl.rl.run_dir import atomic_file
@@ -100,6 +103,7 @@ class ModeResult:
     differing: int | None = 0  # sequences whose tokens differ from the off run's, summed over repetitions (None: vLLM)
     timeline: list[list[Any]] = field(default_factory=list)  # the first repetition's first batch's segments
     cells: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # bucket -> arm -> [tokens, seconds, steps], all reps
+    peaks: list[float] = field(default_factory=list)  # resident peak of each repetition, GiB (where the kernel tells)
 
     def add(self, by_bucket: dict[str, dict[str, dict[str, float]]], timeline: list[list[Any]], tokens: int,
             accept_len: float, verifies: int, sd_fraction: float, first: bool) -> None:
@@ -131,6 +135,7 @@ class ModeResult:
             "accept_len": self.emitted / self.verifies if self.verifies else 0.0,
             "sd_fraction": self.spec_tokens / self.decode_tokens if self.decode_tokens else 0.0,
             "differing_sequences": self.differing,
+            "peak_rss_gb": max(self.peaks) if self.peaks else None,
         }
 
 
@@ -235,20 +240,23 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     for rep in range(cfg.reps):
         reference: list[list[list[int]]] = []
         for mode in modes:
-            r = results[mode]
+            r, peak = results[mode], Peak().start()
             if mode.startswith("vllm"):
                 state = vllm_state if mode == "vllm-auto" else None
                 seconds, tokens, accept_len = _vllm_repetition(cfg, mode, model, batches, state, r, first=rep == 0)
-                log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {seconds:7.1f} s, {tokens} tokens, "
-                    f"{tokens / seconds:6.1f} tok/s, accept_len {accept_len:4.2f}")
-                continue
-            # One decoder (and tuner, whose state carries from batch to batch) per repetition.
-            install(engine, _spec_config(mode, cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed,
-                    tuner_state=tuner_state)
-            seconds, tokens = _native_repetition(cfg, engine, batches, r, reference, ideal if mode == "off" else None,
-                                                 first=rep == 0)
+                detail = f", accept_len {accept_len:4.2f}"
+            else:
+                # One decoder (and tuner, whose state carries from batch to batch) per repetition.
+                install(engine, _spec_config(mode, cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed,
+                        tuner_state=tuner_state)
+                seconds, tokens = _native_repetition(cfg, engine, batches, r, reference,
+                                                     ideal if mode == "off" else None, first=rep == 0)
+                detail = f", {r.differing} sequences differ from off" if r.differing else ""
+            if peak.gb is not None:
+                r.peaks.append(peak.gb)
+                detail += f", peak {peak.gb:.2f} GB"
             log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {seconds:7.1f} s, {tokens} tokens, "
-                f"{tokens / seconds:6.1f} tok/s" + (f", {r.differing} sequences differ from off" if r.differing else ""))
+                f"{tokens / seconds:6.1f} tok/s{detail}")
     report = _report(cfg, results, ideal, len(batches[0]))
     log_summary(report, log)
     if cfg.plot:
@@ -346,7 +354,8 @@ def log_summary(report: dict[str, Any], log: Callable[[str], None]) -> None:
     for m, j in report["modes"].items():
         log(f"{m:>12}: median {j['seconds_median']:7.1f} s [{j['seconds_min']:.1f}-{j['seconds_max']:.1f}], "
             f"speedup vs off {report['speedup'][m]:4.2f}x, {j['tokens'] / j['seconds_median']:6.1f} tok/s, "
-            f"accept_len {j['accept_len']:4.2f}, SD share {j['sd_fraction']:4.2f}")
+            f"accept_len {j['accept_len']:4.2f}, SD share {j['sd_fraction']:4.2f}"
+            + (f", peak {j['peak_rss_gb']:.2f} GB" if j["peak_rss_gb"] is not None else ""))
 
 
 def ideal_seconds(stats) -> float:

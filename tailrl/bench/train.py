@@ -29,8 +29,8 @@ Where the runs sample other tokens, the fair ratio is tokens per second (speedup
 Reported: per step every run's step / rollout / train seconds, tokens, reward_mean and whether
 tokens and rewards agree with the baseline's; per run its speedup over the baseline end to end
 (sum of step times), of the rollout phase, in tokens per second of step and of rollout time, the
-per-step ratios' range, and how the idle time of the rollout's tail was spent (policy gradient,
-drafter training, unused); speedup_e2e / speedup_rollout / speedup_step_range / speedup_tok_s
+per-step ratios' range, how the idle time of the rollout's tail was spent (policy gradient,
+drafter training, unused) and every run's resident peak (the highest of its steps'); speedup_e2e / speedup_rollout / speedup_step_range / speedup_tok_s
 are the tlt run's; a PNG.
 
 Knows: how to configure the two runs and read their metrics. Does not know: how either runs.
@@ -146,7 +146,8 @@ def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         for name, recs in records.items():
             r = recs[k]
             row |= {f"{name}_step_s": r["step_s"], f"{name}_rollout_s": r["rollout_s"], f"{name}_train_s": r["train_s"],
-                    f"{name}_sd_fraction": r.get("sd_fraction"), f"{name}_accept_len": r.get("spec_accept_len")}
+                    f"{name}_sd_fraction": r.get("sd_fraction"), f"{name}_accept_len": r.get("spec_accept_len"),
+                    f"{name}_peak_rss_gb": r.get("peak_rss_gb")}
         for name in others:
             r = records[name][k]
             row |= {f"{name}_speedup_step": b["step_s"] / r["step_s"],
@@ -172,6 +173,8 @@ def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "idle_drafter_s": mean("idle_seconds_harvested"),
             "idle_unused_s": mean("idle_seconds_left"),
         }
+    # The runs share a process; a step's peak counts from its start.
+    peaks = {name: [r["peak_rss_gb"] for r in recs if r.get("peak_rss_gb") is not None] for name, recs in records.items()}
     tlt = runs.get("tlt") or runs[others[-1]]
     return {
         "speedup_e2e": tlt["speedup_e2e"],
@@ -182,6 +185,7 @@ def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                                 for r, b in zip(records[name], base)),
         "identical_rewards": all(r["rewards"] == b["rewards"] for name in others for r, b in zip(records[name], base)),
         "runs": runs,
+        "peak_rss_gb": {name: max(p) if p else None for name, p in peaks.items()},
         "steps": rows,
     }
 
@@ -229,7 +233,8 @@ def run(cfg: BenchTrainConfig, log: Callable[[str], None] = print) -> dict[str, 
     runs = {name: (lambda step, name=name: configs(cfg, name, drafter, step)) for name in RUNS}
     records = interleaved(out, runs, cfg.steps, lambda m: (
         f"step {m['step_s']:6.1f} s (rollout {m['rollout_s']:6.1f} s, train {m['train_s']:5.1f} s), "
-        f"{m['tokens_generated']} tokens, reward {m['reward_mean']:.3f}"), log)
+        f"{m['tokens_generated']} tokens, reward {m['reward_mean']:.3f}"
+        + (f", peak {m['peak_rss_gb']:.1f} GB" if m.get("peak_rss_gb") is not None else "")), log)
     report = compare(records)
     report["config"] = dataclasses.asdict(cfg) | {"drafter": drafter}
     report["png"] = str(plot(report["steps"], out / "bench-train.png"))
