@@ -26,11 +26,12 @@ def one(tokens: int, group: int, autocast: str, flat: bool) -> dict:
     import torch
 
     from tailrl.loading import default_model_dir, load_model
-    from tailrl.memory import Peak
+    from tailrl.memory import Peak, fix_mmap_threshold
     from tailrl.rl.grpo import GRPOConfig
     from tailrl.rl.packing import ON_POLICY, Sample
     from tailrl.rl.update import group_share
 
+    fix_mmap_threshold()  # as tailrl train does
     torch.manual_seed(0)
     policy = load_model(default_model_dir(), dtype="fp32").requires_grad_(True)
     params = [p for p in policy.parameters() if p.requires_grad]

@@ -58,10 +58,11 @@ import numpy as np
 import torch
 
 from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
-from tailrl.memory import Peak
+from tailrl.memory import Peak, available_gb, fix_mmap_threshold
 from tailrl.model import Transformer
 from tailrl.rl import heldout
 from tailrl.rl.grpo import GRPOConfig
+from tailrl.rl.floor import step_floor
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.phases import StepInputs, StepWork, run_step
 from tailrl.rl.plots import write_plots
@@ -364,6 +365,17 @@ class Trainer:
             self.emit(Notice(f"warning: plots not written: {e!r}"))
 
 
+def _check_memory(cfg: RunConfig, task: Task, tokenizer: Tokenizer, policy: Transformer, rollout_model: Transformer,
+                  device: torch.device) -> None:
+    """ValueError where a step at the run's limits cannot fit this machine (tailrl.rl.floor):
+    the shortest prompt of the first step, every response at max_new_tokens."""
+    tc, gc = cfg.train, cfg.grpo
+    prompt = min(len(encode_question(tokenizer, task.sample(tc.seed, i).question)) for i in range(tc.num_prompts))
+    held = cfg.rollout.memory(rollout_model, tc.num_prompts * tc.group_size, prompt + tc.max_new_tokens)
+    bf16 = resolve_dtype(gc.autocast, device) == "bf16"
+    step_floor(policy, gc, bf16, tc.group_size, tc.max_new_tokens, held).check(available_gb(), tc.max_new_tokens)
+
+
 def start_run(cfg: RunConfig, out_dir: str | Path | None, resume: bool, emit: Callable[[TrainEvent], None]) -> Trainer:
     """Open the run directory, load the models (from the last checkpoint on a resume), restore
     the optimizer and random state, open the rollout."""
@@ -373,8 +385,6 @@ def start_run(cfg: RunConfig, out_dir: str | Path | None, resume: bool, emit: Ca
         if out_dir is None:
             raise ValueError("resume needs the run directory")
         run = RunDir.open(out_dir, sections, may_change=RESUMABLE_CHANGES)
-    else:
-        run = RunDir.create(out_dir if out_dir is not None else default_out_dir(), sections)
     task = make_task(tc.task)
     reward_fn = task_reward(task, tc.format_weight) if tc.reward is None else from_reward_fn(load_reward(tc.reward))
     model_dir = resolve_model_dir(tc.model)
@@ -385,6 +395,9 @@ def start_run(cfg: RunConfig, out_dir: str | Path | None, resume: bool, emit: Ca
     policy = load_model(checkpoint or model_dir, tc.train_dtype, device).requires_grad_(True)
     rollout_model = policy if dtype == tc.train_dtype else load_model(checkpoint or model_dir, dtype, device)
     ref = load_model(model_dir, tc.train_dtype, device) if gc.kl_coef > 0 else None
+    _check_memory(cfg, task, tokenizer, policy, rollout_model, device)
+    if not resume:  # after the checks: a run that cannot start leaves no directory behind
+        run = RunDir.create(out_dir if out_dir is not None else default_out_dir(), sections)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
     state = TrainState()
     if checkpoint is not None:
@@ -414,6 +427,7 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
     in `out_dir` from its last checkpoint and reproduces what an uninterrupted run computes.
     Ctrl-C saves the last completed step and returns with `interrupted=True`.
     """
+    fix_mmap_threshold()  # the update's memory (tailrl.memory)
     t = start_run(cfg, out_dir, resume, on_event or (lambda event: None))
     tc, state = t.tc, t.state
     try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -247,6 +247,13 @@ class Rollout(Protocol):
         ...
 
 
+class Held(NamedTuple):
+    """Memory a rollout will hold, and the settings that change it (as a user types them)."""
+
+    gb: float
+    settings: str
+
+
 class RolloutConfig(Protocol):
     """How to open a Rollout (the engine's own configuration sections, flags and TOML tables),
     and what a run's set-up asks of it before it opens."""
@@ -272,6 +279,12 @@ class RolloutConfig(Protocol):
 
     def with_drafter(self, drafter: Path) -> RolloutConfig:
         """The same, drafting with the learned drafter in `drafter`."""
+        ...
+
+    def memory(self, model: Transformer, sequences: int, tokens: int) -> Held:
+        """GiB the opened rollout holds beyond `model` (which its caller holds) for a step of
+        `sequences` sequences of up to `tokens` tokens each: its KV caches and any copies of the
+        model its engine or workers load. A floor, counted from shapes (tailrl.rl.floor)."""
         ...
 
     def check(self) -> None:

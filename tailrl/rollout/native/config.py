@@ -17,13 +17,13 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from tailrl.engine import EngineConfig
-from tailrl.model import Transformer
+from tailrl.model import KV_CHUNK, KVCache, Transformer
 from tailrl.rollout.adapt import AdaptiveDrafter
 from tailrl.rollout.native.pool import NativeRolloutState, WorkerConfig, WorkerPool
 from tailrl.rollout.native.runtimes import InProcessRuntime, ProcessRuntime, Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig
 from tailrl.rollout.native.worker import WorkerSetup
-from tailrl.rollout.protocol import check_state
+from tailrl.rollout.protocol import Held, check_state
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import WEIGHTS_FILE
 from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
@@ -64,6 +64,16 @@ class NativeRolloutConfig:
 
     def with_drafter(self, drafter: Path) -> NativeRolloutConfig:
         return dataclasses.replace(self, speculation=dataclasses.replace(self.speculation, drafter=str(drafter)))
+
+    def memory(self, model: Transformer, sequences: int, tokens: int) -> Held:
+        """Each engine's cache: the step's sequences at their worst case, or the budget where
+        that is less (tailrl.engine); worker processes also load a copy of the model each."""
+        n = self.workers.workers
+        slots = min(self.engine.max_batch, -(-sequences // n))
+        worst = slots * -(-tokens // KV_CHUNK) * KV_CHUNK * KVCache.bytes_per_token(model.cfg, model.lm_head.weight.dtype)
+        cache = min(self.engine.kv_budget_gb, worst / 2**30)
+        copies = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30 if n > 1 else 0.0
+        return Held(n * (cache + copies), "--kv-budget-gb, --workers")
 
     def check(self) -> None:
         drafter = self.speculation.drafter

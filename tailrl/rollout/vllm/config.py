@@ -27,7 +27,7 @@ from pathlib import Path
 from tailrl.engine import EngineConfig
 from tailrl.model import Transformer
 from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.protocol import Rollout, RolloutConfig, RolloutState
+from tailrl.rollout.protocol import Held, Rollout, RolloutConfig, RolloutState
 from tailrl.rollout.vllm.checks import check_installed, spec_method
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
 from tailrl.speculative.drafter.learner import AdaptConfig
@@ -80,6 +80,11 @@ class VllmRolloutConfig:
 
     def with_drafter(self, drafter: Path) -> VllmRolloutConfig:
         return dataclasses.replace(self, speculation=dataclasses.replace(self.speculation, drafter=str(drafter)))
+
+    def memory(self, model: Transformer, sequences: int, tokens: int) -> Held:
+        """vLLM allocates its whole KV cache at start and loads its own copy of the weights."""
+        weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        return Held(self.settings.kv_cache_gb + weights, "--kv-cache-gb")
 
     def check(self) -> None:
         check_installed()
