@@ -1,7 +1,14 @@
 """Rollout engine: continuous batching over a slotted KV cache, plain and speculative steps.
 
 Sequences occupy cache slots 0..B-1 (a finished sequence's slot is refilled by moving the last
-running sequence into it), so every forward reads a view of the cache, never a gather. Prompts
+running sequence into it), so every forward reads a view of the cache, never a gather. Where
+the KV budget holds every slot at a sequence's worst case (prompt + max_new_tokens) the cache is
+that; where it does not, the slots start short and grow as the longest sequence needs, fewer of
+them as they grow (slots x positions stays within the budget), and the shortest sequences are
+preempted when the running ones outnumber the slots: their KV is recomputed when a slot frees,
+as vLLM's recompute preemption does. Memory is then the running batch times its longest
+sequence, not every sequence's worst case; a paged cache would hold only the tokens in use, at
+the cost of a gather per forward. Prompts
 shared by several samples (GRPO groups) are prefilled once and their KV copied to each sibling,
 and the distinct prompts admitted together are prefilled in one right-padded forward.
 A step is either plain (one token per sequence) or speculative (a draft tree per sequence,

@@ -13,7 +13,12 @@ arms with fewer than `min_pulls` rewards first (fewest first, then in the order 
 with probability epsilon a uniformly random arm (the greedy one included), else the arm with
 the best median reward over its window (TLT's rule; the median shrugs off the odd slow step,
 once an arm has 3 rewards: with one, a single step slowed by another process could bury the
-best arm, which epsilon then revisits only rarely). Ties go to the arm listed first.
+best arm, which epsilon then revisits only rarely). Ties go to the arm listed first. An
+exploration that draws a clear loser (its median more than `loser_margin` below the best's)
+plays it only one time in LOSER_EXPLORE_INVERSE, the greedy arm otherwise: where no speculative
+arm pays, uniform exploration spent epsilon of the steps on arms several times slower than
+plain decoding, while a loser still gets rechecked now and then (a drafter that adapts may
+turn one into a winner).
 
 A switch gate sits in front (TLT's rule): SD is considered only once the running batch has
 stayed <= switch_batch for switch_patience consecutive decode steps, counting the current one.
@@ -50,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from statistics import median
 
 ARM_KINDS = ("plain", "drafter", "ngram")
+LOSER_EXPLORE_INVERSE = 10  # a clear loser drawn by exploration is played one time in this many
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,10 @@ class TunerConfig:
     min_pulls: int = field(
         default=3, metadata={"help": "rewards each arm gets in a bucket before the bandit ranks it"}
     )
+    loser_margin: float = field(
+        default=0.15, metadata={"help": "an arm whose median reward in a bucket is more than this fraction below the best "
+                                        "arm's is explored 10x less often there (1: every arm alike)"}
+    )
     bucket_edges: tuple[int, ...] = field(
         default=(1, 2, 4, 8, 16, 32),
         metadata={
@@ -139,6 +149,8 @@ class TunerConfig:
         self.bucket_edges = tuple(self.bucket_edges)
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"epsilon must be in [0, 1], got {self.epsilon}")
+        if not 0.0 <= self.loser_margin <= 1.0:
+            raise ValueError(f"loser_margin must be in [0, 1], got {self.loser_margin}")
         if self.window < 1 or self.min_pulls < 1:
             raise ValueError(f"window and min_pulls must be >= 1, got {self.window} and {self.min_pulls}")
         edges = self.bucket_edges
@@ -188,14 +200,23 @@ class Tuner:
         return self._gate_run >= patience
 
     def choose(self, batch_size: int) -> Arm:
-        """The bandit's pick for this bucket, ignoring the gate: under-tried, random, or best median."""
+        """The bandit's pick for this bucket, ignoring the gate: under-tried, random (a clear
+        loser seldom), or best median."""
         b = self.bucket(batch_size)
         fewest = min(self._pulls[b])
         if fewest < self.config.min_pulls:
             return self.arms[self._pulls[b].index(fewest)]
         if self._rng.random() < self.config.epsilon:
-            return self._rng.choice(self.arms)
+            arm = self._rng.choice(self.arms)
+            if not self._loses(b, arm) or self._rng.random() * LOSER_EXPLORE_INVERSE < 1.0:
+                return arm
         return self._best(b)
+
+    def _loses(self, b: int, arm: Arm) -> bool:
+        """Whether `arm`'s median in bucket b is more than loser_margin below the best arm's."""
+        best = self._best(b)
+        window, top = self._rewards[b][self._index[arm]], self._rewards[b][self._index[best]]
+        return bool(window) and median(window) < (1.0 - self.config.loser_margin) * median(top)
 
     def step(self, batch_size: int) -> Arm:
         """The arm for this decode step: PLAIN while the gate is closed, else choose()."""

@@ -65,7 +65,7 @@ def test_every_rollout_starts_with_the_gate_closed(tiny):
     # epsilon 1 makes an open gate explore; the first patience - 1 steps of the second rollout
     # must still decode plain.
     engine = Engine(tiny, EngineConfig(max_batch=12))
-    install(engine, SpeculationConfig(spec="auto"), TunerConfig(switch_patience=5, epsilon=1.0), seed=1)
+    install(engine, SpeculationConfig(spec="auto"), TunerConfig(switch_patience=5, epsilon=1.0, loser_margin=1.0), seed=1)
     for _ in range(2):
         engine.generate(_requests(), SamplingParams(temperature=1.0), 30)
         arms = [r.arm for r in engine.stats.timeline]

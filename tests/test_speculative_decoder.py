@@ -214,7 +214,7 @@ def test_ngram_proposer_and_tuner_equal_plain(model):
     assert_same(plain, again)
     assert stats.spec.accept_len > max(2.0, first_accept)
     # The tuner mixes plain and n-gram steps; the tokens stay the same.
-    tuner = Tuner([PLAIN, arm], TunerConfig(switch_patience=0, epsilon=0.5), seed=0)
+    tuner = Tuner([PLAIN, arm], TunerConfig(switch_patience=0, epsilon=0.5, loser_margin=1.0), seed=0)
     mixed, stats = run(model, reqs, params, tuned(tuner, {"ngram": NgramProposer()}))
     assert_same(plain, mixed)
     assert_stats_consistent(stats, mixed, arm)

@@ -383,13 +383,14 @@ def test_sigkill_mid_step_loses_only_that_step(straight_run, tmp_path, char_mode
 def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_file):
     # fp32 rollouts in exact mode: a verify forward computes a one-token step's logits bit for
     # bit (tailrl.model's row invariance), so the runs are equal (deterministic, no false failures).
-    # "auto" is the tuner picking a uniformly random arm at every step (epsilon 1): the arms a
-    # tuner picks by measured speed change nothing but the speed, whichever they are.
+    # "auto" is the tuner picking a uniformly random arm at every step (epsilon 1, no arm a clear
+    # loser): the arms a tuner picks by measured speed change nothing but the speed, whichever
+    # they are.
     runs = {}
     for mode in ("off", "on", "auto"):
         configs = tiny_configs(char_model_dir, task_file, dtype="fp32", steps=2)
         configs["speculation"] = SpeculationConfig(spec=mode, draft_depth=3, num_draft_tokens=3)
-        configs["tuner"] = TunerConfig(epsilon=1.0, switch_patience=0)
+        configs["tuner"] = TunerConfig(epsilon=1.0, loser_margin=1.0, switch_patience=0)
         train(run_config(configs), tmp_path / mode)
         runs[mode] = RunDir(tmp_path / mode).read_metrics()
     assert all(r["spec_verify_steps"] == 0 for r in runs["off"])

@@ -54,6 +54,7 @@ def test_arm_validation_and_labels():
 def test_config_and_tuner_validation():
     for kwargs in [
         {"epsilon": 1.5},
+        {"loser_margin": -0.1},
         {"window": 0},
         {"bucket_edges": (1, 4, 4)},
         {"bucket_edges": (0, 2)},
@@ -92,7 +93,8 @@ def test_converges_to_best_arm_per_bucket():
         6: {PLAIN: 100.0, DRAFTER: 110.0, NGRAM: 120.0},
         64: {PLAIN: 365.0, DRAFTER: 300.0, NGRAM: 330.0},
     }
-    tuner = Tuner([PLAIN, DRAFTER, NGRAM], TunerConfig(epsilon=0.1, window=300), seed=0)
+    # (loser_margin 1: every arm explored alike, as the bound assumes.)
+    tuner = Tuner([PLAIN, DRAFTER, NGRAM], TunerConfig(epsilon=0.1, window=300, loser_margin=1.0), seed=0)
     noise = random.Random(1)
     for _ in range(4000):
         for batch, arm_means in means.items():  # interleaved: buckets share one generator
@@ -137,9 +139,10 @@ def test_under_tried_arms_come_first_in_order():
 def test_exploration_rate_matches_epsilon():
     # Non-greedy picks ~ Binomial(n, eps * (k-1)/k); each other arm ~ Binomial(n, eps/k).
     # Four exact two-sided binomial intervals at delta = 2.5e-7 each: false failure < 1e-6.
+    # (loser_margin 1: no arm is a clear loser; the next test has them.)
     eps, n, delta = 0.1, 20_000, 2.5e-7
     arms = [PLAIN, DRAFTER, NGRAM, Arm("drafter", 1, 8, 8)]
-    tuner = Tuner(arms, TunerConfig(epsilon=eps, min_pulls=1), seed=3)
+    tuner = Tuner(arms, TunerConfig(epsilon=eps, min_pulls=1, loser_margin=1.0), seed=3)
     for reward in (1.0, 2.0, 3.0, 4.0):  # warm-up: every arm tried once, the last is greedy
         tuner.update(1, tuner.choose(1), reward)
     greedy = tuner.best(1)
@@ -153,6 +156,26 @@ def test_exploration_rate_matches_epsilon():
     lo, hi = binomial_interval(n, eps / k, delta)
     for arm in arms[:-1]:
         assert lo <= counts[arm] <= hi
+
+
+def test_clear_losers_are_explored_ten_times_less():
+    # Best median 10; DRAFTER 9 is within the 15% margin, NGRAM 5 and X 1 are clear losers. Per
+    # pick: DRAFTER ~ eps/k, each loser ~ eps/k/10 (drawn, then kept one time in 10). Three exact
+    # binomial intervals at delta = 2.5e-7 each: false failure < 1e-6.
+    eps, n, delta = 0.1, 40_000, 2.5e-7
+    x = Arm("drafter", 1, 8, 8)
+    arms = [PLAIN, DRAFTER, NGRAM, x]
+    tuner = Tuner(arms, TunerConfig(epsilon=eps, min_pulls=1), seed=7)
+    for arm, reward in zip(arms, (10.0, 9.0, 5.0, 1.0)):
+        tuner.update(1, arm, reward)
+    counts = dict.fromkeys(arms, 0)
+    for _ in range(n):
+        counts[tuner.choose(1)] += 1
+    k = len(arms)
+    lo, hi = binomial_interval(n, eps / k, delta)
+    assert lo <= counts[DRAFTER] <= hi
+    lo, hi = binomial_interval(n, eps / k / 10, delta)
+    assert lo <= counts[NGRAM] <= hi and lo <= counts[x] <= hi
 
 
 def test_epsilon_zero_never_explores():

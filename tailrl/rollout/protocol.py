@@ -159,6 +159,9 @@ class RolloutReport:
     by_bucket: dict[str, dict[str, dict[str, float]]]
     arm_by_bucket: dict[str, str]
     batch_timeline: list[list[float | int | str]]
+    # Sequences the native engine took out of a full KV cache, their KV recomputed on readmission
+    # (tailrl.engine); vLLM's scheduler preempts on its own and is not counted.
+    kv_preempted: int
     drafter_version: int
     drafter_accept_len: float | None
     drafter_published: int = 0

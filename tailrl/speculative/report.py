@@ -66,6 +66,7 @@ def rollout_report(stats: EngineStats, bucket_edges: Sequence[int]) -> dict[str,
         "by_bucket": by_bucket,
         "arm_by_bucket": {b: max(arms, key=lambda a: arms[a]["steps"]) for b, arms in by_bucket.items()},
         "batch_timeline": segments(stats),
+        "kv_preempted": stats.preempted,
     }
 
 
