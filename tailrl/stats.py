@@ -11,6 +11,22 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+# Response positions (tokens emitted before a verify) where acceptance is tallied apart: a drafter
+# trained on short responses drafts worse along long ones (docs/results.md).
+POSITION_EDGES = (512, 1024, 2048)
+
+
+def position_bucket(position: int) -> int:
+    """Index of the POSITION_EDGES bucket [edges[i-1], edges[i]) holding a response position."""
+    return sum(position >= e for e in POSITION_EDGES)
+
+
+def position_label(b: int) -> str:
+    """Bucket b as text: "0-512", ..., "2048+"."""
+    lo = POSITION_EDGES[b - 1] if b > 0 else 0
+    return f"{lo}+" if b == len(POSITION_EDGES) else f"{lo}-{POSITION_EDGES[b]}"
+
+
 @dataclass
 class SpecStats:
     """Speculation counters for one generate call."""
@@ -23,6 +39,10 @@ class SpecStats:
     spec_steps: int = 0  # batched speculative steps (each verifies every running row)
     draft_seconds: float = 0.0  # proposing trees
     verify_seconds: float = 0.0  # target forward, acceptance walk, cache compaction, emission
+    # Per response-position bucket (POSITION_EDGES: where in its response a verify started):
+    # sequence-verifies and the tokens they emitted. Fixed length, so shards add element-wise.
+    position_verifies: list[int] = field(default_factory=lambda: [0] * (len(POSITION_EDGES) + 1))
+    position_emitted: list[int] = field(default_factory=lambda: [0] * (len(POSITION_EDGES) + 1))
     plain_steps: int = 0  # plain steps taken by a speculative decoder (e.g. the tuner's plain arm)
     plain_tokens: int = 0
     plain_seconds: float = 0.0
@@ -30,6 +50,11 @@ class SpecStats:
     @property
     def accept_len(self) -> float:
         return self.emitted / self.verify_steps if self.verify_steps else 0.0
+
+    def accept_len_by_position(self) -> dict[str, float]:
+        """accept_len per response-position bucket that saw a verify."""
+        return {position_label(b): e / v for b, (v, e) in enumerate(zip(self.position_verifies, self.position_emitted))
+                if v}
 
 
 

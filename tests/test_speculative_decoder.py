@@ -27,6 +27,7 @@ from tailrl.sampling import SamplingParams
 from tailrl.speculative import decoder as decoder_mod
 from tailrl.speculative.decoder import NgramProposer, SpecDecoder, fixed, tuned
 from tailrl.speculative.tree import DraftTree
+from tailrl.stats import SpecStats, position_bucket, position_label
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
 ATOL = 1e-5
@@ -142,6 +143,15 @@ def assert_stats_consistent(stats, completions, arm):
     # Each request's first token comes from its prefill; the rest from spec or plain steps.
     assert stats.tokens == total == len(completions) + sp.emitted + sp.plain_tokens
     assert sp.spec_steps + sp.plain_steps == stats.steps
+    # Acceptance by response position partitions the verifies and their tokens.
+    assert sum(sp.position_verifies) == sp.verify_steps and sum(sp.position_emitted) == sp.emitted
+
+
+def test_response_positions_fall_in_half_open_buckets():
+    assert [position_bucket(p) for p in (0, 511, 512, 1023, 1024, 2047, 2048, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [position_label(b) for b in range(4)] == ["0-512", "512-1024", "1024-2048", "2048+"]
+    stats = SpecStats(position_verifies=[4, 0, 2, 0], position_emitted=[10, 0, 3, 0])
+    assert stats.accept_len_by_position() == {"0-512": 2.5, "1024-2048": 1.5}
 
 
 ARM = Arm("drafter", draft_depth=5, topk=2, num_draft_tokens=10)

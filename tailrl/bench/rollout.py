@@ -55,6 +55,7 @@ from tailrl.rollout.vllm.checks import check_installed
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.speculative.report import rollout_report
+from tailrl.stats import position_label
 from tailrl.tuner import TunerConfig
 
 MODES = ("off", "ngram", "drafter", "auto", "vllm-off", "vllm-drafter", "vllm-auto")
@@ -104,6 +105,10 @@ class ModeResult:
     timeline: list[list[Any]] = field(default_factory=list)  # the first repetition's first batch's segments
     cells: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # bucket -> arm -> [tokens, seconds, steps], all reps
     peaks: list[float] = field(default_factory=list)  # resident peak of each repetition, GiB (where the kernel tells)
+    # Verifies and their tokens by response position (tailrl.stats.POSITION_EDGES), first
+    # repetition; the native engine's only.
+    position_verifies: list[int] = field(default_factory=list)
+    position_emitted: list[int] = field(default_factory=list)
 
     def add(self, by_bucket: dict[str, dict[str, dict[str, float]]], timeline: list[list[Any]], tokens: int,
             accept_len: float, verifies: int, sd_fraction: float, first: bool) -> None:
@@ -136,6 +141,8 @@ class ModeResult:
             "sd_fraction": self.spec_tokens / self.decode_tokens if self.decode_tokens else 0.0,
             "differing_sequences": self.differing,
             "peak_rss_gb": max(self.peaks) if self.peaks else None,
+            "accept_len_by_position": {position_label(b): e / v for b, (v, e) in
+                                       enumerate(zip(self.position_verifies, self.position_emitted)) if v},
         }
 
 
@@ -300,6 +307,10 @@ def _native_repetition(cfg: BenchRolloutConfig, engine: Engine, batches: list[li
         decoding = rollout_report(st, TunerConfig().bucket_edges)
         r.add(decoding["by_bucket"], decoding["batch_timeline"], st.tokens, st.spec.accept_len, st.spec.verify_steps,
               decoding["sd_fraction"], first)
+        if first:
+            for name in ("position_verifies", "position_emitted"):
+                ours, theirs = getattr(r, name), getattr(st.spec, name)
+                setattr(r, name, [a + b for a, b in zip(ours or [0] * len(theirs), theirs)])
         seconds, prefill, tokens = seconds + st.seconds, prefill + st.prefill_seconds, tokens + st.tokens
         got = [c.token_ids for c in out]
         if ideal is not None:
@@ -352,10 +363,12 @@ def log_summary(report: dict[str, Any], log: Callable[[str], None]) -> None:
         f"{name} {o[f'{name}_seconds']:.1f} s" for name in ("native", "vllm", "any") if o[f"{name}_seconds"] is not None)
         + "".join(f"; {m} efficiency {o[f'{m}_efficiency']:.2f}" for m in ("auto", "vllm-auto") if f"{m}_efficiency" in o))
     for m, j in report["modes"].items():
+        positions = ", ".join(f"{pos} {a:.2f}" for pos, a in j["accept_len_by_position"].items())
         log(f"{m:>12}: median {j['seconds_median']:7.1f} s [{j['seconds_min']:.1f}-{j['seconds_max']:.1f}], "
             f"speedup vs off {report['speedup'][m]:4.2f}x, {j['tokens'] / j['seconds_median']:6.1f} tok/s, "
             f"accept_len {j['accept_len']:4.2f}, SD share {j['sd_fraction']:4.2f}"
-            + (f", peak {j['peak_rss_gb']:.2f} GB" if j["peak_rss_gb"] is not None else ""))
+            + (f", peak {j['peak_rss_gb']:.2f} GB" if j["peak_rss_gb"] is not None else "")
+            + (f"; accept_len by response position: {positions}" if positions else ""))
 
 
 def ideal_seconds(stats) -> float:

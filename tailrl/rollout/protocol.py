@@ -156,6 +156,7 @@ class RolloutReport:
     draft_s: float
     verify_s: float
     accept_hist: list[int]
+    accept_len_by_position: dict[str, float]  # by where in its response a verify started (tailrl.stats)
     by_bucket: dict[str, dict[str, dict[str, float]]]
     arm_by_bucket: dict[str, str]
     batch_timeline: list[list[float | int | str]]

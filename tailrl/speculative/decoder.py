@@ -37,6 +37,7 @@ from tailrl.model import CacheView, KVCache
 from tailrl.speculative.accept import accept_walk
 from tailrl.speculative.ngram import NgramConfig, NgramIndex, propose_tree
 from tailrl.speculative.tree import DraftTree, verify_layout
+from tailrl.stats import position_bucket
 from tailrl.tuner import Arm, Tuner
 
 
@@ -187,6 +188,9 @@ def spec_step(engine: Engine, running: list[Seq], tree: DraftTree, call: Generat
         stats.emitted += len(seq.tokens) - emitted_before
         stats.accept_hist.extend([0] * (accepted + 1 - len(stats.accept_hist)))
         stats.accept_hist[accepted] += 1
+        at = position_bucket(emitted_before)
+        stats.position_verifies[at] += 1
+        stats.position_emitted[at] += len(seq.tokens) - emitted_before
     stats.spec_steps += 1
     return sum(1 for path in result.path if path)
 

@@ -4,6 +4,8 @@ Summarises an EngineStats (its StepRecord timeline and SpecStats) into JSON-read
 - sd_fraction: share of decode-step tokens emitted by speculative steps;
 - plain_s / draft_s / verify_s: decode time in plain steps, proposing trees, verifying them;
 - accept_hist: verifies that accepted exactly d drafts, d = 0, 1, ... (acceptance by depth);
+- accept_len_by_position: accept_len by where in its response a verify started ("0-512", ...,
+  "2048+"; the engines that count it: tailrl's own);
 - by_bucket: per running-batch-size bucket (the tuner's) and arm: steps, tokens, seconds,
   accept_len (tokens emitted per sequence-step, the bonus token included; 1 for plain);
 - arm_by_bucket: the arm that decoded most steps in each bucket;
@@ -63,6 +65,7 @@ def rollout_report(stats: EngineStats, bucket_edges: Sequence[int]) -> dict[str,
         "draft_s": stats.spec.draft_seconds,
         "verify_s": stats.spec.verify_seconds,
         "accept_hist": list(stats.spec.accept_hist),
+        "accept_len_by_position": stats.spec.accept_len_by_position(),
         "by_bucket": by_bucket,
         "arm_by_bucket": {b: max(arms, key=lambda a: arms[a]["steps"]) for b, arms in by_bucket.items()},
         "batch_timeline": segments(stats),
