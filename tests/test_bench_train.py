@@ -84,6 +84,9 @@ def test_bench_drafter_compares_adaptive_and_frozen_drafters_step_by_step(char_m
     assert len(report["accept_len_adaptive"]) == len(report["accept_len_frozen"]) == 2
     # Step 1 drafts with the same version 0 in both runs, so the same drafts are verified.
     assert report["accept_len_adaptive"][0] == report["accept_len_frozen"][0] >= 1.0
+    # Responses of <= 16 tokens: every verify starts in the first position bucket.
+    assert all(set(by) <= {"0-512"} for by in report["accept_len_by_position_adaptive"])
+    assert report["accept_len_by_position_adaptive"][0] == report["accept_len_by_position_frozen"][0]
     assert report["overhead"] > 0 and len(report["drafter_micro_steps"]) == 2
     adaptive = [json.loads(line) for line in (out / "adaptive" / "metrics.jsonl").read_text().splitlines()]
     frozen = [json.loads(line) for line in (out / "frozen" / "metrics.jsonl").read_text().splitlines()]

@@ -9,7 +9,8 @@ the same tokens and train the same policy (bit for bit in exact mode, the defaul
 differ only in how well the drafter keeps up with the policy, which is what accept_len (tokens
 per verify of the learned drafter's arms, bonus included) shows per step.
 
-Reported: accept_len per step of both runs, accept_ratio (adaptive over frozen, mean of the
+Reported: accept_len per step of both runs (and by where in the responses the verifies
+started: accept_len_by_position_*), accept_ratio (adaptive over frozen, mean of the
 last 5 steps), the ceiling per step (accept_len_ceiling: the target itself as a chain drafter of
 the `--spec on` depth, on the same responses; ceiling_ratio is about the most accept_ratio could
 be), overhead (mean step time with drafter training over without; this includes the adaptive
@@ -88,6 +89,9 @@ def run(cfg: BenchDrafterConfig, log: Callable[[str], None] = print) -> dict[str
         "accept_len_adaptive": acc_a,
         "accept_len_frozen": acc_s,
         "accept_len_ceiling": ceiling,
+        # Per step, by where in its response a verify started (the drafter's and n-gram's together).
+        "accept_len_by_position_adaptive": [r["accept_len_by_position"] for r in a],
+        "accept_len_by_position_frozen": [r["accept_len_by_position"] for r in s],
         "accept_ratio": _mean(acc_a[-LAST:]) / _mean(acc_s[-LAST:]),
         "ceiling_ratio": _mean(ceiling[-LAST:]) / _mean(acc_s[-LAST:]),
         "overhead": step_a / step_s,
