@@ -14,8 +14,9 @@ with probability epsilon a uniformly random arm (the greedy one included), else 
 the best median reward over its window (TLT's rule; the median shrugs off the odd slow step,
 once an arm has 3 rewards: with one, a single step slowed by another process could bury the
 best arm, which epsilon then revisits only rarely). Ties go to the arm listed first. An
-exploration that draws a clear loser (its median more than `loser_margin` below the best's)
-plays it only one time in LOSER_EXPLORE_INVERSE, the greedy arm otherwise: where no speculative
+exploration that draws a clear loser (even its best reward in the window more than
+`loser_margin` below the best arm's median: a few unlucky steps do not make one) plays it only
+one time in LOSER_EXPLORE_INVERSE, the greedy arm otherwise: where no speculative
 arm pays, uniform exploration spent epsilon of the steps on arms several times slower than
 plain decoding, while a loser still gets rechecked now and then (a drafter that adapts may
 turn one into a winner).
@@ -126,8 +127,8 @@ class TunerConfig:
         default=3, metadata={"help": "rewards each arm gets in a bucket before the bandit ranks it"}
     )
     loser_margin: float = field(
-        default=0.15, metadata={"help": "an arm whose median reward in a bucket is more than this fraction below the best "
-                                        "arm's is explored 10x less often there (1: every arm alike)"}
+        default=0.15, metadata={"help": "an arm whose best reward in a bucket is more than this fraction below the best "
+                                        "arm's median is explored 10x less often there (1: every arm alike)"}
     )
     bucket_edges: tuple[int, ...] = field(
         default=(1, 2, 4, 8, 16, 32),
@@ -213,10 +214,11 @@ class Tuner:
         return self._best(b)
 
     def _loses(self, b: int, arm: Arm) -> bool:
-        """Whether `arm`'s median in bucket b is more than loser_margin below the best arm's."""
+        """Whether even `arm`'s best reward in bucket b is more than loser_margin below the best
+        arm's median."""
         best = self._best(b)
         window, top = self._rewards[b][self._index[arm]], self._rewards[b][self._index[best]]
-        return bool(window) and median(window) < (1.0 - self.config.loser_margin) * median(top)
+        return bool(window) and max(window) < (1.0 - self.config.loser_margin) * median(top)
 
     def step(self, batch_size: int) -> Arm:
         """The arm for this decode step: PLAIN while the gate is closed, else choose()."""

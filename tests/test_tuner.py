@@ -159,15 +159,17 @@ def test_exploration_rate_matches_epsilon():
 
 
 def test_clear_losers_are_explored_ten_times_less():
-    # Best median 10; DRAFTER 9 is within the 15% margin, NGRAM 5 and X 1 are clear losers. Per
+    # Best median 10; DRAFTER's best reward 9 is within the 15% margin, NGRAM's 5 and X's 1 are
+    # clear losers, and so would DRAFTER be on a median of 7 if one step of it had reached 9. Per
     # pick: DRAFTER ~ eps/k, each loser ~ eps/k/10 (drawn, then kept one time in 10). Three exact
     # binomial intervals at delta = 2.5e-7 each: false failure < 1e-6.
     eps, n, delta = 0.1, 40_000, 2.5e-7
     x = Arm("drafter", 1, 8, 8)
     arms = [PLAIN, DRAFTER, NGRAM, x]
     tuner = Tuner(arms, TunerConfig(epsilon=eps, min_pulls=1), seed=7)
-    for arm, reward in zip(arms, (10.0, 9.0, 5.0, 1.0)):
-        tuner.update(1, arm, reward)
+    for arm, rewards in zip(arms, ((10.0,), (9.0, 7.0, 7.0), (5.0,), (1.0,))):
+        for reward in rewards:
+            tuner.update(1, arm, reward)
     counts = dict.fromkeys(arms, 0)
     for _ in range(n):
         counts[tuner.choose(1)] += 1
