@@ -36,7 +36,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from tailrl.kernels import check_thread_invariance, request_reproducible_kernels
-from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer
+from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer, whole_chunks
 from tailrl.rollout.protocol import Completion, Progress, Request
 from tailrl.sampling import SamplingParams, is_top1, next_position, sample
 from tailrl.stats import EngineStats, StepRecord
@@ -151,10 +151,10 @@ class Engine:
         grows as the sequences' tokens need, preempting some where the budget runs out."""
         reserve = self.decoder.max_tree + 1
         worst = self.check_requests(requests, max_new_tokens, extra=reserve)
-        first = -(-(max(len(r.prompt_ids) for r in requests) + reserve) // KV_CHUNK) * KV_CHUNK
+        first = whole_chunks(max(len(r.prompt_ids) for r in requests) + reserve)
         per_token = KVCache.bytes_per_token(self.model.cfg, self.dtype)
         self._budget = int(self.cfg.kv_budget_gb * 2**30 // per_token)  # positions
-        self._worst = -(-worst // KV_CHUNK) * KV_CHUNK
+        self._worst = whole_chunks(worst)
         if self._worst > self._budget:
             raise ValueError(
                 f"kv_budget_gb={self.cfg.kv_budget_gb} cannot hold one sequence of {self._worst} tokens "
@@ -177,7 +177,7 @@ class Engine:
         c = self.cache
         if need <= c.capacity:
             return
-        capacity = min(self._worst, -(-max(need, c.capacity * 5 // 4) // KV_CHUNK) * KV_CHUNK)
+        capacity = min(self._worst, whole_chunks(max(need, c.capacity * 5 // 4)))
         slots = min(self._want, self._budget // capacity)
         for seq in sorted(running, key=lambda s: s.length)[: max(0, len(running) - slots)]:
             self._leave(running, next(i for i, s in enumerate(running) if s is seq))
@@ -218,10 +218,10 @@ class Engine:
 
         on_progress(Progress) is called after every decode step; on_finished(request index,
         completion) as each sequence finishes, before the call returns them all."""
+        self.stats = EngineStats()
         if not requests:
             return []
         self._plan_cache(requests, max_new_tokens)
-        self.stats = EngineStats()
         call = GenerateCall(params, max_new_tokens, stop)
         self.decoder.begin(self)
         start = time.perf_counter()

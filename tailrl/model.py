@@ -241,7 +241,7 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
-        self.slots, self.capacity = slots, _whole_chunks(capacity)
+        self.slots, self.capacity = slots, whole_chunks(capacity)
         self.k = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
         self.v = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
 
@@ -260,7 +260,7 @@ class KVCache:
     def resize(self, slots: int, capacity: int, keep: int, length: int) -> None:
         """Reallocate to `slots` x `capacity` (whole chunks), keeping the first `length` positions
         of slots 0..keep-1."""
-        capacity = _whole_chunks(capacity)
+        capacity = whole_chunks(capacity)
         if keep > slots or length > capacity:
             raise ValueError(f"cannot keep {keep} slots x {length} positions in {slots} x {capacity}")
         for kvs in (self.k, self.v):
@@ -271,7 +271,7 @@ class KVCache:
         self.slots, self.capacity = slots, capacity
 
 
-def _whole_chunks(positions: int) -> int:
+def whole_chunks(positions: int) -> int:
     """Positions rounded up to whole KV_CHUNKs, so chunked_pv never copies the values to pad them."""
     return -(-positions // KV_CHUNK) * KV_CHUNK
 

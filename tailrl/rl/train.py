@@ -367,7 +367,7 @@ class Trainer:
 
 def _check_memory(cfg: RunConfig, task: Task, tokenizer: Tokenizer, policy: Transformer, rollout_model: Transformer,
                   device: torch.device) -> None:
-    """ValueError where a step at the run's limits cannot fit this machine (tailrl.rl.floor):
+    """ValueError where a step at the run's limits cannot fit the memory left (tailrl.rl.floor):
     the shortest prompt of the first step, every response at max_new_tokens."""
     tc, gc = cfg.train, cfg.grpo
     prompt = min(len(encode_question(tokenizer, task.sample(tc.seed, i).question)) for i in range(tc.num_prompts))
