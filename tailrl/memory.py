@@ -11,6 +11,8 @@ unknown: `Peak.gb` is None then, never a guess.
 `available_gb` is what the kernel says the process may still take: MemAvailable, or less where
 a cgroup (v2) limit is nearer.
 
+`parameters_gb` is what a module's parameters hold.
+
 Knows: /proc, /sys/fs/cgroup, glibc's mallopt. Does not know: what the phases are.
 """
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+
+import torch
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -90,3 +94,8 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
     except OSError:  # not glibc
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+
+
+def parameters_gb(module: torch.nn.Module) -> float:
+    """GiB a module's parameters hold (tied ones once)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters()) / 2**30

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rollout.protocol import Held
@@ -66,7 +67,7 @@ def update_gb(policy: Transformer, cfg: GRPOConfig, bf16: bool, group_size: int,
 def step_floor(policy: Transformer, cfg: GRPOConfig, bf16: bool, group_size: int, response: int,
                rollout: Held) -> Floor:
     """The floor of a step of `policy` (its optimizer and gradients not yet allocated)."""
-    weights = sum(p.numel() * p.element_size() for p in policy.parameters() if p.requires_grad) / 2**30
+    weights = parameters_gb(policy)
     return Floor({
         "optimizer and gradients": Held(4 * weights, "the model's size"),
         "rollout": rollout,

@@ -17,6 +17,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from tailrl.engine import EngineConfig
+from tailrl.memory import parameters_gb
 from tailrl.model import KVCache, Transformer, whole_chunks
 from tailrl.rollout.adapt import AdaptiveDrafter
 from tailrl.rollout.native.pool import NativeRolloutState, WorkerConfig, WorkerPool
@@ -72,7 +73,7 @@ class NativeRolloutConfig:
         slots = min(self.engine.max_batch, -(-sequences // n))
         worst = slots * whole_chunks(tokens) * KVCache.bytes_per_token(model.cfg, model.lm_head.weight.dtype)
         cache = min(self.engine.kv_budget_gb, worst / 2**30)
-        copies = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30 if n > 1 else 0.0
+        copies = parameters_gb(model) if n > 1 else 0.0
         return Held(n * (cache + copies), "--kv-budget-gb, --workers")
 
     def check(self) -> None:

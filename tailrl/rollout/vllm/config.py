@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tailrl.engine import EngineConfig
+from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
 from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rollout.protocol import Held, Rollout, RolloutConfig, RolloutState
@@ -83,7 +84,7 @@ class VllmRolloutConfig:
 
     def memory(self, model: Transformer, sequences: int, tokens: int) -> Held:
         """vLLM allocates its whole KV cache at start and loads its own copy of the weights."""
-        weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        weights = parameters_gb(model)
         return Held(self.settings.kv_cache_gb + weights, "--kv-cache-gb")
 
     def check(self) -> None:
