@@ -51,6 +51,7 @@ def test_the_oracle_decodes_each_buckets_work_at_its_best_measured_rate():
     assert o["buckets"]["1"]["best"] == "drafter drafter(6,1,6)" and o["buckets"][">32"]["best"] == "vllm-off plain"
 
 
+@pytest.mark.slow  # two vLLM engines on the two-layer SmolLM2: ~25 s on a 2-core AVX2 EPYC
 def test_bench_rollout_runs_the_vllm_modes_beside_the_native_ones(smollm2_shallow_dir, tmp_path, capsys):
     """The vLLM modes (two of three: vllm-off is the plain engine test_vllm.py covers; a cold
     tuner, so no third engine warms one): each decodes the whole batch (its own samples, so no

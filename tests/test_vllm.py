@@ -191,6 +191,7 @@ def test_train_with_the_vllm_engine_then_resume(tmp_path, task_file):
     assert 'engine = "vllm"' in (out / "config.toml").read_text()
 
 
+@pytest.mark.slow  # two vLLM runs with an adapting drafter: ~35 s on a 2-core AVX2 EPYC
 def test_a_resumed_vllm_run_adapts_and_samples_as_the_uninterrupted_one(tmp_path, task_file):
     """Stopped by Ctrl-C in step 3 and resumed, a vLLM run samples the same tokens, computes the
     same rewards and updates, and trains, publishes and drafts with the same drafter versions as
