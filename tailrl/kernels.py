@@ -34,7 +34,8 @@ import os
 
 import torch
 
-from tailrl.model import Linear, Transformer, row_block
+from tailrl.linears import Linear, row_block
+from tailrl.model import Transformer
 
 MKL_MODE_VARIABLE = "MKL_CBWR"
 MKL_STRICT_MODE = "AUTO,STRICT"

@@ -17,8 +17,8 @@ token whenever the position's uniform lands between the two CDFs, and from there
 goes another (equally valid) way. So with `exact=True` (a per-call argument of `forward` and
 `hidden`, which the rollout engine passes; the model holds no such state, so one model serves
 exact rollouts and ordinary training at once) every matmul runs on blocks of exactly
-`row_block(dtype)` rows, zero-padded (`blocked`: the linears, `Linear`, and the attention's query
-rows), the attention products run in fixed-size key chunks (`chunked_qk`, `chunked_pv`) and the
+`row_block(dtype)` rows, zero-padded (tailrl.linears `blocked`: the linears, `Linear`, and the
+attention's query rows), the attention products run in fixed-size key chunks (`chunked_qk`, `chunked_pv`) and the
 softmax normaliser is summed in fp64 (a tree's accepted path sits at non-consecutive keys). It
 costs speed (fixed blocks are padded work, and past one block the weights are read once per
 block), so it is off by default. The thread count picks kernels too; what the math libraries
@@ -43,35 +43,10 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
+from tailrl.linears import FusedLinears, Linear, blocked, packed_path
+
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 KV_CHUNK = 128  # keys per attention matmul in exact mode, see chunked_qk and chunked_pv
-# Rows per matmul call in exact mode (see "Row invariance"): small blocks keep a 1-row decode step
-# cheap; bf16 gets a larger block because CPU bf16 matrix units work on tiles of 16 rows, so a
-# 16-row call costs little more than a 1-row one, where an fp32 call grows with its rows.
-_ROW_BLOCK = {torch.float32: 4, torch.bfloat16: 16}
-
-
-# oneDNN's prepacked bf16 linear (Linear): torch's x86 builds have it where oneDNN does bf16.
-PACKED_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def row_block(dtype: torch.dtype) -> int:
-    return _ROW_BLOCK.get(dtype, 16)
-
-
-def blocked(fn, x: torch.Tensor, dim: int) -> torch.Tensor:
-    """fn over x split along dim into blocks of exactly row_block(x.dtype) rows, the last one
-    zero-padded; fn must treat rows along dim independently (a matmul's M dimension)."""
-    n, r = x.shape[dim], row_block(x.dtype)
-    if n % r:
-        shape = list(x.shape)
-        shape[dim] = r - n % r
-        x = torch.cat([x, x.new_zeros(shape)], dim)
-    parts = [fn(x.narrow(dim, i, r)) for i in range(0, x.shape[dim], r)]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-    return out.narrow(dim, 0, n)
-
-
 def chunked_qk(q: torch.Tensor, keys: torch.Tensor, s: int) -> torch.Tensor:
     """q @ keys[..., :s, :]^T in KV_CHUNK-key pieces.  # (B, K, N, D), (B, K, M, D) -> (B, K, N, S)
 
@@ -106,73 +81,6 @@ def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     for c in range(1, chunks):
         out = out + parts[:, :, c]
     return out
-
-
-def packed_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a forward of x through `weight` takes oneDNN's prepacked bf16 linears (Linear's
-    doc): both bf16 on the CPU, no autograd, no autocast (which would cast them itself)."""
-    return (PACKED_BF16 and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"))
-
-
-class FusedLinears:
-    """Linears reading the same input (q, k, v) as one prepacked GEMM on the packed path: one
-    call instead of three, which at decode batch sizes costs about what one of them does. The
-    concatenated packed weight is made again whenever one of the weights changes."""
-
-    def __init__(self, *layers: Linear):
-        self.layers = layers
-        self.sizes = [layer.out_features for layer in layers]
-        self._key: tuple | None = None
-        self._weight = self._bias = None
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        params = [p for layer in self.layers for p in (layer.weight, layer.bias) if p is not None]
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        if key != self._key:
-            self._weight = torch.ops.mkldnn._reorder_linear_weight(
-                torch.cat([layer.weight.detach() for layer in self.layers]), None)
-            biases = [layer.bias for layer in self.layers]
-            self._bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-            self._key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "").split(self.sizes, -1)
-
-    def __getstate__(self) -> dict:
-        # Copies and pickles (held-out evaluation's model copy, worker processes) leave the
-        # packed weight behind: oneDNN's opaque tensors have no storage to copy, and a copy packs again.
-        return {**self.__dict__, "_key": None, "_weight": None, "_bias": None}
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict keys), computed in fixed row blocks when exact.
-
-    Decoding in bf16 on a CPU (no autograd), the weight goes to oneDNN prepacked: F.linear hands
-    oneDNN the plain row-major weight, which it reorders into its blocked layout on every call,
-    a cost of the weight's size paid per forward; the packed copy is made once per weight
-    version (a published update changes the version) and kept beside the parameter, not in the
-    state dict. Exact mode keeps F.linear: its row invariance is measured on those kernels."""
-
-    _pack: torch.Tensor | None = None
-    _pack_key: tuple[int, int] | None = None
-
-    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        if exact:
-            out = blocked(lambda rows: F.linear(rows, self.weight, self.bias), x.reshape(-1, x.shape[-1]), 0)
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-        if packed_path(x, self.weight):
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
-        return super().forward(x)
-
-    def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_pack": None, "_pack_key": None}  # as FusedLinears.__getstate__
-
-    def _packed(self) -> torch.Tensor:
-        w = self.weight
-        key = (w.data_ptr(), w._version)
-        if self._pack_key != key:
-            self._pack = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-            self._pack_key = key
-        return self._pack
 
 
 @dataclass(frozen=True)
@@ -423,9 +331,14 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, exact)) * self.up_proj(x, exact), exact)
+        if not exact and packed_path(x, self.gate_proj.weight):
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x, exact), self.up_proj(x, exact)
+        return self.down_proj(F.silu(gate) * up, exact)
 
 
 class DecoderLayer(nn.Module):

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from conftest import build_hf
 from tailrl.engine import EngineConfig
 from tailrl.loading import ModelError, load_model
-from tailrl.model import PACKED_BF16, CacheView, KVCache
+from tailrl.linears import PACKED_DTYPES
+from tailrl.model import CacheView, KVCache
 
 ATOL = 1e-4
 
@@ -203,22 +204,33 @@ def test_exact_forwards_do_not_depend_on_the_thread_count(smollm2_shallow_dir, d
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
-@pytest.mark.skipif(not PACKED_BF16, reason="oneDNN has no bf16 kernels on this CPU: the packed path is not taken")
-def test_packed_bf16_linears_are_f_linear_and_follow_weight_updates(tiny_dir):
-    """Decoding in bf16 takes oneDNN's prepacked weights (model.Linear, FusedLinears for q, k,
-    v): the same bits as F.linear on the plain weights, before and after the weights change in
-    place (a published update), and a deep copy (held-out evaluation) packs its own."""
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_packed_linears_are_onednns_and_follow_weight_updates(tiny_dir, dtype):
+    """Decoding in a PACKED_DTYPES dtype takes oneDNN's prepacked weights (linears.Linear,
+    FusedLinears for q, k, v and for gate, up): the bits of oneDNN's linear on the plain weights
+    (in bf16 those are F.linear's; in fp32 F.linear is MKL's, within rounding), before and after
+    the weights change in place (a published update), and a deep copy (held-out evaluation)
+    packs its own."""
     import copy
 
-    model = load_model(tiny_dir, dtype="bf16")
-    attn = model.model.layers[0].self_attn
-    x = torch.randn(3, 5, model.cfg.hidden_size).bfloat16()
+    model = load_model(tiny_dir, dtype=dtype)
+    if model.lm_head.weight.dtype not in PACKED_DTYPES:
+        pytest.skip(f"{dtype} linears are not prepacked on this CPU")
+
+    def onednn(x, layer):
+        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+
+    layer0 = model.model.layers[0]
+    attn, mlp = layer0.self_attn, layer0.mlp
+    x = torch.randn(3, 5, model.cfg.hidden_size).to(model.lm_head.weight.dtype)
     for _ in range(2):
         with torch.inference_mode():
-            fused = attn.qkv(x)
-            assert all(torch.equal(f, F.linear(x, p.weight, p.bias)) for f, p in
-                       zip(fused, (attn.q_proj, attn.k_proj, attn.v_proj)))
-            assert torch.equal(model.lm_head(x), F.linear(x, model.lm_head.weight))
+            for fused, layers in ((attn.qkv(x), (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                  (mlp.gate_up(x), (mlp.gate_proj, mlp.up_proj))):
+                assert all(torch.equal(f, onednn(x, p)) for f, p in zip(fused, layers))
+            head = model.lm_head(x)
+            assert torch.equal(head, onednn(x, model.lm_head))
+            assert torch.allclose(head, F.linear(x, model.lm_head.weight), rtol=0, atol=1e-5 * float(head.abs().max()))
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01)
