@@ -53,8 +53,9 @@ def test_train_report_to_tensorboard_has_the_metrics_jsonl_scalars(tmp_path, cha
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2]  # before the first step and after the last
     for key in evals[0]:
-        if key != "step":
+        if key != "step" and isinstance(evals[0][key], (int, float)):
             assert [(e.step, e.value) for e in ea.Scalars(key)] == [(r["step"], float(np.float32(r[key]))) for r in evals]
+    assert [h.step for h in ea.Histograms("heldout_rewards")] == [0, 2]  # per problem
     for r, h in zip(records, ea.Histograms("response_lens")):
         v = h.histogram_value
         assert (v.num, v.min, v.max, v.sum) == (len(r["response_lens"]), min(r["response_lens"]),

@@ -322,6 +322,17 @@ def test_heldout_evaluations_score_the_policy_after_their_step(straight_run, cha
         {k: v for k, v in want.items() if k != "heldout_s"}
 
 
+def test_the_run_ends_with_its_heldout_gain_and_its_standard_error(straight_run):
+    straight, events = straight_run
+    first, last = RunDir(straight).read_evals()[0], RunDir(straight).read_evals()[-1]
+    diffs = [b - a for a, b in zip(first["heldout_rewards"], last["heldout_rewards"])]
+    mean = sum(diffs) / len(diffs)
+    se = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
+    want = (f"held-out reward {first['heldout_reward']:.3f} at step 0 -> {last['heldout_reward']:.3f} at step 3: "
+            f"{last['heldout_reward'] - first['heldout_reward']:+.3f} +- {se:.3f} (one standard error, 4 problems)")
+    assert [e.text for e in events if isinstance(e, Notice) and e.text.startswith("held-out reward")] == [want]
+
+
 def test_heldout_evaluations_do_not_change_the_run(straight_run, tmp_path, char_model_dir, task_file):
     straight, _ = straight_run
     train(run_config(tiny_configs(char_model_dir, task_file, eval_every=0)), tmp_path / "no-eval")

@@ -17,6 +17,7 @@ speculation.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -53,6 +54,8 @@ def evaluate(rollout: Rollout, heldout: HeldOut, seed: int, params: SamplingPara
     n = len(out)
     return {
         "heldout_reward": sum(rewards.rewards) / n,
+        "heldout_reward_se": standard_error(rewards.rewards),
+        "heldout_rewards": list(rewards.rewards),
         "heldout_format_rate": sum(extract_answer(t) is not None for t in texts) / n,
         "heldout_len_mean": sum(len(c.token_ids) for c in out) / n,
         "heldout_truncated": sum(c.finish_reason == "length" for c in out),
@@ -69,3 +72,50 @@ def due(step: int, every: int, last: int) -> bool:
 
 def missing(records: Sequence[dict[str, object]], step: int) -> bool:
     return all(r.get("step") != step for r in records)
+
+
+def standard_error(xs: Sequence[float]) -> float:
+    """The standard error of the mean of xs (sample standard deviation / sqrt(n); 0 for n < 2)."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mean = sum(xs) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
+
+
+@dataclass(frozen=True)
+class Gain:
+    """Held-out reward from the first evaluation to the last, and the standard error of the
+    difference: paired (the same problems, sampled with the same seeds, so a problem's
+    difficulty cancels) where both records hold per-problem rewards, else as two independent
+    means (records written before per-problem rewards were kept)."""
+
+    first_step: int
+    last_step: int
+    before: float
+    after: float
+    se: float
+    problems: int
+
+    @property
+    def delta(self) -> float:
+        return self.after - self.before
+
+    def line(self) -> str:
+        return (f"held-out reward {self.before:.3f} at step {self.first_step} -> {self.after:.3f} at step "
+                f"{self.last_step}: {self.delta:+.3f} +- {self.se:.3f} (one standard error, {self.problems} problems)")
+
+
+def gain(records: Sequence[dict]) -> Gain | None:
+    """The gain between the first and last evaluation of a run's eval.jsonl records (None with
+    fewer than two, or when their problem counts differ)."""
+    if len(records) < 2:
+        return None
+    a, b = min(records, key=lambda r: r["step"]), max(records, key=lambda r: r["step"])
+    if a["heldout_problems"] != b["heldout_problems"]:
+        return None
+    if "heldout_rewards" in a and "heldout_rewards" in b:
+        se = standard_error([y - x for x, y in zip(a["heldout_rewards"], b["heldout_rewards"])])
+    else:
+        se = math.hypot(a.get("heldout_reward_se", 0.0), b.get("heldout_reward_se", 0.0))
+    return Gain(a["step"], b["step"], a["heldout_reward"], b["heldout_reward"], se, a["heldout_problems"])

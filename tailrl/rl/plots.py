@@ -1,7 +1,8 @@
 """PNG plots of a run, redrawn from its metrics records after every step.
 
 - rewards.png: mean reward per step, its moving average, the share of answers in the format, and
-  the held-out evaluations' mean reward (tailrl.rl.heldout).
+  the held-out evaluations' mean reward with its standard error and the run's gain
+  (tailrl.rl.heldout).
 - lengths.png: every response's length per step (the long tail made visible) with the median,
   90th percentile and max, and a histogram of the latest step.
 - times.png: the step time split into rollout, reward, train and the rest.
@@ -29,6 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tailrl.rl.heldout import gain
 from tailrl.rl.run_dir import atomic_file
 
 
@@ -78,8 +80,13 @@ def plot_rewards(records: Sequence[dict[str, Any]], path: Path, evals: Sequence[
     if all("format_rate" in r for r in records):
         ax.plot(steps, [r["format_rate"] for r in records], ls="--", label="answer in format")
     if evals:
-        ax.plot([e["step"] for e in evals], [e["heldout_reward"] for e in evals], "s-", ms=5, color="C3",
-                label=f"held-out ({evals[-1]['heldout_problems']} fixed problems)")
+        g = gain(evals)
+        label = f"held-out ({evals[-1]['heldout_problems']} fixed problems, +-1 s.e.)"
+        if g is not None:
+            label += f": {g.delta:+.3f} +- {g.se:.3f} from step {g.first_step}"
+        ax.errorbar([e["step"] for e in evals], [e["heldout_reward"] for e in evals],
+                    yerr=[e.get("heldout_reward_se", 0.0) for e in evals], fmt="s-", ms=5, capsize=3, color="C3",
+                    label=label)
     ax.set(xlabel="step", ylabel="reward", title="Reward per step")
     ax.set_ylim(min(0.0, float(mean.min())) - 0.02, max(1.0, float(mean.max())) + 0.02)
     _integer_steps(ax)

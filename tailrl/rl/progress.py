@@ -60,7 +60,8 @@ TrainEvent = RolloutProgress | StepDone | EvalProgress | EvalDone | Notice
 
 
 def eval_line(e: dict[str, Any]) -> str:
-    return (f"held-out after step {e['step']}: reward {e['heldout_reward']:.3f} on {e['heldout_problems']} problems, "
+    se = f" +- {e['heldout_reward_se']:.3f}" if "heldout_reward_se" in e else ""
+    return (f"held-out after step {e['step']}: reward {e['heldout_reward']:.3f}{se} on {e['heldout_problems']} problems, "
             f"format {e['heldout_format_rate']:.2f}, mean length {e['heldout_len_mean']:.0f} ({e['heldout_s']:.0f} s)")
 
 

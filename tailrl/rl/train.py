@@ -472,4 +472,6 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
         t.rollout.close()
     if t.saved_step != state.step:  # a run of 0 steps still leaves its starting checkpoint
         t.save()
+    if (g := heldout.gain(t.run.read_evals())) is not None:
+        t.emit(Notice(g.line()))
     return TrainResult(t.run.path, state.step, interrupted=False)
