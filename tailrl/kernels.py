@@ -8,7 +8,8 @@ bits on one thread as on several.
 
 Which library computes what on CPU (torch's x86 builds): fp32 matmuls go to MKL's sgemm; bf16
 ones to oneDNN's matmul where oneDNN has bf16 instructions for the CPU (AVX512-BF16, AMX), else
-to torch's own kernels. MKL picks its code path by vendor and instruction set, and on some
+to torch's own kernels. (Ordinary decoding's prepacked linears are oneDNN's, tailrl.linears;
+exact mode never takes them.) MKL picks its code path by vendor and instruction set, and on some
 paths a small sgemm splits its work differently on one thread than on two, which reorders a
 sum. MKL documents one switch that removes this: conditional numerical reproducibility (CNR) in
 strict mode, `MKL_CBWR=AUTO,STRICT`. In strict mode ?gemm on MKL's AVX2 and AVX-512 code paths
