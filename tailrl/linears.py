@@ -105,9 +105,8 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict keys), computed in fixed row blocks when exact.
 
     Decoding on a CPU (no autograd) in a PACKED_DTYPES dtype, the weight goes to oneDNN
-    prepacked: F.linear hands
-    oneDNN the plain row-major weight, which it reorders into its blocked layout on every call,
-    a cost of the weight's size paid per forward; the packed copy is made once per weight
+    prepacked: F.linear hands oneDNN the plain row-major weight, which it reorders into its
+    blocked layout on every call, a cost of the weight's size paid per forward; the packed copy is made once per weight
     version (a published update changes the version) and kept beside the parameter, not in the
     state dict. Exact mode keeps F.linear: its row invariance is measured on those kernels.
     In fp32 the prepacked kernel is not MKL's, so a decode step's logits differ from the

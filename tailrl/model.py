@@ -18,8 +18,8 @@ goes another (equally valid) way. So with `exact=True` (a per-call argument of `
 `hidden`, which the rollout engine passes; the model holds no such state, so one model serves
 exact rollouts and ordinary training at once) every matmul runs on blocks of exactly
 `row_block(dtype)` rows, zero-padded (tailrl.linears `blocked`: the linears, `Linear`, and the
-attention's query rows), the attention products run in fixed-size key chunks (`chunked_qk`, `chunked_pv`) and the
-softmax normaliser is summed in fp64 (a tree's accepted path sits at non-consecutive keys). It
+attention's query rows), the attention products run in fixed-size key chunks (`chunked_qk`,
+`chunked_pv`) and the softmax normaliser is summed in fp64 (a tree's accepted path sits at non-consecutive keys). It
 costs speed (fixed blocks are padded work, and past one block the weights are read once per
 block), so it is off by default. The thread count picks kernels too; what the math libraries
 need for a row not to depend on it is process-wide (tailrl.kernels). Without exact mode,

@@ -17,6 +17,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from tailrl.engine import EngineConfig
+from tailrl.linears import PACKED_DTYPES
 from tailrl.memory import parameters_gb
 from tailrl.model import KVCache, Transformer, whole_chunks
 from tailrl.rollout.adapt import AdaptiveDrafter
@@ -68,13 +69,16 @@ class NativeRolloutConfig:
 
     def memory(self, model: Transformer, sequences: int, tokens: int) -> Held:
         """Each engine's cache: the step's sequences at their worst case, or the budget where
-        that is less (tailrl.engine); worker processes also load a copy of the model each."""
+        that is less (tailrl.engine); worker processes also load a copy of the model each, and
+        where decoding takes oneDNN's prepacked linears (tailrl.linears) each engine holds a
+        packed copy of the weights beside them."""
         n = self.workers.workers
         slots = min(self.engine.max_batch, -(-sequences // n))
         worst = slots * whole_chunks(tokens) * KVCache.bytes_per_token(model.cfg, model.lm_head.weight.dtype)
         cache = min(self.engine.kv_budget_gb, worst / 2**30)
         copies = parameters_gb(model) if n > 1 else 0.0
-        return Held(n * (cache + copies), "--kv-budget-gb, --workers")
+        packed = parameters_gb(model) if model.lm_head.weight.dtype in PACKED_DTYPES else 0.0
+        return Held(n * (cache + copies + packed), "--kv-budget-gb, --workers")
 
     def check(self) -> None:
         drafter = self.speculation.drafter
