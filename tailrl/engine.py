@@ -266,6 +266,10 @@ class Engine:
                 members.append(waiting.popleft())
             free -= len(members)
             groups.append(members)
+        # Longest prompts first: prefill batches pad less, and the wave's slots run from long to
+        # short, so the attention's groups of consecutive rows (CacheView.segments) read little
+        # past each row's own keys.
+        groups.sort(key=lambda g: -len(g[0][1].prompt_ids))
         while groups:
             batch = [groups.pop(0)]
             longest = len(batch[0][0][1].prompt_ids)

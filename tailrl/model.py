@@ -34,10 +34,12 @@ D head dim, E hidden size, V vocabulary, L layers, C cache slots, M cache capaci
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.checkpoint
 import torch.nn.functional as F
@@ -47,6 +49,11 @@ from tailrl.linears import FusedLinears, Linear, blocked, packed_path
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 KV_CHUNK = 128  # keys per attention matmul in exact mode, see chunked_qk and chunked_pv
+# What one more attention call costs, in key rows read (one row's keys for every kv head): its
+# fixed ~40 us against ~0.25 us a key row on a 2-core AMD EPYC Zen 3 (docs/performance.md).
+SEGMENT_COST_KEYS = 160
+
+
 def chunked_qk(q: torch.Tensor, keys: torch.Tensor, s: int) -> torch.Tensor:
     """q @ keys[..., :s, :]^T in KV_CHUNK-key pieces.  # (B, K, N, D), (B, K, M, D) -> (B, K, N, S)
 
@@ -179,6 +186,27 @@ class KVCache:
         self.slots, self.capacity = slots, capacity
 
 
+def row_segments(keys: Sequence[int], cost: int) -> list[tuple[int, int, int]]:
+    """Split rows 0..B-1 into consecutive ranges [i, j), each attending the first max(keys[i:j])
+    keys, to minimise sum((j - i) * max(keys[i:j]) + cost): the key rows read (masked ones
+    included) plus `cost` key rows' worth per extra attention call. Exact dynamic programme over
+    the cut points (a numpy pass per row: B is at most a few hundred).  -> [(i, j, keys)]"""
+    k = np.asarray(keys, dtype=np.int64)
+    best = np.zeros(len(k) + 1, dtype=np.int64)
+    cut = np.zeros(len(k) + 1, dtype=np.int64)
+    for j in range(1, len(k) + 1):
+        longest = np.maximum.accumulate(k[j - 1 :: -1])  # max(keys[i:j]) for i = j-1 .. 0
+        total = best[j - 1 :: -1] + cost + np.arange(1, j + 1) * longest
+        at = int(total.argmin())
+        best[j], cut[j] = total[at], j - 1 - at
+    out, j = [], len(k)
+    while j > 0:
+        i = int(cut[j])
+        out.append((i, j, int(k[i:j].max())))
+        j = i
+    return out[::-1]
+
+
 def whole_chunks(positions: int) -> int:
     """Positions rounded up to whole KV_CHUNKs, so chunked_pv never copies the values to pad them."""
     return -(-positions // KV_CHUNK) * KV_CHUNK
@@ -205,9 +233,16 @@ class CacheView:
         return ~self.mask[:, None, None]
 
     @cached_property
-    def sees_all(self) -> bool:
-        """Whether every query may attend every key."""
-        return bool(self.mask.all())
+    def segments(self) -> list[tuple[int, int, int, torch.Tensor | None]]:
+        """The non-exact attention's groups of consecutive rows (`row_segments`): (first row, end
+        row, keys S' (the group's longest row), mask (B', T, S') or None where every query
+        attends every key)."""
+        keys = (self.kv_len - self.mask.any(1).flip(-1).int().argmax(-1)).tolist()  # (B,) last attended key + 1
+        out = []
+        for i, j, s in row_segments(keys, SEGMENT_COST_KEYS):
+            m = self.mask[i:j, :, :s]
+            out.append((i, j, s, None if bool(m.all()) else m))
+        return out
 
     @cached_property
     def rows(self) -> torch.Tensor:
@@ -308,11 +343,17 @@ class Attention(nn.Module):
             # and a row's keys are strided by the cache's capacity, so it would copy K and V on
             # every layer of every step (most of a batch-64 decode step's time); its fused kernel
             # also skips the fp32 score tensor of a prefill.
-            mask = None
-            if not view.sees_all:
-                mask = view.mask[:, None] if t == 1 else view.mask[:, None].expand(b, g, t, -1).reshape(b, 1, n, -1)
-            out = F.scaled_dot_product_attention(q.reshape(b, self.k, n, d), ck[:, :, : view.kv_len],
-                                                 cv[:, :, : view.kv_len], attn_mask=mask)  # (B, K, G*T, D)
+            # Rows in groups (CacheView.segments): one attention call over the batch's longest
+            # row would read every row's cache up to that length.
+            q = q.reshape(b, self.k, n, d)
+            parts = []
+            for i, j, s, m in view.segments:
+                if m is not None and t > 1:
+                    m = m[:, None].expand(j - i, g, t, -1).reshape(j - i, 1, n, -1)
+                elif m is not None:
+                    m = m[:, None]
+                parts.append(F.scaled_dot_product_attention(q[i:j], ck[i:j, :, :s], cv[i:j, :, :s], attn_mask=m))
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, K, G*T, D)
             return out.view(b, self.h, t, d)
         scores = chunked_qk(q.reshape(b, self.k, n, d), ck, view.kv_len) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
         scores = scores.view(b, self.k, g, t, -1).masked_fill_(view.hidden_keys, float("-inf"))

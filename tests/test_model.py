@@ -21,7 +21,8 @@ from conftest import build_hf
 from tailrl.engine import EngineConfig
 from tailrl.loading import ModelError, load_model
 from tailrl.linears import PACKED_DTYPES
-from tailrl.model import CacheView, KVCache
+import tailrl.model as model_module
+from tailrl.model import CacheView, KVCache, row_segments
 
 ATOL = 1e-4
 
@@ -63,6 +64,38 @@ def test_cached_decode_equals_full_forward(tiny_dir, rows):
         m = torch.ones(rows, 1, t + 1, dtype=torch.bool)
         out.append(model(ids[:, t : t + 1], pos[:, t : t + 1], CacheView(cache, 0, pos[:, t : t + 1], t + 1, m)))
     assert (torch.cat(out, 1) - full).abs().max().item() <= ATOL
+
+
+def test_row_segments_minimise_keys_read_plus_calls():
+    """Hand-computed: a range costs rows x its longest row's keys, plus `cost` per range."""
+    assert row_segments([10, 10, 10], 5) == [(0, 3, 10)]
+    assert row_segments([100, 100, 1, 1], 5) == [(0, 2, 100), (2, 4, 1)]  # 212 against 405 whole
+    assert row_segments([1, 100, 1], 50) == [(0, 1, 1), (1, 2, 100), (2, 3, 1)]  # 252 against 301, 350
+    assert row_segments([1, 100, 1], 100) == [(0, 3, 100)]  # 400 against 401, 402
+
+
+@pytest.mark.parametrize("cost", [0, model_module.SEGMENT_COST_KEYS])  # 0: a range per distinct length
+def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkeypatch, cost):
+    """A right-padded prefill of prompts of 7, 30 and 15 tokens, then 5 decode steps each at its
+    own position: every row's logits are those of a full forward over that row alone."""
+    monkeypatch.setattr(model_module, "SEGMENT_COST_KEYS", cost)
+    model = load_model(tiny_dir, dtype="fp32")
+    torch.manual_seed(0)
+    lens, steps = torch.tensor([7, 30, 15]), 5
+    prompts, fed = torch.randint(0, 96, (3, 30)), torch.randint(0, 96, (3, steps))
+    cache = KVCache(model.cfg, slots=3, capacity=64, dtype=torch.float32, device="cpu")
+    pos = torch.arange(30).expand(3, 30)
+    mask = torch.ones(30, 30).tril().bool()[None] & (pos < lens[:, None])[:, None]
+    got = [model(prompts, pos, CacheView(cache, 0, pos, 30, mask))[torch.arange(3), lens - 1][:, None]]
+    for t in range(steps):
+        at = lens + t  # (3,) each row's next position
+        m = (torch.arange(int(at.max()) + 1)[None] <= at[:, None])[:, None]
+        got.append(model(fed[:, t : t + 1], at[:, None], CacheView(cache, 0, at[:, None], int(at.max()) + 1, m)))
+    got = torch.cat(got, 1)  # (3, 1 + steps, V)
+    for i in range(3):
+        own = torch.cat([prompts[i, : lens[i]], fed[i]])
+        full = model(own[None], torch.arange(len(own))[None])[0, lens[i] - 1 :]
+        assert (got[i] - full).abs().max().item() <= ATOL
 
 
 def test_one_row_with_a_hidden_key_is_masked(tiny_dir):
