@@ -8,6 +8,7 @@ Knows: argument parsing, printing. Does not know: how any component works inside
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -61,7 +62,7 @@ def _sections(paths: dict) -> dict[str, type]:
     for name, cls in paths.items():
         if isinstance(cls, str):
             mod, attr = cls.split(":")
-            cls = getattr(__import__(mod, fromlist=[attr]), attr)
+            cls = getattr(importlib.import_module(mod), attr)
         out[name] = cls
     return out
 

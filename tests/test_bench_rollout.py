@@ -74,6 +74,5 @@ def test_bench_rollout_runs_the_vllm_modes_beside_the_native_ones(smollm2_shallo
     assert all(m["tokens"] > 0 and m["seconds_median"] > 0 for m in modes.values())
     assert [modes[m]["differing_sequences"] for m in ("off", "vllm-drafter", "vllm-auto")] == [0, None, None]
     assert modes["vllm-drafter"]["sd_fraction"] == 1.0
-    assert 1.0 <= modes["vllm-drafter"]["accept_len"] <= 4.0
     rows = [line for line in _rollout(report) if line.startswith("| ")][1:]
     assert rows[1].startswith("| vllm-drafter ") and rows[1].endswith("| n/a (vLLM) |")

