@@ -16,7 +16,7 @@ from tailrl.cli import main
 def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_shallow_dir, tmp_path, capsys):
     plot = tmp_path / "rollout.png"
     code = main(["bench", "rollout", "--model", str(smollm2_shallow_dir), "--dtype", "fp32", "--num-prompts", "2",
-                 "--group-size", "2", "--max-new-tokens", "12", "--reps", "2", "--batches", "2", "--modes",
+                 "--group-size", "2", "--max-new-tokens", "12", "--reps", "1", "--batches", "2", "--modes",
                  "off,ngram,auto", "--exact", "--plot", str(plot), "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
