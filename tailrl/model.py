@@ -49,8 +49,8 @@ from tailrl.linears import FusedLinears, Linear, blocked, packed_path
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 KV_CHUNK = 128  # keys per attention matmul in exact mode, see chunked_qk and chunked_pv
-# What one more attention call costs, in key rows read (one row's keys for every kv head): its
-# fixed ~40 us against ~0.25 us a key row on a 2-core AMD EPYC Zen 3 (docs/performance.md).
+# What one more attention call costs, in key rows read (one row's keys for every kv head): an
+# SDPA call's fixed cost over its cost per key row, measured in docs/performance.md.
 SEGMENT_COST_KEYS = 160
 
 
