@@ -55,6 +55,18 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
     return "bf16" if _cpu_has_native_bf16() else "fp32"
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> cuda when torch sees a GPU, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no GPU")
+    return torch.device(name)
+
+
 class ModelError(ValueError):
     """A model directory that cannot be used, with the reason in one line."""
 

@@ -20,7 +20,7 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig
 from tailrl.generate import encode_prompt, make_requests
-from tailrl.loading import DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
+from tailrl.loading import DEVICES, DTYPES, load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model_dir
 from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task
 from tailrl.sampling import SamplingParams
 
@@ -33,6 +33,7 @@ class BenchGenerateConfig:
     max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per row"})
     repeats: int = field(default=3, metadata={"help": "runs per side and batch size, alternating (median reported)"})
     threads: int = field(default=0, metadata={"help": "torch threads for both sides (0: torch's default)"})
+    device: str = field(default="auto", metadata={"help": "auto = cuda when present, else cpu", "choices": DEVICES})
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.threads < 0:
@@ -61,12 +62,14 @@ def _hf_generate(hf, tok, prompts: list[tuple[int, ...]], max_new_tokens: int) -
     """Left-padded batch through transformers; returns (generated tokens up to EOS, seconds)."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
     eos = set(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list) else [hf.generation_config.eos_token_id])
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    if out.is_cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     tokens = 0
     for row in out[:, width:].tolist():
@@ -82,10 +85,11 @@ def run(cfg: BenchGenerateConfig, log=print) -> list[GenerateRow]:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
     path = resolve_model_dir(cfg.model)
     tok = load_tokenizer(path)
-    model = load_model(path, dtype=cfg.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[resolve_dtype(cfg.dtype)]).eval()
+    model = load_model(path, dtype=cfg.dtype, device=device)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[resolve_dtype(cfg.dtype, device)]).to(device).eval()
     greedy = SamplingParams(temperature=0.0)
     rows = []
     for b in cfg.batch_sizes:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
+from tailrl.loading import DEVICES, load_model, load_tokenizer, resolve_device, resolve_model_dir
 from tailrl.memory import Peak
 from tailrl.model import Transformer
 from tailrl.rl.plots import log_counts
@@ -66,6 +66,7 @@ ORACLE_STEPS = 5  # decode steps an arm needs in a bucket for the oracle to coun
 class BenchRolloutConfig:
     model: str | None = field(default=None, metadata={"help": "target model directory (default: SmolLM2-135M-Instruct)"})
     dtype: str = field(default="auto", metadata={"help": "rollout dtype", "choices": ["auto", "bf16", "fp32"]})
+    device: str = field(default="auto", metadata={"help": "the native engine's device: auto = cuda when present, else cpu", "choices": DEVICES})
     drafter: str | None = field(default=None, metadata={"help": "learned drafter directory (adds the drafter mode; auto uses it too)"})
     task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym name or .jsonl file"})
     num_prompts: int = field(default=16, metadata={"help": "prompts in the batch (the default run's step)"})
@@ -222,7 +223,7 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
         check_available()
     path = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(path)
-    model = load_model(path, dtype=cfg.dtype)
+    model = load_model(path, dtype=cfg.dtype, device=resolve_device(cfg.device))
     engine = Engine(model, EngineConfig(max_batch=cfg.num_prompts * cfg.group_size, exact=cfg.exact))
     tc = TrainConfig(task=cfg.task, num_prompts=cfg.num_prompts, group_size=cfg.group_size,
                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)

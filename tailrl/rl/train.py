@@ -57,7 +57,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from tailrl.loading import DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_dtype, resolve_model_dir
+from tailrl.loading import (DEVICES, DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_device, resolve_dtype,
+                            resolve_model_dir)
 from tailrl.memory import Peak, available_gb, fix_mmap_threshold
 from tailrl.model import Transformer
 from tailrl.rl import heldout
@@ -76,7 +77,6 @@ from tailrl.rollout.protocol import (
 )
 from tailrl.sampling import derive_seed
 
-DEVICES = ("auto", "cpu", "cuda")
 ENGINES = ("native", "vllm")  # which RolloutConfig tailrl.pipeline.run_config builds
 # Fields that cannot change a run's results, so a resume may change them.
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_problems")
@@ -171,14 +171,6 @@ class TrainResult:
 
 
 # ---- one run's steps ---------------------------------------------------------------------
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no GPU")
-    return torch.device(name)
 
 
 def rollout_requests(task: Task, tokenizer: Tokenizer, tc: TrainConfig, step: int, data_cursor: int,

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# tailrl's native engine on a lent GPU machine (python3 with torch and transformers; no vLLM, Ray
+# or network), in one call: the engine's checks and step costs on the device (gpu_check.py), then
+# `bench generate` (tailrl against transformers) and `bench rollout` (plain, n-gram, auto) on
+# CUDA. No model can be downloaded there and the default model's files exceed what a call carries,
+# so the models are random ones of SmolLM2-135M's and a ~1B Llama's shapes, with SmolLM2's
+# tokenizer from TOKENIZER_DIR (its config.json, tokenizer.json, tokenizer_config.json,
+# chat_template.jinja): speeds are real, acceptance is not (a random model's samples at T = 1
+# leave an n-gram drafter nothing to accept, the regime where auto must cost nothing).
+#
+#     OUT=/tmp/out bash scripts/gpu_run.sh .gpu        # results: $OUT/*.json, *.log
+set -u
+TOKENIZER_DIR=${1:?usage: gpu_run.sh TOKENIZER_DIR}
+OUT=${OUT:?set OUT to a results folder}
+DEVICE=${DEVICE:-cuda}
+export PYTHONPATH=$PWD
+
+nvidia-smi -L; lscpu | grep -m1 "Model name"
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+python3 scripts/gpu_check.py --device "$DEVICE" --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+
+python3 - "$TOKENIZER_DIR" /tmp/gpu_models <<'PY'
+import shutil, sys
+from pathlib import Path
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+src, root = Path(sys.argv[1]), Path(sys.argv[2])
+shapes = {"smollm2-135m": {}, "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8)}
+for name, shape in shapes.items():
+    cfg = AutoConfig.from_pretrained(src, **shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(root / name)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(src / f, root / name / f)
+    print("random model", name, sum(p.numel() for p in model.parameters()) / 1e6, "M parameters")
+PY
+python3 - /tmp/gpu_models "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/bench.log"
+import json, sys
+from pathlib import Path
+from tailrl.bench import generate, rollout
+models, out, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+for name in ("smollm2-135m", "llama-1b"):
+    print(f"bench generate, {name} (random weights), {device}", flush=True)
+    cfg = generate.BenchGenerateConfig(model=str(models / name), device=device, batch_sizes=(1, 8, 64), max_new_tokens=128)
+    (out / f"generate-{name}.json").write_text(json.dumps(generate.report(cfg, log=lambda line: print(line, flush=True))))
+print(f"bench rollout, smollm2-135m (random weights), {device}", flush=True)
+cfg = rollout.BenchRolloutConfig(model=str(models / "smollm2-135m"), device=device, modes=("off", "ngram", "auto"),
+                                 reps=2, plot=str(out / "rollout.png"))
+(out / "rollout.json").write_text(json.dumps(rollout.run(cfg, log=lambda line: print(line, flush=True))))
+PY
