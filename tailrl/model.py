@@ -354,7 +354,7 @@ class Attention(nn.Module):
                     m = m[:, None]
                 parts.append(F.scaled_dot_product_attention(q[i:j], ck[i:j, :, :s], cv[i:j, :, :s], attn_mask=m))
             out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, K, G*T, D)
-            return out.view(b, self.h, t, d)
+            return out.reshape(b, self.h, t, d)  # CUDA's kernels may return other strides
         scores = chunked_qk(q.reshape(b, self.k, n, d), ck, view.kv_len) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
         scores = scores.view(b, self.k, g, t, -1).masked_fill_(view.hidden_keys, float("-inf"))
         # Softmax with the normaliser summed in fp64: a vectorised fp32 sum groups keys by their
