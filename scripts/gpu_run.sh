@@ -36,6 +36,35 @@ for name, shape in shapes.items():
         shutil.copy(src / f, root / name / f)
     print("random model", name, sum(p.numel() for p in model.parameters()) / 1e6, "M parameters")
 PY
+# One plain decode of 32 requests x 64 tokens, greedy and at T = 1, timed, and the T = 1 one
+# profiled: on the H200 a plain step of `bench rollout` (T = 1) took ~10x one of `bench generate`
+# (greedy) on the same model (docs/performance.md).
+python3 - /tmp/gpu_models/smollm2-135m "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/plain_profile.log"
+import sys, time
+from pathlib import Path
+import torch
+from torch.profiler import ProfilerActivity, profile
+from tailrl.bench.generate import _prompts
+from tailrl.engine import Engine, EngineConfig
+from tailrl.generate import make_requests
+from tailrl.loading import load_model, load_tokenizer
+from tailrl.sampling import SamplingParams
+path, out, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+model, tok = load_model(path, device=device), load_tokenizer(path)
+requests = make_requests(_prompts(tok, 32), 1, 0)
+engine = Engine(model, EngineConfig(max_batch=32))
+engine.generate(requests[:2], SamplingParams(1.0), 4)
+for t in (0.0, 1.0, 0.0, 1.0):
+    t0 = time.perf_counter()
+    engine.generate(requests, SamplingParams(t), 64)
+    print(f"T = {t}: {time.perf_counter() - t0:.2f} s for {engine.stats.tokens} tokens", flush=True)
+activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+with profile(activities=activities) as prof:
+    engine.generate(requests, SamplingParams(1.0), 16)
+key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+PY
 python3 - /tmp/gpu_models "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/bench.log"
 import json, sys
 from pathlib import Path
@@ -47,6 +76,6 @@ for name in ("smollm2-135m", "llama-1b"):
     (out / f"generate-{name}.json").write_text(json.dumps(generate.report(cfg, log=lambda line: print(line, flush=True))))
 print(f"bench rollout, smollm2-135m (random weights), {device}", flush=True)
 cfg = rollout.BenchRolloutConfig(model=str(models / "smollm2-135m"), device=device, modes=("off", "ngram", "auto"),
-                                 reps=2, plot=str(out / "rollout.png"))
+                                 reps=1, num_prompts=8, max_new_tokens=128, plot=str(out / "rollout.png"))
 (out / "rollout.json").write_text(json.dumps(rollout.run(cfg, log=lambda line: print(line, flush=True))))
 PY
