@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tailrl import config as cfglib
 from tailrl.bench.suite import BENCHES
-from tailrl.engine import EngineConfig
+from tailrl.rollout import registry
 from tailrl.rollout.protocol import DrafterVersionError, Progress, WorkerError
 from tailrl.sampling import SamplingParams
 
@@ -47,14 +47,10 @@ def progress_printer(label: str = "") -> Callable[[Progress], None]:
 
 # ---- generate ---------------------------------------------------------------------------------
 
-GENERATE_SECTIONS = {
-    "generate": "tailrl.generate:GenerateConfig",
-    "sampling": SamplingParams,
-    "engine": EngineConfig,
-    "speculation": "tailrl.speculative.modes:SpeculationConfig",
-    "tuner": "tailrl.tuner:TunerConfig",
-    "vllm": "tailrl.rollout.vllm.settings:VllmSettings",
-}
+def _generate_sections() -> dict[str, type]:
+    from tailrl.generate import GenerateConfig
+
+    return {"generate": GenerateConfig, "sampling": SamplingParams, **registry.generate_sections()}
 
 
 def _sections(paths: dict) -> dict[str, type]:
@@ -74,37 +70,34 @@ def _add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; the native engine's)")
     p.add_argument("--json", action="store_true", help="one JSON line per sample, then a stats line")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with [generate], [sampling], [engine] tables")
-    cfglib.add_arguments(p, _sections(GENERATE_SECTIONS))
+    cfglib.add_arguments(p, _generate_sections())
     p.set_defaults(run=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> None:
     from tailrl.generate import completion_text, encode_prompt, load_prompts, make_requests, stop_checker
-    from tailrl.generation import generate_native, generate_vllm
     from tailrl.loading import load_model, load_tokenizer
 
     toml = cfglib.read_toml(args.config) if args.config else None
-    c = cfglib.resolve(_sections(GENERATE_SECTIONS), args, toml)
-    gen, sampling = c["generate"], c["sampling"]
+    c = cfglib.resolve(_generate_sections(), args, toml)
+    gen = c["generate"]
     prompts = list(args.prompt) + (load_prompts(args.prompts) if args.prompts else [])
     if not prompts:
         raise ValueError("no prompts: give --prompt TEXT or --prompts FILE.jsonl")
-    other = ("vllm",) if gen.engine == "native" else ("engine",)
-    for name in other:  # a section only the other engine reads would configure nothing
-        if c[name] != _sections(GENERATE_SECTIONS)[name]():
-            raise ValueError(f"[{name}] configures the {'vllm' if name == 'vllm' else 'native'} engine, but this "
-                             f"generate's is --engine {gen.engine}")
-    if gen.engine == "vllm" and args.stop:
-        raise ValueError("--engine vllm ends a sample at EOS or its length only: --stop is the native engine's")
+    engine = registry.engine(gen.engine)
+    registry.refuse_foreign(engine.name, c)
+    if args.stop and not engine.stop_strings:
+        stopping = " or ".join(name for name in registry.NAMES if registry.engine(name).stop_strings)
+        raise ValueError(f"--engine {engine.name} ends a sample at EOS or its length only: --stop is the {stopping} "
+                         f"engine's")
     model = load_model(gen.model, dtype=gen.dtype)
     tok = load_tokenizer(gen.model)
     ids = [encode_prompt(tok, p, gen.chat) for p in prompts]
     requests = make_requests(ids, gen.n, gen.seed)
     progress = None if args.json else progress_printer()
-    if gen.engine == "vllm":
-        out, summary = generate_vllm(c, model, requests, progress)
-    else:
-        out, summary = generate_native(c, model, requests, stop_checker(tok, args.stop), progress)
+    own = {name: c[name] for name in engine.generate_sections}
+    out, summary = engine.generate(own, model, requests, c["sampling"], gen.max_new_tokens, gen.seed,
+                                   stop_checker(tok, args.stop), progress)
     for k, (req, comp) in enumerate(zip(requests, out)):
         text = completion_text(tok, comp, args.stop)
         if args.json:

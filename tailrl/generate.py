@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tailrl.rollout import registry
 from tailrl.rollout.protocol import Completion, Request
 from tailrl.sampling import derive_seed
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role", "content"}]
-ENGINES = ("native", "vllm")
 
 
 @dataclass
@@ -31,12 +31,13 @@ class GenerateConfig:
     max_new_tokens: int = field(default=256, metadata={"help": "most tokens generated per sample"})
     seed: int = field(default=0, metadata={"help": "run seed; sample seeds derive from (seed, prompt, sample)"})
     chat: bool = field(default=True, metadata={"help": "wrap prompts in the model's chat template"})
-    engine: str = field(default="native", metadata={"help": "native (tailrl's engine) or vllm (an in-process vLLM "
-                                                    "engine, the [vllm] section; docs/vllm.md)", "choices": ENGINES})
+    engine: str = field(default=registry.DEFAULT, metadata={
+        "help": "native (tailrl's engine) or vllm (an in-process vLLM engine, the [vllm] section; docs/vllm.md)",
+        "choices": registry.NAMES})
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine not in registry.NAMES:
+            raise ValueError(f"engine must be one of {', '.join(registry.NAMES)}, got {self.engine!r}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.max_new_tokens < 1:

@@ -31,11 +31,7 @@ from tailrl.rl.rewards import load_reward
 from tailrl.rl.sft import EvalResult, SFTConfig, SFTProgress, sft, worked_task
 from tailrl.rl.tasks import make_task
 from tailrl.rl.train import RunConfig, TrainConfig
-from tailrl.engine import EngineConfig
-from tailrl.rollout.native import config as native
-from tailrl.rollout.protocol import RolloutConfig
-from tailrl.rollout.vllm import checks as vllm_checks
-from tailrl.rollout.vllm import config as vllm
+from tailrl.rollout import registry
 from tailrl.sampling import SamplingParams
 from tailrl.warmup import WarmupConfig, WarmupProgress, warmup
 
@@ -51,31 +47,17 @@ WARMUP_STEPS = 1000
 WARMUP_SOLUTIONS = 256
 
 
-# `tailrl train`'s configuration sections (flags and TOML tables), by name: the loop's, then each
-# engine's (TrainConfig.engine picks the engine).
-TRAIN_SECTIONS: dict[str, type] = {"train": TrainConfig, "grpo": GRPOConfig, **native.SECTIONS, **vllm.SECTIONS}
+# `tailrl train`'s configuration sections (flags and TOML tables), by name: the loop's, then every
+# engine's (TrainConfig.engine picks the engine, tailrl.rollout.registry).
+TRAIN_SECTIONS: dict[str, type] = {"train": TrainConfig, "grpo": GRPOConfig, **registry.train_sections()}
 
 
 def run_config(sections: Mapping[str, object]) -> RunConfig:
     """A run's typed config from its sections by name (those left out take their defaults), on
-    the engine the train section names; the sections only the other engine reads must be left at
-    their defaults (they would configure nothing)."""
+    the engine the train section names, which refuses what it cannot run (the sections only other
+    engines read among it: they would configure nothing)."""
     tc = sections.get("train") or TrainConfig()
-    engine = sections.get("engine")
-    if tc.engine == "vllm" and isinstance(engine, EngineConfig) and engine.exact:
-        raise ValueError("--exact is the native engine's (bit-identical tokens with speculation on and off); "
-                         "vLLM's speculation is lossless in distribution only: drop --exact or use --engine native")
-    own, other = (vllm.SECTIONS, native.SECTIONS) if tc.engine == "vllm" else (native.SECTIONS, vllm.SECTIONS)
-    for name, cls in other.items():
-        if name not in own and sections.get(name) not in (None, cls()):
-            raise ValueError(f"[{name}] configures the {'native' if tc.engine == 'vllm' else 'vllm'} engine, but "
-                             f"this run's is --engine {tc.engine}")
-    chosen = {name: sections[name] for name in own if sections.get(name) is not None}
-    if tc.engine == "vllm":
-        vllm_checks.check_sampling(SamplingParams(tc.temperature, tc.top_p, tc.top_k))
-        rollout: RolloutConfig = vllm.VllmRolloutConfig.from_sections(chosen)
-    else:
-        rollout = native.NativeRolloutConfig.from_sections(chosen)
+    rollout = registry.rollout_config(tc.engine, sections, SamplingParams(tc.temperature, tc.top_p, tc.top_k))
     return RunConfig(rollout, train=tc, grpo=sections.get("grpo") or GRPOConfig())
 
 

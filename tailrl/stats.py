@@ -84,3 +84,18 @@ class EngineStats:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+
+
+# What a generate call reports (its stats line), the same fields whichever engine decoded.
+Summary = dict[str, float | list[int]]
+
+
+def summary_line(tokens: int, seconds: float, speculating: bool, accept_len: float, proposed: int, accepted: int,
+                 verify_steps: int, accept_hist: list[int]) -> Summary:
+    """`tailrl generate`'s stats line: tokens and time, and with speculation its counters."""
+    out: Summary = {"tokens": tokens, "seconds": round(seconds, 4),
+                    "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0}
+    if speculating:
+        out.update(accept_len=round(accept_len, 3), proposed=proposed, accepted=accepted, verify_steps=verify_steps,
+                   accept_hist=accept_hist)
+    return out

@@ -46,10 +46,11 @@ from typing import Any, Callable
 
 from tailrl.engine import EngineConfig
 from tailrl.rl.tasks import DEFAULT_TASK
-from tailrl.rl.train import ENGINES, RunConfig, TrainConfig
-from tailrl.rollout.native.config import NativeRolloutConfig
+from tailrl.rl.train import RunConfig, TrainConfig
+from tailrl.rollout import registry
 from tailrl.rollout.native.pool import WorkerConfig
 from tailrl.rollout.protocol import RolloutConfig
+from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
 
@@ -79,29 +80,33 @@ class TwoRunsConfig:
     exact: bool = field(default=True, metadata={"help": "row-invariant forwards in both runs, so both sample the same "
                                                         "tokens bit for bit (slower small-batch steps, see tailrl.model; "
                                                         "the native engine's)"})
-    engine: str = field(default="native", metadata={"help": "rollout engine of every run: native or vllm (an "
+    engine: str = field(default=registry.DEFAULT, metadata={"help": "rollout engine of every run: native or vllm (an "
                                                             "in-process vLLM engine; lossless in distribution only, "
-                                                            "so with --no-exact)", "choices": ENGINES})
+                                                            "so with --no-exact)", "choices": registry.NAMES})
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.workers < 1:
             raise ValueError(f"need steps >= 1 and workers >= 1, got {self.steps} and {self.workers}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine == "vllm" and (self.exact or self.workers != 1):
-            raise ValueError("--engine vllm runs one in-process engine, lossless in distribution only: use it with "
-                             "--no-exact and --workers 1")
+        _check("--engine", self.engine, self.exact, self.workers)
 
     def rollout(self, speculation: SpeculationConfig, adapt: AdaptConfig) -> RolloutConfig:
-        """Every run's engine, speculating and adapting its drafter as given."""
-        if self.engine == "vllm":
-            from tailrl.rollout.vllm.config import VllmRolloutConfig
-            from tailrl.rollout.vllm.settings import VllmSettings
+        """Every run's engine, speculating and adapting its drafter as given; each engine reads the
+        sections it has of these (vLLM holds the whole batch)."""
+        sections = {"engine": EngineConfig(exact=self.exact), "workers": WorkerConfig(workers=self.workers),
+                    "vllm": VllmSettings(max_num_seqs=self.num_prompts * self.group_size),
+                    "speculation": speculation, "adapt": adapt}
+        engine = registry.engine(self.engine)
+        return engine.config({name: value for name, value in sections.items() if name in engine.sections})
 
-            return VllmRolloutConfig(VllmSettings(max_num_seqs=self.num_prompts * self.group_size), speculation,
-                                     adapt=adapt)
-        return NativeRolloutConfig(engine=EngineConfig(exact=self.exact), speculation=speculation,
-                                   workers=WorkerConfig(workers=self.workers), adapt=adapt)
+
+def _check(flag: str, engine: str, exact: bool, workers: int) -> None:
+    """ValueError for exact mode or several workers on an engine (`flag`'s) without them."""
+    entry = registry.engine(engine)
+    if exact and not entry.exact:
+        raise ValueError(f"{flag} {engine} has no exact mode (bit-identical tokens with speculation on and off): "
+                         f"use it with --no-exact")
+    if workers != 1 and "workers" not in entry.sections:
+        raise ValueError(f"{flag} {engine} runs one in-process engine: use it with --workers 1")
 
 
 @dataclass(frozen=True)
@@ -111,15 +116,15 @@ class BenchTrainConfig(TwoRunsConfig):
 
     baseline_engine: str | None = field(default=None, metadata={
         "help": "the baseline's engine, when not --engine's: vllm compares tailrl with TLT against what users run "
-                "(vLLM, speculation off, the update after the rollout)", "choices": ENGINES})
+                "(vLLM, speculation off, the update after the rollout)", "choices": registry.NAMES})
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.baseline_engine not in (None, *ENGINES):
-            raise ValueError(f"baseline_engine must be one of {', '.join(ENGINES)}, got {self.baseline_engine!r}")
-        if self.baseline_engine == "vllm" and self.exact:
-            raise ValueError("a vLLM baseline samples other tokens than the native runs (lossless in distribution "
-                             "only): use it with --no-exact")
+        if self.baseline_engine not in (None, *registry.NAMES):
+            raise ValueError(f"baseline_engine must be one of {', '.join(registry.NAMES)}, got "
+                             f"{self.baseline_engine!r}")
+        if self.baseline_engine is not None:
+            _check("--baseline-engine", self.baseline_engine, self.exact, self.workers)
 
 
 def configs(cfg: BenchTrainConfig, run: str, drafter: str | None, steps: int) -> RunConfig:

@@ -72,12 +72,12 @@ from tailrl.rl.rewards import ProblemReward, RewardBatch, from_reward_fn, load_r
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, policy_weights, restore_rng
 from tailrl.rl.update import UpdateStats
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, Tokenizer, encode_question, extract_answer, make_task
+from tailrl.rollout import registry
 from tailrl.rollout.protocol import (
     Completion, Request, Rollout, RolloutConfig, RolloutReport, SamplingParams, WorkerError,
 )
 from tailrl.sampling import derive_seed
 
-ENGINES = ("native", "vllm")  # which RolloutConfig tailrl.pipeline.run_config builds
 # Fields that cannot change a run's results, so a resume may change them.
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_problems")
 
@@ -93,8 +93,9 @@ class TrainConfig:
     warmup_drafter: bool = field(default=True, metadata={"help": "a new run with speculation and no --drafter first "
                                                          "warms a drafter up on the policy (cached)"})
     device: str = field(default="auto", metadata={"help": "auto = cuda when present, else cpu", "choices": DEVICES})
-    engine: str = field(default="native", metadata={"help": "rollout engine: native (tailrl's own) or vllm (an in-process "
-                                                    "vLLM engine, the [vllm] section; docs/vllm.md)", "choices": ENGINES})
+    engine: str = field(default=registry.DEFAULT, metadata={
+        "help": "rollout engine: native (tailrl's own) or vllm (an in-process vLLM engine, the [vllm] section; "
+                "docs/vllm.md)", "choices": registry.NAMES})
     dtype: str = field(
         default="auto", metadata={"help": "rollout dtype; auto = bf16 where it is fast, else fp32", "choices": DTYPE_CHOICES}
     )
@@ -144,7 +145,7 @@ class TrainConfig:
             raise ValueError(f"format_weight must be in [0, 1], got {self.format_weight}")
         if not self.reward_timeout_s > 0:
             raise ValueError(f"reward_timeout_s must be positive, got {self.reward_timeout_s}")
-        for name, valid in (("device", DEVICES), ("engine", ENGINES), ("dtype", DTYPE_CHOICES),
+        for name, valid in (("device", DEVICES), ("engine", registry.NAMES), ("dtype", DTYPE_CHOICES),
                             ("train_dtype", tuple(DTYPES))):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")

@@ -5,7 +5,8 @@ lent to the update in the tail, its learned drafter adapting on the update's idl
 several worker processes or Ray actors with spot training of the learned drafter on whichever
 is idle first. Exact mode (bit-identical tokens with speculation on and off) is this engine's.
 
-Knows: which sections configure the native engine, how its workers start. Does not know: RL.
+Knows: which sections configure the native engine, how its workers start, how `tailrl generate`
+runs on it. Does not know: RL.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Mapping
 
 from safetensors.torch import load_file
 
-from tailrl.engine import EngineConfig
+from tailrl.engine import Engine, EngineConfig
 from tailrl.linears import PACKED_DTYPES
 from tailrl.memory import parameters_gb
 from tailrl.model import KVCache, Transformer, whole_chunks
@@ -25,10 +27,12 @@ from tailrl.rollout.native.pool import NativeRolloutState, WorkerConfig, WorkerP
 from tailrl.rollout.native.runtimes import InProcessRuntime, ProcessRuntime, Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig
 from tailrl.rollout.native.worker import WorkerSetup
-from tailrl.rollout.protocol import Held, check_state
+from tailrl.rollout.protocol import Completion, Held, Progress, Request, SamplingParams, check_state
+from tailrl.rollout.registry import EngineEntry
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import WEIGHTS_FILE
-from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
+from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig, install
+from tailrl.stats import Summary, summary_line
 from tailrl.tuner import TunerConfig
 
 # The configuration sections of the native engine (flags and TOML tables), by name.
@@ -54,7 +58,7 @@ class NativeRolloutConfig:
     spot: SpotConfig = field(default_factory=SpotConfig)
 
     @classmethod
-    def from_sections(cls, sections: dict[str, object]) -> NativeRolloutConfig:
+    def from_sections(cls, sections: Mapping[str, object]) -> NativeRolloutConfig:
         """From a run's sections by name (those left out take their defaults)."""
         return cls(**{name: sections[name] for name in SECTIONS if sections.get(name) is not None})
 
@@ -131,3 +135,28 @@ def _runtime(cfg: WorkerConfig, model: Transformer, setup: WorkerSetup, tuners: 
         # The engine in this process, on the trainer's rollout model, its threads as set.
         return InProcessRuntime(model, setup, tuners)
     return ProcessRuntime(cfg.workers, model, dataclasses.replace(setup, threads=cfg.worker_threads), tuners, start_s)
+
+
+def generate(sections: Mapping[str, object], model: Transformer, requests: list[Request], sampling: SamplingParams,
+             max_new_tokens: int, seed: int, stop: Callable[[list[int]], bool] | None,
+             progress: Callable[[Progress], None] | None) -> tuple[list[Completion], Summary]:
+    """`tailrl generate` on one engine in this process, decoding with `model` itself, stop strings
+    included; the summary from the engine's counters."""
+    cfg = NativeRolloutConfig.from_sections(sections)
+    engine = Engine(model, cfg.engine)
+    install(engine, cfg.speculation, cfg.tuner, seed=seed)
+    out = engine.generate(requests, sampling, max_new_tokens, stop=stop, on_progress=progress)
+    st, sp = engine.stats, engine.stats.spec
+    return out, summary_line(st.tokens, st.seconds, cfg.speculation.spec != "off", sp.accept_len, sp.proposed,
+                             sp.accepted, sp.verify_steps, sp.accept_hist)
+
+
+def _check(sections: Mapping[str, object], sampling: SamplingParams) -> None:
+    """Nothing to refuse: every sampling and every setting of its sections is the native engine's."""
+
+
+ENGINE = EngineEntry(
+    name="native", sections=SECTIONS,
+    generate_sections={"engine": EngineConfig, "speculation": SpeculationConfig, "tuner": TunerConfig},
+    check=_check, config=NativeRolloutConfig.from_sections, generate=generate, exact=True, stop_strings=True,
+)

@@ -13,26 +13,32 @@ engine's learned-drafter chain depths (and plain), per running-batch bucket. A f
 --speculative-per-batch table replaces either. vLLM drafts chains only (--topk 1).
 
 Knows: the sections, their checks, which drafter directory vLLM loads how, that held-out
-evaluations decode on the native engine. Does not know: vLLM's API (rollout.py), RL.
+evaluations decode on the native engine and that exact mode is its, how `tailrl generate` runs
+on vLLM. Does not know: vLLM's API (rollout.py), RL.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Mapping
 
 from tailrl.engine import EngineConfig
 from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
 from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.protocol import Held, Rollout, RolloutConfig, RolloutState
-from tailrl.rollout.vllm.checks import check_available, spec_method
+from tailrl.rollout.protocol import (Completion, Held, Progress, Request, Rollout, RolloutConfig, RolloutState,
+                                    SamplingParams)
+from tailrl.rollout.registry import EngineEntry
+from tailrl.rollout.vllm.checks import check_available, check_sampling, spec_method
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.modes import DRAFTER_ARMS, RolloutSpeculationConfig, SpeculationConfig
+from tailrl.stats import Summary, summary_line
 from tailrl.tuner import TunerConfig
 
 
@@ -50,7 +56,7 @@ class VllmRolloutConfig:
             raise ValueError(f"the vllm engine drafts chains (--topk 1), got --topk {self.speculation.topk}")
 
     @classmethod
-    def from_sections(cls, sections: dict[str, object]) -> VllmRolloutConfig:
+    def from_sections(cls, sections: Mapping[str, object]) -> VllmRolloutConfig:
         """From a run's sections by name (those left out take their defaults)."""
         names = {"vllm": "settings", "speculation": "speculation", "tuner": "tuner", "adapt": "adapt"}
         return cls(**{attr: sections[name] for name, attr in names.items() if sections.get(name) is not None})
@@ -123,3 +129,40 @@ class VllmRolloutConfig:
 # are shared with the native engine.
 SECTIONS: dict[str, type] = {"vllm": VllmSettings, "speculation": RolloutSpeculationConfig, "tuner": TunerConfig,
                              "adapt": AdaptConfig}
+
+
+def check_run(sections: Mapping[str, object], sampling: SamplingParams) -> None:
+    """ValueError for exact mode (before [engine] is refused as the native engine's section, so
+    the line says why) and for sampling whose log-probs vLLM records otherwise (checks.py)."""
+    engine = sections.get("engine")
+    if isinstance(engine, EngineConfig) and engine.exact:
+        raise ValueError("--exact is the native engine's (bit-identical tokens with speculation on and off); "
+                         "vLLM's speculation is lossless in distribution only: drop --exact or use --engine native")
+    check_sampling(sampling)
+
+
+def generate(sections: Mapping[str, object], model: Transformer, requests: list[Request], sampling: SamplingParams,
+             max_new_tokens: int, seed: int, stop: Callable[[list[int]], bool] | None,
+             progress: Callable[[Progress], None] | None) -> tuple[list[Completion], Summary]:
+    """`tailrl generate` on an in-process vLLM engine (the T > 0 repair applied), drafting as
+    [speculation] says with a tailrl drafter, an EAGLE export or a draft model; the drafter does
+    not adapt (there is no training here). Samples end at EOS or their length: the engine has no
+    stop strings (`stop` is None, the CLI refuses --stop)."""
+    cfg = VllmRolloutConfig.from_sections({**sections, "adapt": AdaptConfig(adapt_drafter=False)})
+    rollout = cfg.open(model, seed)
+    try:
+        t0 = time.perf_counter()
+        out = rollout.generate(0, requests, sampling, max_new_tokens, on_progress=progress)
+        seconds, r = time.perf_counter() - t0, rollout.report()
+    finally:
+        rollout.close()
+    tokens = sum(len(comp.token_ids) for comp in out)
+    return out, summary_line(tokens, seconds, cfg.speculation.spec != "off", r.spec_accept_len, r.spec_proposed,
+                             r.spec_accepted, r.spec_verify_steps, r.accept_hist)
+
+
+ENGINE = EngineEntry(
+    name="vllm", sections=SECTIONS,
+    generate_sections={"vllm": VllmSettings, "speculation": SpeculationConfig, "tuner": TunerConfig},
+    check=check_run, config=VllmRolloutConfig.from_sections, generate=generate, exact=False, stop_strings=False,
+)
