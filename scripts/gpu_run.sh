@@ -36,9 +36,9 @@ for name, shape in shapes.items():
         shutil.copy(src / f, root / name / f)
     print("random model", name, sum(p.numel() for p in model.parameters()) / 1e6, "M parameters")
 PY
-# One plain decode of 32 requests x 64 tokens, greedy and at T = 1, timed, and the T = 1 one
-# profiled: on the H200 a plain step of `bench rollout` (T = 1) took ~10x one of `bench generate`
-# (greedy) on the same model (docs/performance.md).
+# Plain decodes of 32 requests x 64 tokens timed, and one profiled: on the H200 a plain step of
+# `bench rollout` took ~10x one of `bench generate` on the same model, except in the rollout's
+# last mode (docs/performance.md); the suspect is a cost per new attention shape.
 python3 - /tmp/gpu_models/smollm2-135m "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/plain_profile.log"
 import sys, time
 from pathlib import Path
@@ -51,13 +51,21 @@ from tailrl.loading import load_model, load_tokenizer
 from tailrl.sampling import SamplingParams
 path, out, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 model, tok = load_model(path, device=device), load_tokenizer(path)
-requests = make_requests(_prompts(tok, 32), 1, 0)
+prompts = _prompts(tok, 96)
 engine = Engine(model, EngineConfig(max_batch=32))
-engine.generate(requests[:2], SamplingParams(1.0), 4)
-for t in (0.0, 1.0, 0.0, 1.0):
-    t0 = time.perf_counter()
-    engine.generate(requests, SamplingParams(t), 64)
-    print(f"T = {t}: {time.perf_counter() - t0:.2f} s for {engine.stats.tokens} tokens", flush=True)
+engine.generate(make_requests(prompts[:2], 1, 0), SamplingParams(1.0), 4)
+# A call over new prompts meets attention shapes (rows x keys) not seen before, its repeat none:
+# first and second calls apart, with SDPA's cuDNN backend on (torch's default) and off.
+for part, cudnn in ((0, True), (1, False)):
+    if device.startswith("cuda"):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    requests = make_requests(prompts[32 * part:32 * part + 32], 1, 0)
+    for t in (1.0, 1.0, 0.0):
+        t0 = time.perf_counter()
+        engine.generate(requests, SamplingParams(t), 64)
+        print(f"cudnn sdp {cudnn}, T = {t}: {time.perf_counter() - t0:.2f} s for {engine.stats.tokens} tokens",
+              flush=True)
+requests = make_requests(prompts[64:], 1, 0)
 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
 with profile(activities=activities) as prof:
     engine.generate(requests, SamplingParams(1.0), 16)
