@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
 from tailrl.model import Transformer
-from tailrl.rollout.protocol import Completion, Progress, Request, RolloutConfig, SamplingParams
+from tailrl.records import Completion, Progress, Request
+from tailrl.rollout.protocol import RolloutConfig
+from tailrl.sampling import SamplingParams
 from tailrl.stats import Summary
 
 

@@ -30,12 +30,13 @@ from typing import Callable, Mapping
 from tailrl.engine import EngineConfig
 from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
+from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.protocol import (Completion, Held, Progress, Request, Rollout, RolloutConfig, RolloutState,
-                                    SamplingParams)
+from tailrl.rollout.protocol import Held, Rollout, RolloutConfig, RolloutState
 from tailrl.rollout.registry import EngineEntry
 from tailrl.rollout.vllm.checks import check_available, check_sampling, spec_method
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
+from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.modes import DRAFTER_ARMS, RolloutSpeculationConfig, SpeculationConfig
 from tailrl.stats import Summary, summary_line

@@ -73,10 +73,9 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.worker.worker_base import WorkerBase
 
 from tailrl.model import ModelConfig, Transformer
+from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
-from tailrl.rollout.protocol import (
-    Completion, DrafterVersionError, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
-)
+from tailrl.rollout.protocol import DrafterVersionError, RolloutReport, RolloutState, WorkerError, check_state
 from tailrl.rollout.vllm import cpu_fix, internals
 from tailrl.rollout.vllm.checks import check_sampling, is_learned, spec_method
 from tailrl.rollout.vllm.config import VllmRolloutConfig
