@@ -5,6 +5,9 @@ lent to the update in the tail, its learned drafter adapting on the update's idl
 several worker processes or Ray actors with spot training of the learned drafter on whichever
 is idle first. Exact mode (bit-identical tokens with speculation on and off) is this engine's.
 
+Its `ENGINE` is what tailrl.rollout.registry finds as "native" (the registry imports this module
+only when asked for it; this module imports `EngineEntry` from the registry).
+
 Knows: which sections configure the native engine, how its workers start, how `tailrl generate`
 runs on it. Does not know: RL.
 """

@@ -4,7 +4,11 @@ Sections: [vllm] (the engine's own, its flags named for what vLLM calls them) an
 engines read: [speculation] (--spec off/on/auto, --drafter, --draft-depth), [tuner] and
 [adapt] (the learned drafter's training during RL). Opening one starts an in-process vLLM
 engine on the policy's weights (tailrl.rollout.vllm.rollout). vLLM is imported only then, so
-tailrl runs without it; without it, opening says how to install it.
+tailrl runs without it; without it, opening says how to install it. The dependency runs one way:
+this module hands rollout.py the settings it resolved, and rollout.py imports nothing of it; so
+too with the native engine (tailrl.rollout.native.config), which held-out evaluations decode on.
+Its `ENGINE` is what tailrl.rollout.registry finds as "vllm" (the registry imports this module
+only when asked for it; this module imports `EngineEntry` from the registry).
 
 Speculation maps onto vLLM's as follows. --spec off, or no drafter: vLLM decodes plainly (the
 native engine's n-gram drafter has no vLLM counterpart). --spec on: --draft-depth draft tokens
@@ -123,7 +127,9 @@ class VllmRolloutConfig:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
         from tailrl.rollout.vllm.rollout import VllmRollout
 
-        return VllmRollout.start(self, model, seed, state)
+        return VllmRollout.start(model, seed, state, settings=self.settings, drafter=self.drafter(),
+                                 drafting=self.drafting(), tuner=self.tuner, adapt=self.adapt,
+                                 draft_depth=self.speculation.draft_depth)
 
 
 # The configuration sections of the vLLM engine (flags and TOML tables), by name; all but [vllm]
