@@ -5,8 +5,9 @@ engines read: [speculation] (--spec off/on/auto, --drafter, --draft-depth), [tun
 [adapt] (the learned drafter's training during RL). Opening one starts an in-process vLLM
 engine on the policy's weights (tailrl.rollout.vllm.rollout). vLLM is imported only then, so
 tailrl runs without it; without it, opening says how to install it. The dependency runs one way:
-this module hands rollout.py the settings it resolved, and rollout.py imports nothing of it; so
-too with the native engine (tailrl.rollout.native.config), which held-out evaluations decode on.
+this module hands rollout.py the settings it resolved, and rollout.py imports nothing of it. It
+imports the native engine's config (held-out evaluations decode on that engine), which imports
+nothing of this package.
 Its `ENGINE` is what tailrl.rollout.registry finds as "vllm" (the registry imports this module
 only when asked for it; this module imports `EngineEntry` from the registry).
 
