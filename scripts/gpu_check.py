@@ -36,7 +36,7 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig
 from tailrl.model import CacheView, KVCache, ModelConfig, Transformer
-from tailrl.rollout.protocol import Request
+from tailrl.records import Request
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig, install
 

@@ -40,7 +40,7 @@ def main() -> None:
 
     from tailrl.engine import Engine, EngineConfig
     from tailrl.loading import load_model, resolve_dtype, resolve_model_dir
-    from tailrl.rollout.protocol import Request
+    from tailrl.records import Request
     from tailrl.sampling import SamplingParams
 
     path, dtype = resolve_model_dir(args.model), resolve_dtype(args.dtype)

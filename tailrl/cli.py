@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tailrl import config as cfglib
 from tailrl.bench.suite import BENCHES
+from tailrl.records import Progress
 from tailrl.rollout import registry
-from tailrl.rollout.protocol import DrafterVersionError, Progress, WorkerError
+from tailrl.rollout.protocol import DrafterVersionError, WorkerError
 from tailrl.sampling import SamplingParams
 
 if TYPE_CHECKING:  # imported where used: the CLI starts without loading every component

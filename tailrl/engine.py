@@ -37,7 +37,7 @@ import torch
 
 from tailrl.kernels import check_thread_invariance, request_reproducible_kernels
 from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer, whole_chunks
-from tailrl.rollout.protocol import Completion, Progress, Request
+from tailrl.records import Completion, Progress, Request
 from tailrl.sampling import SamplingParams, is_top1, next_position, sample
 from tailrl.stats import EngineStats, StepRecord
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tailrl.rollout import registry
-from tailrl.rollout.protocol import Completion, Request
+from tailrl.records import Completion, Request
 from tailrl.sampling import derive_seed
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role", "content"}]

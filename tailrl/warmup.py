@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.rollout.protocol import Request
+from tailrl.records import Request
 from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
 from tailrl.rl.sft import example, stop_token, worked_task
 from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task

@@ -15,7 +15,7 @@ import torch
 
 from conftest import build_hf
 from tailrl.engine import Engine, EngineConfig
-from tailrl.rollout.protocol import Request
+from tailrl.records import Request
 from tailrl.loading import load_model
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.model import Drafter, DrafterError, DrafterProposer, load_drafter, save_drafter

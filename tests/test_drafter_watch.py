@@ -24,7 +24,8 @@ from tailrl.rl.phases import policy_forwards
 from tailrl.rl.progress import rollback_line, summary_line
 from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rollout.native.pool import WorkerConfig
-from tailrl.rollout.protocol import DrafterVersionError, Request, Rollback, Rollout, RolloutReport
+from tailrl.records import Request
+from tailrl.rollout.protocol import DrafterVersionError, Rollback, Rollout, RolloutReport
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import Drafter, save_drafter

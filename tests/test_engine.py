@@ -13,7 +13,7 @@ from tailrl import cli
 from tailrl import engine as engine_mod
 from tailrl import model as model_mod
 from tailrl.engine import Engine, EngineConfig
-from tailrl.rollout.protocol import Request
+from tailrl.records import Request
 from tailrl.loading import load_model
 from tailrl.model import KV_CHUNK, KVCache
 from tailrl.sampling import SamplingParams, process_logits

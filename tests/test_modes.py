@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.rollout.protocol import Request
+from tailrl.records import Request
 from tailrl.loading import load_model
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.model import Drafter, save_drafter

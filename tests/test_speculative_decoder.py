@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tailrl.engine import Engine, EngineConfig, Seq
-from tailrl.rollout.protocol import Request
+from tailrl.records import Request
 from tailrl.loading import load_model
 from tailrl.sampling import SamplingParams
 from tailrl.speculative import decoder as decoder_mod

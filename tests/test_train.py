@@ -525,7 +525,7 @@ def test_bad_configs_and_directories_fail_clearly(straight_run, tmp_path, char_m
 def test_the_first_rollout_line_prints_on_a_machine_just_booted(monkeypatch):
     # monotonic() counts from boot on Linux: a printer that assumed a clock origin printed no
     # progress for the first every_s seconds after boot.
-    from tailrl.rollout.protocol import Progress
+    from tailrl.records import Progress
     from tailrl.rl import progress as progress_mod
 
     clock = iter([0.5, 0.6, 30.4, 30.6])

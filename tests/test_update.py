@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.rollout.protocol import Completion, Request
+from tailrl.records import Completion, Request
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig, chunked_logprobs, sequence_logprobs
 from tailrl.rl.packing import ON_POLICY, Sample, pack_tokens, packed_logprobs, packs

@@ -30,7 +30,8 @@ from tailrl.rl.train import TrainConfig, train  # noqa: E402
 from tailrl.rl.packing import Sample, packed_logprobs_and_hidden  # noqa: E402
 from tailrl.rl.phases import policy_forwards  # noqa: E402
 from tailrl.rl.progress import RolloutProgress  # noqa: E402
-from tailrl.rollout.protocol import Request, RolloutReport  # noqa: E402
+from tailrl.records import Request  # noqa: E402
+from tailrl.rollout.protocol import RolloutReport  # noqa: E402
 from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402
 from tailrl.rollout.vllm.rollout import VllmRollout  # noqa: E402
 from tailrl.rollout.vllm.settings import VllmSettings  # noqa: E402

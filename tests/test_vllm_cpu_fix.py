@@ -35,7 +35,7 @@ pytest.importorskip("vllm")
 from conftest import VLLM_TINY, build_hf  # noqa: E402
 
 from tailrl.engine import Engine  # noqa: E402
-from tailrl.rollout.protocol import Completion, Request  # noqa: E402
+from tailrl.records import Completion, Request  # noqa: E402
 from tailrl.loading import load_model  # noqa: E402
 from tailrl.rollout.vllm import cpu_fix  # noqa: E402
 from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402

@@ -73,7 +73,7 @@ Z = 4.0  # per-position z bound
 REFERENCE = """
 import json, sys
 from tailrl.loading import load_model
-from tailrl.rollout.protocol import Request
+from tailrl.records import Request
 from tailrl.rollout.vllm.config import VllmRolloutConfig
 from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.sampling import SamplingParams

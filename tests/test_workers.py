@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.rollout.protocol import Request
+from tailrl.records import Request
 from tailrl.stats import EngineStats, SpecStats
 from tailrl.rl.progress import RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir

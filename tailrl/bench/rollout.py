@@ -46,11 +46,12 @@ from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import DEVICES, load_model, load_tokenizer, resolve_device, resolve_model_dir
 from tailrl.memory import Peak
 from tailrl.model import Transformer
+from tailrl.records import Request
 from tailrl.rl.plots import log_counts
 from tailrl.rl.run_dir import atomic_file
 from tailrl.rl.tasks import DEFAULT_TASK, make_task
 from tailrl.rl.train import TrainConfig, rollout_requests
-from tailrl.rollout.protocol import Request, Rollout, RolloutState
+from tailrl.rollout.protocol import Rollout, RolloutState
 from tailrl.rollout.vllm.checks import check_available
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig, install

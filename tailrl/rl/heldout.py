@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from tailrl.records import Progress, Request
 from tailrl.rl.rewards import ProblemReward, safe_rewards
 from tailrl.rl.tasks import HELDOUT_STREAM, Problem, Task, Tokenizer, extract_answer
-from tailrl.rollout.protocol import Progress, Request, Rollout, SamplingParams
-from tailrl.sampling import derive_seed
+from tailrl.rollout.protocol import Rollout
+from tailrl.sampling import SamplingParams, derive_seed
 
 
 @dataclass(frozen=True)

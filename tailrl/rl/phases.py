@@ -35,7 +35,9 @@ import torch
 
 from tailrl.memory import Peak
 from tailrl.model import Transformer
-from tailrl.rollout.protocol import Completion, PolicyForward, Progress, Request, Rollout, SamplingParams
+from tailrl.records import Completion, Progress, Request
+from tailrl.rollout.protocol import PolicyForward, Rollout
+from tailrl.sampling import SamplingParams
 from tailrl.rl.grpo import GRPOConfig, group_advantages
 from tailrl.rl.packing import Sample
 from tailrl.rl.rewards import RewardBatch, safe_rewards

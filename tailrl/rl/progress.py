@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from tailrl.rollout.protocol import Progress
+from tailrl.records import Progress
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.rollout.protocol import Request
+from tailrl.records import Request
 from tailrl.loading import (
     DTYPES, cache_root, load_model, load_tokenizer, model_fingerprint, resolve_dtype, resolve_model_dir,
 )

@@ -61,6 +61,7 @@ from tailrl.loading import (DEVICES, DTYPE_CHOICES, DTYPES, load_model, load_tok
                             resolve_model_dir)
 from tailrl.memory import Peak, available_gb, fix_mmap_threshold
 from tailrl.model import Transformer
+from tailrl.records import Completion, Request
 from tailrl.rl import heldout
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.floor import step_floor
@@ -73,10 +74,8 @@ from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, 
 from tailrl.rl.update import UpdateStats
 from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, Tokenizer, encode_question, extract_answer, make_task
 from tailrl.rollout import registry
-from tailrl.rollout.protocol import (
-    Completion, Request, Rollout, RolloutConfig, RolloutReport, SamplingParams, WorkerError,
-)
-from tailrl.sampling import derive_seed
+from tailrl.rollout.protocol import Rollout, RolloutConfig, RolloutReport, WorkerError
+from tailrl.sampling import SamplingParams, derive_seed
 
 # Fields that cannot change a run's results, so a resume may change them.
 RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_problems")

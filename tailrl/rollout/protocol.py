@@ -17,9 +17,12 @@ names one. `RolloutConfig` opens a rollout and answers what the run's set-up ask
 Engines behind it: tailrl.rollout.native (tailrl's own engine, across its workers),
 tailrl.rollout.vllm (a vLLM engine in the trainer's process).
 
-The records that cross the seam live here: Request, Completion, Progress, PolicyForward,
-RolloutReport, RolloutState, and SamplingParams (tailrl.sampling, re-exported so that the RL
-side imports nothing else).
+The records only the seam defines live here: PolicyForward, RolloutReport, RolloutState,
+Rollback, Held and the rollout's errors. Those that the decoding engine below the seam
+(tailrl.engine) uses too live lower, so that it imports nothing of the seam: a generate call's
+Request, Completion and Progress (tailrl.records) and SamplingParams (tailrl.sampling). Callers
+import them from there, not from here: each name has one home, and what the RL loop takes from
+below the seam is plain data, never a way to generate.
 
 Knows: what a rollout is asked and answers. Does not know: how any engine produces tokens.
 """
@@ -27,62 +30,15 @@ Knows: what a rollout is asked and answers. Does not know: how any engine produc
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
 from tailrl.model import Transformer
+from tailrl.records import Completion, Progress, Request
 from tailrl.sampling import SamplingParams
-
-__all__ = ["Completion", "DrafterVersionError", "PolicyForward", "Progress", "Request", "Rollback", "Rollout",
-           "RolloutConfig", "RolloutReport", "RolloutState", "SamplingParams", "WorkerError"]
-
-
-@dataclass(frozen=True)
-class Request:
-    """One sequence to generate. Requests with equal `group` share `prompt_ids` (prefilled once)."""
-
-    prompt_ids: tuple[int, ...]
-    seed: int
-    group: int = 0
-
-
-
-@dataclass
-class Completion:
-    """What a rollout returns per request, in request order. hidden and prompt_hidden are the
-    native engine's own capture for spot training on its workers; other engines leave them None."""
-
-    prompt_ids: tuple[int, ...]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "eos" | "stop" | "length"
-    seed: int
-    group: int
-    # (n, E) hidden state that produced each generated token (the LM head's input), when captured.
-    hidden: torch.Tensor | None = None
-    # (P-1, E) the prompt's hidden states but the last (which is hidden[0]), when captured; siblings
-    # share one tensor.
-    prompt_hidden: torch.Tensor | None = None
-    # Per token: was it the target's most likely one (sampling.is_top1)? What a chain drafter
-    # proposing the target's own argmax would have had accepted (spec.report.chain_ceiling).
-    top1: list[bool] = field(default_factory=list)
-
-
-
-@dataclass
-class Progress:
-    """How far a generate call is: finished requests of all, sequences decoding now, tokens and
-    seconds so far."""
-
-    done: int
-    total: int
-    running: int
-    tokens: int
-    seconds: float
-
 
 
 @dataclass(frozen=True)

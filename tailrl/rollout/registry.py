@@ -5,6 +5,9 @@ module): the configuration sections it reads, what it refuses, how its RolloutCo
 from its sections, and how `tailrl generate` runs on it. This module maps the names to those
 descriptions and imports an engine's only when it is asked for, so the RL loop can offer the
 names (TrainConfig.engine's choices) without importing any engine, and vLLM stays optional.
+The engines' config modules import `EngineEntry` from here when they are imported; this module
+imports one of them only inside `engine()`, when it is called: neither import runs while the
+other module is being imported, so there is no import cycle whichever comes first.
 
 Sections are shared by name between engines ([speculation], [tuner], [adapt]); a section that
 only engines other than the chosen one read would configure nothing, so one set away from its
@@ -19,7 +22,9 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
 from tailrl.model import Transformer
-from tailrl.rollout.protocol import Completion, Progress, Request, RolloutConfig, SamplingParams
+from tailrl.records import Completion, Progress, Request
+from tailrl.rollout.protocol import RolloutConfig
+from tailrl.sampling import SamplingParams
 from tailrl.stats import Summary
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tailrl.rollout.protocol import Completion
+from tailrl.records import Completion
 from tailrl.speculative.drafter.training import TrainSeq
 
 

@@ -5,6 +5,9 @@ lent to the update in the tail, its learned drafter adapting on the update's idl
 several worker processes or Ray actors with spot training of the learned drafter on whichever
 is idle first. Exact mode (bit-identical tokens with speculation on and off) is this engine's.
 
+Its `ENGINE` is what tailrl.rollout.registry finds as "native" (the registry imports this module
+only when asked for it; this module imports `EngineEntry` from the registry).
+
 Knows: which sections configure the native engine, how its workers start, how `tailrl generate`
 runs on it. Does not know: RL.
 """
@@ -22,13 +25,15 @@ from tailrl.engine import Engine, EngineConfig
 from tailrl.linears import PACKED_DTYPES
 from tailrl.memory import parameters_gb
 from tailrl.model import KVCache, Transformer, whole_chunks
+from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.adapt import AdaptiveDrafter
 from tailrl.rollout.native.pool import NativeRolloutState, WorkerConfig, WorkerPool
 from tailrl.rollout.native.runtimes import InProcessRuntime, ProcessRuntime, Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig
 from tailrl.rollout.native.worker import WorkerSetup
-from tailrl.rollout.protocol import Completion, Held, Progress, Request, SamplingParams, check_state
+from tailrl.rollout.protocol import Held, check_state
 from tailrl.rollout.registry import EngineEntry
+from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import WEIGHTS_FILE
 from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig, install

@@ -33,13 +33,12 @@ from typing import Callable, Sequence
 import torch
 
 from tailrl.model import Transformer
+from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.native.buffer import DataBuffer
 from tailrl.rollout.native.runtimes import Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, SpotResult
-from tailrl.rollout.protocol import (
-    Completion, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
-)
+from tailrl.rollout.protocol import RolloutReport, RolloutState, WorkerError, check_state
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.report import chain_ceiling, rollout_report

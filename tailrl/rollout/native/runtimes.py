@@ -23,8 +23,8 @@ from typing import Callable, Protocol
 import torch
 import torch.multiprocessing as mp
 
-from tailrl.rollout.protocol import Progress
 from tailrl.model import Transformer
+from tailrl.records import Progress
 from tailrl.rollout.protocol import WorkerError
 from tailrl.rollout.native.worker import Beat, Finished, RolloutWorker, WorkerCall, WorkerReply, WorkerSetup
 

@@ -27,7 +27,8 @@ from typing import Callable
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.rollout.protocol import Completion, DrafterVersionError, Progress, Request
+from tailrl.records import Completion, Progress, Request
+from tailrl.rollout.protocol import DrafterVersionError
 from tailrl.stats import EngineStats
 from tailrl.model import Transformer
 from tailrl.sampling import SamplingParams

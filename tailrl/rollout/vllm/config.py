@@ -4,7 +4,12 @@ Sections: [vllm] (the engine's own, its flags named for what vLLM calls them) an
 engines read: [speculation] (--spec off/on/auto, --drafter, --draft-depth), [tuner] and
 [adapt] (the learned drafter's training during RL). Opening one starts an in-process vLLM
 engine on the policy's weights (tailrl.rollout.vllm.rollout). vLLM is imported only then, so
-tailrl runs without it; without it, opening says how to install it.
+tailrl runs without it; without it, opening says how to install it. The dependency runs one way:
+this module hands rollout.py the settings it resolved, and rollout.py imports nothing of it. It
+imports the native engine's config (held-out evaluations decode on that engine), which imports
+nothing of this package.
+Its `ENGINE` is what tailrl.rollout.registry finds as "vllm" (the registry imports this module
+only when asked for it; this module imports `EngineEntry` from the registry).
 
 Speculation maps onto vLLM's as follows. --spec off, or no drafter: vLLM decodes plainly (the
 native engine's n-gram drafter has no vLLM counterpart). --spec on: --draft-depth draft tokens
@@ -30,12 +35,13 @@ from typing import Callable, Mapping
 from tailrl.engine import EngineConfig
 from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
+from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.protocol import (Completion, Held, Progress, Request, Rollout, RolloutConfig, RolloutState,
-                                    SamplingParams)
+from tailrl.rollout.protocol import Held, Rollout, RolloutConfig, RolloutState
 from tailrl.rollout.registry import EngineEntry
 from tailrl.rollout.vllm.checks import check_available, check_sampling, spec_method
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
+from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.modes import DRAFTER_ARMS, RolloutSpeculationConfig, SpeculationConfig
 from tailrl.stats import Summary, summary_line
@@ -122,7 +128,9 @@ class VllmRolloutConfig:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
         from tailrl.rollout.vllm.rollout import VllmRollout
 
-        return VllmRollout.start(self, model, seed, state)
+        return VllmRollout.start(model, seed, state, settings=self.settings, drafter=self.drafter(),
+                                 drafting=self.drafting(), tuner=self.tuner, adapt=self.adapt,
+                                 draft_depth=self.speculation.draft_depth)
 
 
 # The configuration sections of the vLLM engine (flags and TOML tables), by name; all but [vllm]

@@ -43,7 +43,8 @@ on_finished fires as each sequence finishes and on_progress after every step.
   after the policy's weights (its fc, layer and head; the embedding is the target's).
 
 Knows: vLLM's LLMEngine (add_request, step, collective_rpc, stat loggers), its CPU quirks.
-Does not know: RL, rewards, tailrl's native engine.
+Does not know: RL, rewards, tailrl's native engine, how its sections are read (config.py, which
+opens it and hands `start` what it resolved).
 """
 
 from __future__ import annotations
@@ -73,21 +74,21 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.worker.worker_base import WorkerBase
 
 from tailrl.model import ModelConfig, Transformer
+from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
-from tailrl.rollout.protocol import (
-    Completion, DrafterVersionError, Progress, Request, RolloutReport, RolloutState, WorkerError, check_state,
-)
+from tailrl.rollout.protocol import DrafterVersionError, RolloutReport, RolloutState, WorkerError, check_state
 from tailrl.rollout.vllm import cpu_fix, internals
 from tailrl.rollout.vllm.checks import check_sampling, is_learned, spec_method
-from tailrl.rollout.vllm.config import VllmRolloutConfig
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
 from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.export import eagle_weights
+from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.report import chain_ceiling, rollout_report
 from tailrl.speculative.watch import Tallies, Tally
 from tailrl.stats import EngineStats, StepRecord
+from tailrl.tuner import TunerConfig
 
 @dataclass
 class VllmRolloutState(RolloutState):
@@ -219,26 +220,31 @@ class VllmRollout(AdaptingRollout):
 
     running: ClassVar[bool] = False  # an engine is open in this process (one at a time)
 
-    def __init__(self, cfg: VllmRolloutConfig, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype,
-                 model_cfg: ModelConfig, max_len: int, arm: str, schedule: Schedule | None,
-                 adapt: AdaptiveDrafter | None):
-        self.cfg, self.engine, self.counters, self.dtype = cfg, engine, counters, dtype
+    def __init__(self, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype, model_cfg: ModelConfig,
+                 max_len: int, arm: str, schedule: Schedule | None, adapt: AdaptiveDrafter | None,
+                 bucket_edges: tuple[int, ...], ceiling_depth: int):
+        self.engine, self.counters, self.dtype = engine, counters, dtype
         self.schedule = schedule  # the tuner's per-step draft lengths (no fixed table)
         self.adapt = adapt  # the learned drafter adapting on the trainer's forwards
         self.closed = False
         self.drafter_version = adapt.version if adapt is not None else 0  # drafted with (0: the directory's)
         self.eos, self.max_len = list(model_cfg.eos_token_ids), max_len
         self.arm = arm  # the timeline's label of speculative steps: vLLM's method; "plain" without a drafter
-        drafting = cfg.drafting()
-        self.ceiling_depth = drafting.num_speculative_tokens if drafting is not None else cfg.speculation.draft_depth
+        self.bucket_edges = bucket_edges  # the report's running-batch buckets, the tuner's
+        self.ceiling_depth = ceiling_depth  # the chain depth of the report's accept_len ceiling
         self._calls = 0
         self._threads = torch.get_num_threads()
         self._report: RolloutReport | None = None
         self._adapted: AdaptStep | None = None
 
     @classmethod
-    def start(cls, cfg: VllmRolloutConfig, model: Transformer, seed: int,
-              state: RolloutState | None = None) -> VllmRollout:
+    def start(cls, model: Transformer, seed: int, state: RolloutState | None, *, settings: VllmSettings,
+              drafter: Path | None, drafting: Drafting | None, tuner: TunerConfig, adapt: AdaptConfig,
+              draft_depth: int) -> VllmRollout:
+        """An engine on `model`, its sections as tailrl.rollout.vllm.config resolves them
+        (VllmRolloutConfig.open, which imports this module only then): `drafter`, the directory it
+        drafts with, and `drafting`, how (both None: it decodes plainly); `draft_depth`, the depth of
+        a plain run's accept_len ceiling."""
         check_state(state, VllmRolloutState)
         if cls.running:
             raise ValueError("a vLLM engine is already open in this process; close it first (vLLM's in-process "
@@ -247,8 +253,7 @@ class VllmRollout(AdaptingRollout):
         dtype = model.lm_head.weight.dtype
         if dtype not in VLLM_DTYPES:
             raise ValueError(f"the vllm engine decodes in fp32 or bf16, not {dtype}")
-        max_len = cfg.settings.max_model_len or model.cfg.max_position_embeddings
-        drafter, drafting = cfg.drafter(), cfg.drafting()
+        max_len = settings.max_model_len or model.cfg.max_position_embeddings
         arm = spec_method(drafter) if drafter is not None else "plain"
         learned = drafter is not None and is_learned(drafter)
         counters = StepCounters()
@@ -266,7 +271,7 @@ class VllmRollout(AdaptingRollout):
                 engine_drafter = Path(tmp) / "drafter"
             cpu_fix.install()
             engine = LLMEngine.from_engine_args(
-                _engine_args(cfg.settings, drafting, arm, model_dir, engine_drafter, dtype, max_len, seed),
+                _engine_args(settings, drafting, arm, model_dir, engine_drafter, dtype, max_len, seed),
                 stat_loggers=[factory])
         cls.running = True
         try:
@@ -275,18 +280,20 @@ class VllmRollout(AdaptingRollout):
             internals.shutdown(engine)
             cls.running = False
             raise
-        adapt = None
-        if learned and cfg.adapt.adapt_drafter:
-            adapt = AdaptiveDrafter.open(drafter, model, cfg.adapt, state.adapt if state is not None else None)
-            drafter_state = adapt.drafting_weights()  # a resumed run drafts with its checkpoint's version
+        adapting = None
+        if learned and adapt.adapt_drafter:
+            adapting = AdaptiveDrafter.open(drafter, model, adapt, state.adapt if state is not None else None)
+            drafter_state = adapting.drafting_weights()  # a resumed run drafts with its checkpoint's version
         if learned:
             vocab = torch.tensor(drafter_cfg.draft_vocab, dtype=torch.long)
             engine.collective_rpc(install_draft_head, args=(drafter_state["head.weight"].to(dtype), vocab))
-        rollout_ = cls(cfg, engine, counters, dtype, model.cfg, max_len, arm, None, adapt)
-        if adapt is not None and adapt.version > 0:
-            rollout_._push_drafter(adapt.version, drafter_state)
+        ceiling_depth = drafting.num_speculative_tokens if drafting is not None else draft_depth
+        rollout_ = cls(engine, counters, dtype, model.cfg, max_len, arm, None, adapting, tuner.bucket_edges,
+                       ceiling_depth)
+        if adapting is not None and adapting.version > 0:
+            rollout_._push_drafter(adapting.version, drafter_state)
         if drafting is not None and drafting.table is None:
-            rollout_.schedule = Schedule(engine, drafting.tuned, cfg.tuner, state.tuner if state is not None else None,
+            rollout_.schedule = Schedule(engine, drafting.tuned, tuner, state.tuner if state is not None else None,
                                          seed)
         return rollout_
 
@@ -410,7 +417,7 @@ class VllmRollout(AdaptingRollout):
             spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
             spec_proposed=stats.spec.proposed, spec_accepted=stats.spec.accepted,
             accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None], self.ceiling_depth),
-            **rollout_report(stats, self.cfg.tuner.bucket_edges),
+            **rollout_report(stats, self.bucket_edges),
             # Every draft is the drafter's (vLLM has no second drafter beside it).
             drafter_version=self.drafter_version, drafter_published=self.drafter_version,
             drafter_accept_len=stats.spec.accept_len if stats.spec.verify_steps else None,

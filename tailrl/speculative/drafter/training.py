@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tailrl.engine import Seq
-from tailrl.rollout.protocol import Request
+from tailrl.records import Request
 from tailrl.speculative.drafter.model import Drafter, DrafterProposer
 
 
