@@ -257,8 +257,9 @@ def step_times(work: StepWork, step_s: float) -> dict[str, float]:
 def memory_metrics(rollout_gb: float | None, update_gb: float | None, end_gb: float | None) -> dict[str, float | None]:
     """The step's resident peak (its rollout's, its update's and its publish's: GiB, None where
     the kernel cannot tell, tailrl.memory) and the update's (from the rollout's end to the
-    optimizer step)."""
-    known = [x for x in (rollout_gb, end_gb) if x is not None]
+    optimizer step). The update's counts on its own: the kernel's high-water mark includes the
+    resident size at the time it is read, so a later read can be a few pages lower."""
+    known = [x for x in (rollout_gb, update_gb, end_gb) if x is not None]
     return {"peak_rss_gb": max(known) if known else None, "update_peak_rss_gb": update_gb}
 
 
