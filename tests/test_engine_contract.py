@@ -21,19 +21,26 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Iterator, Mapping
 
 import pytest
 import torch
 
-from conftest import VLLM_TINY, build_hf
+from conftest import VLLM_TINY, build_hf, write_char_model
+from test_train import comparable, comparable_evals, final_state, no_plots, task_file  # noqa: F401 (fixtures)
 
 from tailrl.engine import EngineConfig
 from tailrl.loading import load_model
 from tailrl.model import Transformer
+from tailrl.pipeline import TRAIN_SECTIONS, run_config
+from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.packing import Sample, packed_logprobs_and_hidden
 from tailrl.rl.phases import policy_forwards
+from tailrl.rl.progress import RolloutProgress
+from tailrl.rl.run_dir import RunDir
+from tailrl.rl.train import TrainConfig, train
 from tailrl.rollout import registry
 from tailrl.rollout.protocol import Completion, Request, Rollout, RolloutReport
 from tailrl.sampling import SamplingParams
@@ -253,8 +260,13 @@ def test_a_published_policy_and_drafter_version_are_what_the_next_rollout_decode
         r.publish(new)  # nothing to train on yet: version 0 drafts on
         step2 = drafting(r, reqs, 2)
         observe(r, new, r.generate(2, reqs, GREEDY, 24))
-        r.publish(new)  # trains version 1
-        assert (r.report().drafter_published, r.report().drafter_micro_steps) == (1, 4)
+        assert r.wants_forwards() and r.has_idle_work()  # step 1's forwards, for this step
+        units = []
+        r.work_idle(lambda: units.append(1) or len(units) > 1)  # one micro-step on a lent core
+        r.publish(new)  # trains version 1: up to drafter_min_steps, on the step's own time
+        m = r.report()
+        assert (m.drafter_published, m.drafter_micro_steps) == (1, 4)
+        assert m.idle_seconds_harvested > 0 and m.drafter_after_s > 0 and m.drafter_loss > 0
         step3 = drafting(r, reqs, 3)
         save_drafter(r.adapt.learner.drafter, tmp_path / "v1")
         r.publish(model)
@@ -267,3 +279,78 @@ def test_a_published_policy_and_drafter_version_are_what_the_next_rollout_decode
     assert step3[0] == step2[0] and step3[1:3] != step2[1:3]  # greedy tokens are the policy's, whatever drafts
     assert all(is_greedy_chain(new, Completion(r.prompt_ids, t, [], "eos" if t[-1] == 1 else "length", 0, 0), 24)
                for r, t in zip(reqs, step2[0]))
+
+
+# ---- resume --------------------------------------------------------------------------------------
+
+
+def mean_char_reward(prompt: str, completion: str, answer: str) -> float:
+    """Varies between random responses, so every group has reward spread and the update is never empty."""
+    return sum(map(ord, completion)) / (126.0 * len(completion)) if completion else 0.0
+
+
+def test_a_run_stopped_by_ctrl_c_and_resumed_is_the_uninterrupted_run(engine, tmp_path, task_file):
+    """`tailrl train` on the engine with an adapting learned drafter, stopped by Ctrl-C in step 3
+    and resumed: the same tokens, rewards, updates, held-out evaluations and final weights, and
+    the same drafter versions trained, published and drafted with, as the uninterrupted run.
+    What the checkpoint must hold for that: the policy, the optimizer, the sampling seeds and
+    the rollout's state (its adapting drafter's). Nothing depends on timing: a fixed draft
+    length (--spec on, not the tuner's measured choice), the update after the rollout (no idle
+    time: the drafter trains its drafter_min_steps floor only), exact mode on the native engine
+    (its recorded log-probs otherwise move with the batch's split), greedy drafts on vLLM (its
+    probabilistic drafts come from torch's global generator, which a restarted engine does not
+    repeat: docs/vllm.md)."""
+    model = tmp_path / "model"
+    write_char_model(model, **VLLM_TINY)
+    drafter = save_drafter(Drafter.from_target(load_model(model, "fp32"), list(range(1, 128)), "model"), tmp_path / "d")
+    configs = {name: cls() for name, cls in TRAIN_SECTIONS.items()}
+    configs["train"] = TrainConfig(
+        # bf16 rollouts on an fp32 policy: the engine's copy is refreshed by every publish.
+        model=str(model), engine=engine, dtype="bf16", task=str(task_file), reward=f"{__name__}:mean_char_reward",
+        num_prompts=3, group_size=4, max_new_tokens=12, steps=3, seed=5, eval_every=2, eval_problems=4,
+        overlap_batch=0)
+    # kl and clip-higher on, so the resumed step needs the reference model too, and a warm-up it
+    # must pick up from the step number. lr: a far larger step moves the embedding off the
+    # drafter's fingerprint (Drafter.attach refuses).
+    configs["grpo"] = GRPOConfig(lr=1e-3, lr_warmup_steps=1, micro_batch=5, kl_coef=0.05, clip_high=0.28)
+    configs["speculation"] = RolloutSpeculationConfig(spec="on", drafter=str(drafter), draft_depth=3, num_draft_tokens=3)
+    configs["adapt"] = AdaptConfig(drafter_batch_tokens=256, drafter_min_steps=3)  # a row holds a group
+    if engine == "vllm":
+        from tailrl.rollout.vllm.settings import VllmSettings
+
+        configs["vllm"] = VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=SLOTS, draft_sampling="greedy")
+    else:
+        configs["engine"] = EngineConfig(max_batch=SLOTS, exact=True)
+    train(run_config(configs), tmp_path / "straight")
+
+    def ctrl_c_in_step_3(event):
+        if isinstance(event, RolloutProgress) and event.step == 3:
+            raise KeyboardInterrupt
+
+    result = train(run_config(configs), tmp_path / "resumed", on_event=ctrl_c_in_step_3)
+    assert result.interrupted and result.step == 2
+    assert train(run_config(configs), tmp_path / "resumed", resume=True).step == 3
+    straight, resumed = (RunDir(tmp_path / name) for name in ("straight", "resumed"))
+    records = straight.read_metrics()
+    assert comparable(resumed.read_metrics()) == comparable(records)
+    assert comparable_evals(resumed.path) == comparable_evals(straight.path)
+    assert [e["step"] for e in straight.read_evals()] == [0, 2, 3]
+    # Training lags one step; each step that trained publishes, and the next rollout drafts with it.
+    assert [(r["drafter_version"], r["drafter_published"], r["drafter_micro_steps"]) for r in records] == \
+        [(0, 0, 0), (0, 1, 3), (1, 2, 3)]
+    assert all(r["drafter_loss"] > 0 for r in records[1:]) and all(r["spec_verify_steps"] > 0 for r in records)
+    # Every metrics line has the rollout's report and the loop's own fields.
+    fields = {f.name for f in dataclasses.fields(RolloutReport)}
+    for r in records:
+        assert fields | {"reward_mean", "loss", "ratio_mean", "mismatch_kl", "rollout_s", "response_lens"} <= r.keys()
+        assert r["tokens_generated"] == sum(r["response_lens"]) > 0 and r["rollout_tok_s"] > 0 and r["decode_steps"] > 0
+        assert math.isfinite(r["loss"]) and abs(r["ratio_mean"] - 1) < 0.05
+    assert f'engine = "{engine}"' in (straight.path / "config.toml").read_text()
+    (a, a_opt), (b, b_opt) = (final_state(run.path) for run in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for x, y in zip(a_opt["state"].values(), b_opt["state"].values(), strict=True):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    states = [RunDir.load_checkpoint(run.latest_checkpoint())[1].rollout for run in (straight, resumed)]
+    assert [state.adapt["learner"]["version"] for state in states] == [2, 2]
+    weights = [state.adapt["learner"]["weights"] for state in states]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
