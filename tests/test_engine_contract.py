@@ -54,14 +54,18 @@ MAX_NEW = 16
 SLOTS = 8  # fewer than the requests: sequences queue, and slots are refilled
 
 
-def own_sections(engine: str) -> dict[str, object]:
+def own_sections(engine: str, same_run: bool = False) -> dict[str, object]:
     """Each engine's own section, small: a vLLM engine starts in ~2 s with 64 MiB of KV cache
-    instead of ~10 s with its default share of memory."""
+    instead of ~10 s with its default share of memory. same_run: what makes two runs of one
+    seed the same run (resume): exact mode on the native engine (its recorded log-probs
+    otherwise move with the batch's split), greedy drafts on vLLM (its probabilistic drafts come
+    from torch's global generator, which a restarted engine does not repeat: docs/vllm.md)."""
     if engine == "vllm":
         from tailrl.rollout.vllm.settings import VllmSettings
 
-        return {"vllm": VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=SLOTS)}
-    return {"engine": EngineConfig(max_batch=SLOTS)}
+        return {"vllm": VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=SLOTS,
+                                     draft_sampling="greedy" if same_run else "probabilistic")}
+    return {"engine": EngineConfig(max_batch=SLOTS, exact=same_run)}
 
 
 @contextlib.contextmanager
@@ -296,10 +300,7 @@ def test_a_run_stopped_by_ctrl_c_and_resumed_is_the_uninterrupted_run(engine, tm
     What the checkpoint must hold for that: the policy, the optimizer, the sampling seeds and
     the rollout's state (its adapting drafter's). Nothing depends on timing: a fixed draft
     length (--spec on, not the tuner's measured choice), the update after the rollout (no idle
-    time: the drafter trains its drafter_min_steps floor only), exact mode on the native engine
-    (its recorded log-probs otherwise move with the batch's split), greedy drafts on vLLM (its
-    probabilistic drafts come from torch's global generator, which a restarted engine does not
-    repeat: docs/vllm.md)."""
+    time: the drafter trains its drafter_min_steps floor only), and own_sections' same_run."""
     model = tmp_path / "model"
     write_char_model(model, **VLLM_TINY)
     drafter = save_drafter(Drafter.from_target(load_model(model, "fp32"), list(range(1, 128)), "model"), tmp_path / "d")
@@ -315,12 +316,7 @@ def test_a_run_stopped_by_ctrl_c_and_resumed_is_the_uninterrupted_run(engine, tm
     configs["grpo"] = GRPOConfig(lr=1e-3, lr_warmup_steps=1, micro_batch=5, kl_coef=0.05, clip_high=0.28)
     configs["speculation"] = RolloutSpeculationConfig(spec="on", drafter=str(drafter), draft_depth=3, num_draft_tokens=3)
     configs["adapt"] = AdaptConfig(drafter_batch_tokens=256, drafter_min_steps=3)  # a row holds a group
-    if engine == "vllm":
-        from tailrl.rollout.vllm.settings import VllmSettings
-
-        configs["vllm"] = VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=SLOTS, draft_sampling="greedy")
-    else:
-        configs["engine"] = EngineConfig(max_batch=SLOTS, exact=True)
+    configs.update(own_sections(engine, same_run=True))
     train(run_config(configs), tmp_path / "straight")
 
     def ctrl_c_in_step_3(event):
