@@ -89,17 +89,6 @@ def test_an_exact_engine_leaves_the_model_as_it_was_for_its_other_users(tiny, mo
     assert torch.equal(after, before)
 
 
-def test_greedy_equals_full_forward_argmax(tiny):
-    """Greedy decoding through the cache equals argmax of a no-cache forward over the prefix."""
-    (req,) = _requests(1)
-    out = Engine(tiny).generate([req], SamplingParams(temperature=0), 16)[0]
-    ids = list(req.prompt_ids)
-    for tok in out.token_ids:
-        logits = tiny(torch.tensor([ids]), torch.arange(len(ids))[None])
-        assert int(logits[0, -1].argmax()) == tok
-        ids.append(tok)
-
-
 def _chi2_quantile(df: int, z: float) -> float:
     """Wilson-Hilferty approximation of the chi-square quantile at standard-normal score z."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

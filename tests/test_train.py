@@ -35,9 +35,7 @@ from tailrl.rl.run_dir import policy_weights
 from tailrl.rl.tasks import encode_question
 from tailrl.rl.train import TrainConfig, train
 from tailrl.sampling import SamplingParams
-from tailrl.speculative.drafter.learner import AdaptConfig
-from tailrl.speculative.drafter.model import Drafter, save_drafter
-from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
+from tailrl.speculative.modes import SpeculationConfig
 from tailrl.tuner import TunerConfig
 
 # Metrics that are wall-clock measurements, so differ between runs of the same computation.
@@ -412,38 +410,6 @@ def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_f
     assert all(0.0 < r["sd_fraction"] < 1.0 for r in runs["auto"])  # plain and speculative steps mixed
     assert len({arm for r in runs["auto"] for arms in r["by_bucket"].values() for arm in arms}) >= 3
     assert comparable(runs["on"]) == comparable(runs["off"]) == comparable(runs["auto"])
-
-
-def test_a_resumed_run_adapts_its_drafter_as_the_uninterrupted_one(tmp_path, char_model_dir, task_file):
-    """The default run's drafter adapts in the rollout (tailrl.rollout.adapt): a run stopped by
-    Ctrl-C in step 3 and resumed trains, publishes and drafts with the same drafter versions as
-    the uninterrupted run, and ends with the same drafter. The update after the rollout
-    (overlap_batch 0) leaves no idle time, so the drafter trains the drafter_min_steps floor
-    only, a count that does not depend on timing."""
-    target = load_model(char_model_dir, "fp32")
-    drafter = save_drafter(Drafter.from_target(target, list(range(1, 128)), "char", seed=0), tmp_path / "drafter")
-    configs = tiny_configs(char_model_dir, task_file, overlap_batch=0, eval_every=0)
-    configs["speculation"] = RolloutSpeculationConfig(spec="on", drafter=str(drafter), draft_depth=3, num_draft_tokens=3)
-    configs["adapt"] = AdaptConfig(drafter_batch_tokens=256, drafter_min_steps=3)  # a row holds a group
-    # lr: a far larger step moves the embedding off the drafter's fingerprint (Drafter.attach refuses)
-    configs["grpo"] = dataclasses.replace(configs["grpo"], lr=1e-3)
-    train(run_config(configs), tmp_path / "straight")
-
-    def ctrl_c_in_step_3(event):
-        if isinstance(event, RolloutProgress) and event.step == 3:
-            raise KeyboardInterrupt
-
-    assert train(run_config(configs), tmp_path / "resumed", on_event=ctrl_c_in_step_3).interrupted
-    train(run_config(configs), tmp_path / "resumed", resume=True)
-    straight, resumed = (RunDir(tmp_path / name).read_metrics() for name in ("straight", "resumed"))
-    assert comparable(resumed) == comparable(straight)
-    assert [(r["drafter_version"], r["drafter_published"], r["drafter_micro_steps"]) for r in straight] == \
-        [(0, 0, 0), (0, 1, 3), (1, 2, 3)]  # training lags one step; each step that trained publishes
-    assert all(r["drafter_loss"] > 0 and r["spec_verify_steps"] > 0 for r in straight[1:])
-    states = [RunDir.load_checkpoint(RunDir(tmp_path / name).latest_checkpoint())[1].rollout for name in
-              ("straight", "resumed")]
-    assert all(torch.equal(states[0].drafter.weights[k], v) for k, v in states[1].drafter.weights.items())
-    assert states[0].drafter.version == states[1].drafter.version == 2
 
 
 def test_truncate_metrics_drops_later_and_torn_records(tmp_path, char_model_dir, task_file):

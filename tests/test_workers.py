@@ -1,12 +1,11 @@
 """Rollout workers on a tiny random model: sharding, the data buffer, spot training's preemption,
 local processes giving the in-process engine's tokens, drafter versions published after spot
-training in a (forced) long tail, the in-process engine adapting its drafter on the trainer's
-forwards, and dead or hung workers reported with their rank and step. Ray actors:
-tests/test_ray.py."""
+training in a (forced) long tail, the in-process engine lending a core, and dead or hung workers
+reported with their rank and step. Ray actors: tests/test_ray.py. The in-process engine adapting
+its drafter on the trainer's forwards: tests/test_engine_contract.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -32,10 +31,8 @@ from tailrl.pipeline import run_config
 from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rollout.native.pool import NativeRolloutState, WorkerConfig, WorkerPool, merge_stats, shard_indices
 from tailrl.rollout.protocol import WorkerError
-from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, run_spot
-from tailrl.rl.packing import Sample, packed_logprobs_and_hidden
-from tailrl.rl.phases import policy_forwards
 from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.rollout.native.spot import DrafterState, SpotJob, run_spot
 from tailrl.rollout.native.worker import RolloutWorker, SpotBeat, WorkerSetup
 from test_train import comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
 
@@ -282,50 +279,6 @@ def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, draft
                 assert all(torch.equal(in_use[k], weights[k]) for k in weights)
         finally:
             pool.close()
-
-
-def test_an_in_process_rollout_adapts_its_drafter_on_the_trainers_forwards(target, drafter_dir):
-    """One worker has no idle worker to spot-train on, so the rollout trains its drafter on what
-    the trainer's forwards computed (Rollout.observe), on a lent core while the update is idle
-    (work_idle) and up to drafter_min_steps at publish, one step behind; the next generate
-    drafts with exactly the new version and still emits plain decoding's tokens (fp32: exact)."""
-    spec = SpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=3, num_draft_tokens=3)
-    pool = start_pool(WorkerConfig(workers=1), AdaptConfig(drafter_batch_tokens=64, drafter_min_steps=3), target, spec)
-
-    def step(n: int, idle_steps: int) -> list:
-        reqs = requests(step=n, prompts=2)
-        out = pool.generate(n, reqs, PARAMS, 20)
-        assert [c.token_ids for c in out] == [c.token_ids for c in reference(target, reqs)]
-        assert pool.wants_forwards()
-        samples = [Sample(c.prompt_ids, c.token_ids, 1.0, c.logprobs) for c in out]
-        with torch.no_grad():
-            pool.observe(policy_forwards(samples, packed_logprobs_and_hidden(target, samples, 1.0)[1]))
-        ran = {"n": 0}
-        if idle_steps:
-            assert pool.has_idle_work()
-            pool.work_idle(lambda: ran.update(n=ran["n"] + 1) or ran["n"] > idle_steps)
-        pool.publish(target)
-        return out
-
-    try:
-        step(1, idle_steps=0)  # nothing to train on in step 1: training lags one step
-        assert pool.report().drafter_micro_steps == 0 and pool.drafter.version == 0
-        assert pool.has_idle_work()  # step 1's forwards, for step 2
-        step(2, idle_steps=1)
-        m = pool.report().metrics()
-        assert m["drafter_version"] == 0 and m["drafter_published"] == 1 and m["drafter_micro_steps"] == 3
-        assert m["idle_seconds_harvested"] > 0 and m["drafter_after_s"] > 0 and m["drafter_loss"] > 0
-        assert pool.drafter.version == 1
-        step(3, idle_steps=0)
-        assert pool.report().drafter_version == 1
-        in_use = pool.runtime.worker.in_use.state_dict()
-        published = pool.adapt.drafting_weights()
-        assert pool.report().drafter_published == 2  # step 3 trained version 2 from version 1's weights
-        state = pool.state_dict()
-        assert state.adapt is not None and state.drafter.version == 2
-        assert not all(torch.equal(in_use[k], published[k]) for k in published)  # drafted with 1, not 2
-    finally:
-        pool.close()
 
 
 def test_an_in_process_rollout_lends_a_core_and_takes_it_back(target):

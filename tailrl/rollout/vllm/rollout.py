@@ -325,7 +325,9 @@ class VllmRollout(AdaptingRollout):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         for i, r in enumerate(requests):
-            if not r.prompt_ids or len(r.prompt_ids) + max_new_tokens > self.max_len:
+            if not r.prompt_ids:
+                raise ValueError(f"request {i} has an empty prompt")
+            if len(r.prompt_ids) + max_new_tokens > self.max_len:
                 raise ValueError(f"request {i}: a prompt of {len(r.prompt_ids)} tokens + max_new_tokens "
                                  f"{max_new_tokens} must fit max_model_len {self.max_len}")
 
