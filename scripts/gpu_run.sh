@@ -8,18 +8,19 @@
 # chat_template.jinja): speeds are real, acceptance is not (a random model's samples at T = 1
 # leave an n-gram drafter nothing to accept, the regime where auto must cost nothing).
 #
-#     OUT=/tmp/out bash scripts/gpu_run.sh .gpu        # results: $OUT/*.json, *.log
+#     OUT=$(mktemp -d) bash scripts/gpu_run.sh .gpu        # results: $OUT/*.json, *.log
 set -u
 TOKENIZER_DIR=${1:?usage: gpu_run.sh TOKENIZER_DIR}
 OUT=${OUT:?set OUT to a results folder}
 DEVICE=${DEVICE:-cuda}
 export PYTHONPATH=$PWD
+MODELS=$(mktemp -d)  # the random models, outside $OUT (its files come back from a lent machine)
 
 nvidia-smi -L; lscpu | grep -m1 "Model name"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 python3 scripts/gpu_check.py --device "$DEVICE" --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 
-python3 - "$TOKENIZER_DIR" /tmp/gpu_models <<'PY'
+python3 - "$TOKENIZER_DIR" "$MODELS" <<'PY'
 import shutil, sys
 from pathlib import Path
 import torch
@@ -39,7 +40,7 @@ PY
 # Plain decodes of 32 requests x 64 tokens timed, and one profiled: on the H200 a plain step of
 # `bench rollout` took ~10x one of `bench generate` on the same model, except in the rollout's
 # last mode (docs/performance.md); the suspect is a cost per new attention shape.
-python3 - /tmp/gpu_models/smollm2-135m "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/plain_profile.log"
+python3 - "$MODELS/smollm2-135m" "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/plain_profile.log"
 import sys, time
 from pathlib import Path
 import torch
@@ -73,7 +74,7 @@ key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_to
 print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
 PY
-python3 - /tmp/gpu_models "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/bench.log"
+python3 - "$MODELS" "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/bench.log"
 import json, sys
 from pathlib import Path
 from tailrl.bench import generate, rollout

@@ -100,6 +100,17 @@ def smollm2_shallow_dir(smollm2_dir, tmp_path_factory):
     return path
 
 
+def write_sharp_llama(path) -> None:
+    """A tiny Llama of vLLM's smallest head_dim (VLLM_TINY) whose head is scaled so that
+    p(argmax) spreads over (0.2, 0.8) instead of sitting near 1/V: greedy choices are then no
+    near-ties, which two engines' kernels could round either way (untied: a tied head that sharp
+    repeats the last token)."""
+    hf = build_hf("llama", seed=1, tie_word_embeddings=False, **VLLM_TINY)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(12.0)
+    hf.save_pretrained(path)
+
+
 def write_char_model(path, seed: int = 3, **overrides) -> None:
     """A tiny random Llama (tied head, as SmolLM2) with a character-level tokenizer and chat
     template, written to `path`; overrides go to build_hf."""

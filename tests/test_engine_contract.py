@@ -28,7 +28,7 @@ from typing import Iterator, Mapping
 import pytest
 import torch
 
-from conftest import VLLM_TINY, build_hf, write_char_model
+from conftest import VLLM_TINY, write_char_model, write_sharp_llama
 from test_train import comparable, comparable_evals, final_state, no_plots, task_file  # noqa: F401 (fixtures)
 
 from tailrl.engine import EngineConfig
@@ -107,15 +107,9 @@ def is_greedy_chain(model: Transformer, c: Completion, max_new_tokens: int) -> b
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Transformer:
-    """A tiny Llama (vLLM's smallest head_dim, conftest.VLLM_TINY) whose head is scaled so that
-    p(argmax) spreads over (0.2, 0.8) instead of sitting near 1/V: greedy choices are then no
-    near-ties, which the engines' kernels could round either way (untied: a tied head that sharp
-    repeats the last token)."""
+    """conftest.write_sharp_llama's model: greedy choices with no near-ties."""
     path = tmp_path_factory.mktemp("contract-llama")
-    hf = build_hf("llama", seed=1, tie_word_embeddings=False, **VLLM_TINY)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(12.0)
-    hf.save_pretrained(path)
+    write_sharp_llama(path)
     return load_model(path, "fp32")
 
 

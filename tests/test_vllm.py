@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import VLLM_TINY, build_hf, write_char_model  # noqa: E402
+from conftest import VLLM_TINY, build_hf, write_char_model, write_sharp_llama  # noqa: E402
 
 from tailrl.engine import Engine  # noqa: E402
 from tailrl.loading import load_model  # noqa: E402
@@ -49,13 +49,9 @@ class TestRollout:
 
     @pytest.fixture(scope="class")
     def tiny(self, tmp_path_factory):
-        """A tiny Llama whose head is scaled so that p(argmax) spreads over (0.2, 0.8) instead
-        of sitting near 1/V (untied: a tied head that sharp repeats the last token)."""
+        """conftest.write_sharp_llama's model: greedy choices with no near-ties."""
         path = tmp_path_factory.mktemp("vllm-llama")
-        hf = build_hf("llama", seed=1, tie_word_embeddings=False, **VLLM_TINY)
-        with torch.no_grad():
-            hf.lm_head.weight.mul_(12.0)
-        hf.save_pretrained(path)
+        write_sharp_llama(path)
         return load_model(path, "fp32")
 
     @pytest.fixture(scope="class")
