@@ -7,8 +7,9 @@ Knows: counters. Does not know: how any engine decodes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 
 # Response positions (tokens emitted before a verify) where acceptance is tallied apart: a drafter
@@ -84,6 +85,29 @@ class EngineStats:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+
+def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
+    """One EngineStats for shards that ran side by side: counts add up, wall seconds are the
+    longest shard's, timelines and histograms are concatenated / added."""
+    out = EngineStats()
+    for part in parts:
+        for f in dataclasses.fields(EngineStats):
+            a, b = getattr(out, f.name), getattr(part, f.name)
+            if f.name == "seconds":
+                setattr(out, f.name, max(a, b))
+            elif f.name == "spec":
+                for g in dataclasses.fields(a):
+                    x, y = getattr(a, g.name), getattr(b, g.name)
+                    if isinstance(x, list):  # accept_hist: element-wise
+                        x += [0] * (len(y) - len(x))
+                        setattr(a, g.name, [u + (y[i] if i < len(y) else 0) for i, u in enumerate(x)])
+                    else:
+                        setattr(a, g.name, x + y)
+            elif isinstance(a, list):
+                setattr(out, f.name, a + list(b))
+            else:
+                setattr(out, f.name, a + b)
+    return out
 
 
 # What a generate call reports (its stats line), the same fields whichever engine decoded.

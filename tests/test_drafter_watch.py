@@ -23,7 +23,7 @@ from tailrl.rl.packing import Sample, packed_logprobs_and_hidden
 from tailrl.rl.phases import policy_forwards
 from tailrl.rl.progress import rollback_line, summary_line
 from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.native.pool import WorkerConfig
+from tailrl.rollout.workers import WorkerConfig
 from tailrl.records import Request
 from tailrl.rollout.protocol import DrafterVersionError, Rollback, Rollout, RolloutReport
 from tailrl.sampling import SamplingParams

@@ -12,7 +12,7 @@ import pytest
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
 from tailrl.pipeline import run_config
-from tailrl.rollout.native.pool import WorkerConfig
+from tailrl.rollout.workers import WorkerConfig
 from tailrl.rollout.protocol import WorkerError
 from tailrl.rollout.native.spot import SpotConfig
 from test_workers import (  # noqa: F401 - target, straight_fp32, task_file, no_plots are fixtures

@@ -29,7 +29,9 @@ from tailrl.tuner import TunerConfig
 from tailrl.rollout.native.buffer import DataBuffer, train_seq
 from tailrl.pipeline import run_config
 from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.native.pool import NativeRolloutState, WorkerConfig, WorkerPool, merge_stats, shard_indices
+from tailrl.rollout.native.pool import NativeRolloutState, WorkerPool
+from tailrl.rollout.workers import WorkerConfig, shard_indices
+from tailrl.stats import merge_stats
 from tailrl.rollout.protocol import WorkerError
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.rollout.native.spot import DrafterState, SpotJob, run_spot

@@ -48,7 +48,7 @@ from tailrl.engine import EngineConfig
 from tailrl.rl.tasks import DEFAULT_TASK
 from tailrl.rl.train import RunConfig, TrainConfig
 from tailrl.rollout import registry
-from tailrl.rollout.native.pool import WorkerConfig
+from tailrl.rollout.workers import WorkerConfig
 from tailrl.rollout.protocol import RolloutConfig
 from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.speculative.drafter.learner import AdaptConfig

@@ -39,6 +39,8 @@ import torch
 from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request
 from tailrl.sampling import SamplingParams
+from tailrl.speculative.report import chain_ceiling, rollout_report
+from tailrl.stats import EngineStats
 
 
 @dataclass(frozen=True)
@@ -130,9 +132,27 @@ class RolloutReport:
     preempt_latency_s: float = 0.0
     buffer_tokens: int = 0
     drafter_rollback: Rollback | None = None  # at this step's publish
+    engine_restarts: int = 0  # engines that died or hung in this step and were restarted (vLLM on Ray)
 
     def metrics(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+
+def decoding_report(stats: EngineStats, completions: Sequence[Completion], ceiling_depth: int,
+                    bucket_edges: Sequence[int], drafter_version: int, drafter_accept_len: float | None
+                    ) -> RolloutReport:
+    """One generate call's report as every engine counts it: its decoding from `stats`
+    (tailrl.speculative.report), the headroom from the completions' top-1 flags, the drafter
+    version it drafted with and that drafter's accept_len. The fields of what the rollout
+    trained and published are left at their defaults for the engine to fill in."""
+    return RolloutReport(
+        rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
+        spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
+        spec_proposed=stats.spec.proposed, spec_accepted=stats.spec.accepted,
+        accept_len_ceiling=chain_ceiling([c.top1 for c in completions], ceiling_depth),
+        **rollout_report(stats, bucket_edges),
+        drafter_version=drafter_version, drafter_accept_len=drafter_accept_len,
+    )
 
 
 @dataclass

@@ -27,7 +27,8 @@ from tailrl.memory import parameters_gb
 from tailrl.model import KVCache, Transformer, whole_chunks
 from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.adapt import AdaptiveDrafter
-from tailrl.rollout.native.pool import NativeRolloutState, WorkerConfig, WorkerPool
+from tailrl.rollout.native.pool import NativeRolloutState, WorkerPool
+from tailrl.rollout.workers import WorkerConfig
 from tailrl.rollout.native.runtimes import InProcessRuntime, ProcessRuntime, Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig
 from tailrl.rollout.native.worker import WorkerSetup

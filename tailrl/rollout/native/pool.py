@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -38,36 +38,13 @@ from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.native.buffer import DataBuffer
 from tailrl.rollout.native.runtimes import Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, SpotResult
-from tailrl.rollout.protocol import RolloutReport, RolloutState, WorkerError, check_state
+from tailrl.rollout.protocol import RolloutReport, RolloutState, WorkerError, check_state, decoding_report
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
-from tailrl.speculative.report import chain_ceiling, rollout_report
 from tailrl.speculative.watch import Tallies, add_tallies
-from tailrl.stats import EngineStats
+from tailrl.rollout.workers import shard_indices
+from tailrl.stats import EngineStats, merge_stats
 from tailrl.rollout.native.worker import Beat, Finished, RolloutJob, SetDrafter, ShardResult, WorkerCall, WorkerReply
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Rollout workers: how many, where they run, when one counts as hung."""
-
-    workers: int = field(default=1, metadata={"help": "rollout workers (1 = one engine in the trainer's process)"})
-    ray: bool = field(default=False, metadata={"help": "run the workers as Ray actors (local Ray unless --ray-address)"})
-    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster to join (implies --ray)"})
-    worker_threads: int = field(default=1, metadata={"help": "torch threads per worker process or actor"})
-    worker_timeout_s: float = field(
-        default=300.0, metadata={"help": "a worker silent this long (no progress, no reply) counts as hung"}
-    )
-
-    def __post_init__(self) -> None:
-        if self.workers < 1 or self.worker_threads < 1:
-            raise ValueError(f"workers and worker_threads must be >= 1, got {self.workers} and {self.worker_threads}")
-        if not self.worker_timeout_s > 0:
-            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
-
-    @property
-    def use_ray(self) -> bool:
-        return self.ray or self.ray_address is not None
 
 
 @dataclass
@@ -81,39 +58,6 @@ class NativeRolloutState(RolloutState):
     drafter: DrafterState | None
     buffer: dict
     adapt: dict | None = None
-
-
-def shard_indices(n: int, workers: int) -> list[range]:
-    """Contiguous shards of n requests, sizes differing by at most one."""
-    base, extra = divmod(n, workers)
-    bounds = [0]
-    for rank in range(workers):
-        bounds.append(bounds[-1] + base + (rank < extra))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
-def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
-    """One EngineStats for shards that ran side by side: counts add up, wall seconds are the
-    longest shard's, timelines and histograms are concatenated / added."""
-    out = EngineStats()
-    for part in parts:
-        for f in dataclasses.fields(EngineStats):
-            a, b = getattr(out, f.name), getattr(part, f.name)
-            if f.name == "seconds":
-                setattr(out, f.name, max(a, b))
-            elif f.name == "spec":
-                for g in dataclasses.fields(a):
-                    x, y = getattr(a, g.name), getattr(b, g.name)
-                    if isinstance(x, list):  # accept_hist: element-wise
-                        x += [0] * (len(y) - len(x))
-                        setattr(a, g.name, [u + (y[i] if i < len(y) else 0) for i, u in enumerate(x)])
-                    else:
-                        setattr(a, g.name, x + y)
-            elif isinstance(a, list):
-                setattr(out, f.name, a + list(b))
-            else:
-                setattr(out, f.name, a + b)
-    return out
 
 
 class WorkerPool(AdaptingRollout):
@@ -291,17 +235,13 @@ class WorkerPool(AdaptingRollout):
             for r in results.values():
                 add_tallies(tallies, r.drafter_tallies)
             self.adapt.record(tallies)
-        self._report = RolloutReport(
-            rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
-            spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
-            spec_proposed=stats.spec.proposed, spec_accepted=stats.spec.accepted,
-            accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None], self.ceiling_depth),
-            **rollout_report(stats, self.bucket_edges),
-            drafter_version=self.published,
+        self._report = dataclasses.replace(
+            decoding_report(stats, [c for c in completions if c is not None], self.ceiling_depth, self.bucket_edges,
+                            self.published,
+                            sum(r.drafter_emitted for r in results.values()) / verifies if verifies else None),
             drafter_published=self.drafter.version if self.drafter is not None else 0,
             drafter_micro_steps=spot.micro_steps if spot is not None else 0,
             drafter_loss=spot.loss if spot is not None else None,
-            drafter_accept_len=sum(r.drafter_emitted for r in results.values()) / verifies if verifies else None,
             idle_seconds_harvested=harvested,
             idle_seconds_left=idle - harvested,
             preempt_latency_s=stopped_at - preempt_at if preempt_at is not None and stopped_at is not None else 0.0,

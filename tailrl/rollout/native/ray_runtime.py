@@ -6,42 +6,28 @@ object store (numpy arrays, read in place by actors on the same node), so a remo
 copy of the model directory; publishing new policy weights is the same put and an in-place copy
 in every actor. Actors are threaded (two threads): one runs the worker's call (rollout or spot
 training), the other answers `beats` (progress, liveness) and `preempt`, so the trainer can stop
-a spot job mid-way. Ray is imported only here: it is an optional dependency (`pip install tailrl[ray]`).
+a spot job mid-way. Ray is an optional dependency (tailrl.rollout.ray_support).
 
 Knows: Ray actors, object refs, Ray's errors. Does not know: rollouts, the drafter, RL.
 """
 
 from __future__ import annotations
 
-import time
 import os
+import time
 from typing import Callable
 
 import numpy as np
 import torch
 
 from tailrl.model import ModelConfig, Transformer
-from tailrl.rollout.protocol import WorkerError
+from tailrl.rollout import ray_support
 from tailrl.rollout.native.worker import Beat, Finished, RolloutWorker, WorkerCall, WorkerReply, WorkerSetup
+from tailrl.rollout.protocol import WorkerError
+from tailrl.rollout.ray_support import first_line, from_numpy, ray, to_numpy
 
-try:
-    import ray
+if ray is not None:
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-except ImportError:  # pragma: no cover - the error below says what to install
-    ray = None
-
-
-def to_numpy(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """numpy has no bf16: such tensors travel as their int16 bit patterns."""
-    return {k: (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy() for k, v in weights.items()}
-
-
-def from_numpy(arrays: dict[str, np.ndarray], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, a in arrays.items():
-        t = torch.from_numpy(np.array(a))  # a copy: object-store arrays are read-only
-        out[k] = t.view(torch.bfloat16) if dtype == torch.bfloat16 and t.dtype == torch.int16 else t
-    return out
 
 
 def _weights(model: Transformer) -> dict[str, torch.Tensor]:
@@ -53,13 +39,8 @@ class _Actor:
 
     def __init__(self, rank: int, cfg: ModelConfig, dtype: torch.dtype, weights: dict[str, np.ndarray],
                  setup: WorkerSetup, tuner_state: dict | None):
-        with torch.device("meta"):
-            model = Transformer(cfg)
-        model.load_state_dict(from_numpy(weights, dtype), strict=False, assign=True)
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
         self.dtype = dtype
-        self.worker = RolloutWorker(rank, model.eval().requires_grad_(False), setup, tuner_state)
+        self.worker = RolloutWorker(rank, ray_support.build_model(cfg, dtype, weights), setup, tuner_state)
         self._beats: list[Beat] = []
         self._preempted = 0
         self.worker.beat = self._beats.append
@@ -90,11 +71,7 @@ class RayRuntime:
 
     def __init__(self, size: int, address: str | None, model: Transformer, setup: WorkerSetup,
                  tuner_states: list | None = None, start_timeout_s: float = 300.0):
-        if ray is None:
-            raise ValueError("--ray needs the ray package: pip install 'tailrl[ray]'")
-        self.owns_ray = not ray.is_initialized()
-        if self.owns_ray:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        self.owns_ray = ray_support.start(address)
         self.size, self.dtype = size, model.lm_head.weight.dtype
         self.on_beat: Callable[[int, Beat], None] = lambda rank, payload: None
         weights = ray.put(to_numpy(_weights(model)))
@@ -110,7 +87,7 @@ class RayRuntime:
             raise WorkerError(0, f"(Ray actor) did not start within {start_timeout_s:.0f} s") from None
         except (RayActorError, RayTaskError) as e:
             self.close()
-            raise WorkerError(0, f"(Ray actor) could not start: {_first_line(e)}") from None
+            raise WorkerError(0, f"(Ray actor) could not start: {first_line(e)}") from None
 
     def start(self, rank: int, call: WorkerCall) -> None:
         self.calls[self.actors[rank].call.remote(call)] = rank
@@ -145,9 +122,9 @@ class RayRuntime:
         try:
             return ray.get(ref)
         except RayActorError as e:
-            raise WorkerError(rank, f"died (Ray actor: {_first_line(e)})") from None
+            raise WorkerError(rank, f"died (Ray actor: {first_line(e)})") from None
         except RayTaskError as e:
-            raise WorkerError(rank, f"raised {_first_line(e)}") from None
+            raise WorkerError(rank, f"raised {first_line(e)}") from None
 
     def preempt(self, rank: int, job_id: int) -> None:
         self.actors[rank].preempt.remote(job_id)
@@ -169,7 +146,3 @@ class RayRuntime:
         if self.owns_ray:
             ray.shutdown()
 
-
-def _first_line(e: BaseException) -> str:
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__

@@ -1,5 +1,5 @@
 """What the vLLM engine's settings must satisfy, checked without importing vLLM: it is installed,
-the sampling is one whose log-probs vLLM records as tailrl defines them, a drafter directory is
+the sampling is one whose log-probs vLLM records as tailrl defines them, requests fit the engine, a drafter directory is
 one vLLM can load (and how), and whether it is a learned drafter.
 
 Knows: vLLM's install command, its log-prob convention, drafter config files. Does not know:
@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Sequence
 
+from tailrl.records import Request
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.model import CONFIG_FILE
 
@@ -32,6 +34,19 @@ def check_sampling(params: SamplingParams) -> None:
     if params.top_k or params.top_p < 1.0:
         raise ValueError("the vllm engine records log-probs after top-k/top-p, tailrl's are before them: "
                          "use --top-k 0 --top-p 1 with --engine vllm")
+
+
+def check_requests(requests: Sequence[Request], max_new_tokens: int, max_len: int) -> None:
+    """ValueError, one line, for a request the engine cannot decode: an empty prompt, or one that
+    with max_new_tokens does not fit the engine's max_model_len."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, r in enumerate(requests):
+        if not r.prompt_ids:
+            raise ValueError(f"request {i} has an empty prompt")
+        if len(r.prompt_ids) + max_new_tokens > max_len:
+            raise ValueError(f"request {i}: a prompt of {len(r.prompt_ids)} tokens + max_new_tokens "
+                             f"{max_new_tokens} must fit max_model_len {max_len}")
 
 
 def is_learned(drafter: Path) -> bool:

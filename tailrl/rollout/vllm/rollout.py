@@ -76,16 +76,16 @@ from vllm.v1.worker.worker_base import WorkerBase
 from tailrl.model import ModelConfig, Transformer
 from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
-from tailrl.rollout.protocol import DrafterVersionError, RolloutReport, RolloutState, WorkerError, check_state
+from tailrl.rollout.protocol import (DrafterVersionError, RolloutReport, RolloutState, WorkerError, check_state,
+                                     decoding_report)
 from tailrl.rollout.vllm import cpu_fix, internals
-from tailrl.rollout.vllm.checks import check_sampling, is_learned, spec_method
+from tailrl.rollout.vllm.checks import check_requests, check_sampling, is_learned, spec_method
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
 from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.export import eagle_weights
 from tailrl.speculative.drafter.learner import AdaptConfig
-from tailrl.speculative.report import chain_ceiling, rollout_report
 from tailrl.speculative.watch import Tallies, Tally
 from tailrl.stats import EngineStats, StepRecord
 from tailrl.tuner import TunerConfig
@@ -215,6 +215,94 @@ def _add_spec(stats: EngineStats, spec: SpecDecodingStats, seconds: float) -> No
     s.accept_hist = [x + y for x, y in zip(s.accept_hist, hist)]
 
 
+class Decoding:
+    """One generate call's requests in the engine, decoded one engine step at a time by whoever
+    holds it (VllmRollout.generate's loop here; an engine actor's `advance` on Ray): each
+    step's tokens into the requests' outputs and the call's EngineStats, the drafter's
+    first-token acceptance per arm into `tallies`, the tuner told what each step cost."""
+
+    def __init__(self, rollout: VllmRollout, step: int, requests: Sequence[Request], ids: dict[str, int]):
+        self.rollout, self.step_number, self.requests, self.ids = rollout, step, requests, ids
+        self.seqs = [_Sequence() for _ in requests]
+        self.done: list[Completion | None] = [None] * len(requests)
+        self.stats, self.started, self.finished = EngineStats(), 0, 0
+        self.tallies: Tallies = {}
+        self.t0 = time.perf_counter()
+
+    @property
+    def running(self) -> bool:
+        return self.rollout.engine.has_unfinished_requests()
+
+    def step(self) -> list[tuple[int, Completion]]:
+        """One engine step; the requests it finished, by index. WorkerError if the engine raised."""
+        rollout, schedule = self.rollout, self.rollout.schedule
+        verified = schedule.before_step(self.started - self.finished) if schedule is not None else None
+        s0 = time.perf_counter()
+        try:
+            outs = rollout.engine.step()
+        except Exception as e:
+            raise WorkerError(0, f"(the vLLM engine) raised {e!r} in step {self.step_number}") from e
+        s1 = time.perf_counter()
+        tokens, first, finished = 0, 0, []
+        for o in outs:
+            i, out = self.ids[o.request_id], o.outputs[0]
+            first += not self.seqs[i].tokens
+            self.seqs[i].extend(out)
+            tokens += len(out.token_ids)
+            if o.finished:
+                r, seq = self.requests[i], self.seqs[i]
+                self.done[i] = Completion(r.prompt_ids, seq.tokens, seq.logprobs, _finish_reason(out), r.seed, r.group,
+                                          top1=seq.top1)
+                self.finished += 1
+                finished.append((i, self.done[i]))
+        self.started += first
+        prefill = first > 0 or not outs
+        if verified is not None and not prefill:
+            schedule.after_step(len(outs), verified, tokens, s1 - s0)
+        label = verified.label if verified is not None else rollout.arm
+        self._record(StepRecord(s1 - self.t0, len(outs), label, tokens, s1 - s0), prefill)
+        self.stats.seconds = s1 - self.t0
+        return finished
+
+    def _record(self, step: StepRecord, prefill: bool) -> None:
+        """One engine step into the stats: its time to prefill or to the decode timeline, its
+        speculative counters (its arm "plain" if it verified no draft); its verifies, and those
+        that accepted the first draft token, into the tallies under its arm."""
+        stats = self.stats
+        stats.tokens += step.tokens
+        drafted = [s for s in self.rollout.counters.take() if s.num_drafts]
+        for spec in drafted:
+            _add_spec(stats, spec, 0.0 if prefill else step.seconds)
+            first = spec.num_accepted_tokens_per_pos[0] if spec.num_accepted_tokens_per_pos else 0
+            self.tallies.setdefault(step.arm, Tally()).add(spec.num_drafts, first)
+        if prefill:
+            stats.prefill_seconds += step.seconds
+            return
+        if not drafted:
+            step = step._replace(arm="plain")
+            if self.rollout.arm != "plain":  # a speculative engine's step without drafts (K = 0 at this size)
+                stats.spec.plain_steps += 1
+                stats.spec.plain_tokens += step.tokens
+                stats.spec.plain_seconds += step.seconds
+        stats.steps += 1
+        stats.timeline.append(step)
+
+    def progress(self) -> Progress:
+        return Progress(self.finished, len(self.requests), self.started - self.finished, self.stats.tokens,
+                        self.stats.seconds)
+
+    def completions(self) -> list[Completion]:
+        if any(c is None for c in self.done):
+            raise RuntimeError("the call has unfinished requests")
+        return self.done  # type: ignore[return-value]
+
+    def abort(self) -> None:
+        """What is left of the call out of the engine, so the next starts clean. The engine itself
+        may be what failed: then the error that brought us here is the one to raise."""
+        with contextlib.suppress(Exception):
+            self.rollout.engine.abort_request(list(self.ids))
+
+
 class VllmRollout(AdaptingRollout):
     """A vLLM engine behind the Rollout protocol (tailrl.rollout.protocol; see the module doc)."""
 
@@ -291,7 +379,7 @@ class VllmRollout(AdaptingRollout):
         rollout_ = cls(engine, counters, dtype, model.cfg, max_len, arm, None, adapting, tuner.bucket_edges,
                        ceiling_depth)
         if adapting is not None and adapting.version > 0:
-            rollout_._push_drafter(adapting.version, drafter_state)
+            rollout_.load_drafter(adapting.version, drafter_state)
         if drafting is not None and drafting.table is None:
             rollout_.schedule = Schedule(engine, drafting.tuned, tuner, state.tuner if state is not None else None,
                                          seed)
@@ -306,30 +394,34 @@ class VllmRollout(AdaptingRollout):
         """The completions of `requests`, in order (see the module doc). policy_busy is not
         consulted: this rollout's background work runs only on a core the caller lends it
         (work_idle)."""
-        self._check(requests, params, max_new_tokens)
         self._threads = torch.get_num_threads()
-        ids = self._add(requests, params, max_new_tokens)
+        call = self.begin(step, requests, params, max_new_tokens)
         try:
-            return self._run(step, requests, ids, on_progress, on_finished)
+            while call.running:
+                for i, completion in call.step():
+                    if on_finished is not None:
+                        on_finished(i, completion)
+                if on_progress is not None:
+                    on_progress(call.progress())
         except BaseException:
-            # What is left of this call, so the next starts clean. The engine itself may be what
-            # failed: then the first error is the one to raise.
-            with contextlib.suppress(Exception):
-                self.engine.abort_request(list(ids))
+            call.abort()
             raise
         finally:
             torch.set_num_threads(self._threads)  # a core lent in the tail comes back
+        if self.adapt is not None:
+            self.adapt.record(call.tallies)
+        self._report = dataclasses.replace(self.decoding_report(call), drafter_published=self.drafter_version)
+        return call.completions()
 
-    def _check(self, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int) -> None:
+    def begin(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int) -> Decoding:
+        """`requests` into the engine (checked first: a bad one fails in one line, nothing
+        added), to be decoded by the returned call's steps."""
         check_sampling(params)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        for i, r in enumerate(requests):
-            if not r.prompt_ids:
-                raise ValueError(f"request {i} has an empty prompt")
-            if len(r.prompt_ids) + max_new_tokens > self.max_len:
-                raise ValueError(f"request {i}: a prompt of {len(r.prompt_ids)} tokens + max_new_tokens "
-                                 f"{max_new_tokens} must fit max_model_len {self.max_len}")
+        check_requests(requests, max_new_tokens, self.max_len)
+        self.counters.take()
+        if self.schedule is not None:
+            self.schedule.new_rollout()
+        return Decoding(self, step, requests, self._add(requests, params, max_new_tokens))
 
     def _add(self, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int) -> dict[str, int]:
         """Every request into the engine; request id -> index."""
@@ -345,85 +437,12 @@ class VllmRollout(AdaptingRollout):
             ids[rid] = i
         return ids
 
-    def _run(self, step: int, requests: Sequence[Request], ids: dict[str, int],
-             on_progress: Callable[[Progress], None] | None,
-             on_finished: Callable[[int, Completion], None] | None) -> list[Completion]:
-        seqs = [_Sequence() for _ in requests]
-        done: list[Completion | None] = [None] * len(requests)
-        stats, started, finished = EngineStats(), 0, 0
-        tallies: Tallies = {}  # the drafter's first-token acceptance per draft length
-        self.counters.take()
-        t0 = time.perf_counter()
-        if self.schedule is not None:
-            self.schedule.new_rollout()
-        while self.engine.has_unfinished_requests():
-            verified = self.schedule.before_step(started - finished) if self.schedule is not None else None
-            s0 = time.perf_counter()
-            try:
-                outs = self.engine.step()
-            except Exception as e:
-                raise WorkerError(0, f"(the vLLM engine) raised {e!r} in step {step}") from e
-            s1 = time.perf_counter()
-            tokens, first = 0, 0
-            for o in outs:
-                i, out = ids[o.request_id], o.outputs[0]
-                first += not seqs[i].tokens
-                seqs[i].extend(out)
-                tokens += len(out.token_ids)
-                if o.finished:
-                    r, seq = requests[i], seqs[i]
-                    done[i] = Completion(r.prompt_ids, seq.tokens, seq.logprobs, _finish_reason(out), r.seed, r.group,
-                                         top1=seq.top1)
-                    finished += 1
-                    if on_finished is not None:
-                        on_finished(i, done[i])
-            started += first
-            prefill = first > 0 or not outs
-            if verified is not None and not prefill:
-                self.schedule.after_step(len(outs), verified, tokens, s1 - s0)
-            label = verified.label if verified is not None else self.arm
-            self._record(stats, StepRecord(s1 - t0, len(outs), label, tokens, s1 - s0), prefill, tallies)
-            if on_progress is not None:
-                on_progress(Progress(finished, len(requests), started - finished, stats.tokens, s1 - t0))
-        stats.seconds = time.perf_counter() - t0
-        if self.adapt is not None:
-            self.adapt.record(tallies)
-        self._report = self._make_report(stats, done)
-        return done  # type: ignore[return-value]
-
-    def _record(self, stats: EngineStats, step: StepRecord, prefill: bool, tallies: Tallies) -> None:
-        """One engine step into `stats`: its time to prefill or to the decode timeline, its
-        speculative counters (its arm "plain" if it verified no draft); its verifies, and those
-        that accepted the first draft token, into `tallies` under its arm."""
-        stats.tokens += step.tokens
-        drafted = [s for s in self.counters.take() if s.num_drafts]
-        for spec in drafted:
-            _add_spec(stats, spec, 0.0 if prefill else step.seconds)
-            first = spec.num_accepted_tokens_per_pos[0] if spec.num_accepted_tokens_per_pos else 0
-            tallies.setdefault(step.arm, Tally()).add(spec.num_drafts, first)
-        if prefill:
-            stats.prefill_seconds += step.seconds
-            return
-        if not drafted:
-            step = step._replace(arm="plain")
-            if self.arm != "plain":  # a speculative engine's step without drafts (K = 0 at this size)
-                stats.spec.plain_steps += 1
-                stats.spec.plain_tokens += step.tokens
-                stats.spec.plain_seconds += step.seconds
-        stats.steps += 1
-        stats.timeline.append(step)
-
-    def _make_report(self, stats: EngineStats, completions: list[Completion | None]) -> RolloutReport:
-        return RolloutReport(
-            rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
-            spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
-            spec_proposed=stats.spec.proposed, spec_accepted=stats.spec.accepted,
-            accept_len_ceiling=chain_ceiling([c.top1 for c in completions if c is not None], self.ceiling_depth),
-            **rollout_report(stats, self.bucket_edges),
-            # Every draft is the drafter's (vLLM has no second drafter beside it).
-            drafter_version=self.drafter_version, drafter_published=self.drafter_version,
-            drafter_accept_len=stats.spec.accept_len if stats.spec.verify_steps else None,
-        )
+    def decoding_report(self, call: Decoding) -> RolloutReport:
+        """A finished call's report (every draft is the drafter's: vLLM has no second drafter
+        beside it)."""
+        stats = call.stats
+        return decoding_report(stats, call.completions(), self.ceiling_depth, self.bucket_edges, self.drafter_version,
+                               stats.spec.accept_len if stats.spec.verify_steps else None)
 
     def report(self) -> RolloutReport:
         if self._report is None:
@@ -442,17 +461,22 @@ class VllmRollout(AdaptingRollout):
     def publish(self, policy: Transformer) -> None:
         """`policy`'s weights, cast to the engine's dtype, into the engine's model in place; then
         the adapting drafter's step closes, and a new version goes into vLLM's drafter."""
-        self.engine.collective_rpc(_load_in_place, args=(engine_weights(policy, self.dtype),))
-        # Cached prompt KV was computed with the old weights.
-        if not self.engine.reset_prefix_cache():
-            raise RuntimeError("vLLM kept its prefix cache (requests still running) after new weights")
+        self.load_weights(engine_weights(policy, self.dtype))
         if self.adapt is None:
             return
         self._adapted = step = self.adapt.end_step(policy)
         if step.changed:
-            self._push_drafter(step.drafting, self.adapt.drafting_weights())
+            self.load_drafter(step.drafting, self.adapt.drafting_weights())
 
-    def _push_drafter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The policy's weights (engine_weights: Hugging Face names, the engine's dtype) into the
+        engine's model in place."""
+        self.engine.collective_rpc(_load_in_place, args=(weights,))
+        # Cached prompt KV was computed with the old weights.
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache (requests still running) after new weights")
+
+    def load_drafter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """A learned drafter version's weights, cast to the engine's dtype, into the engine's
         EAGLE drafter in place (its fc, layer and draft head)."""
         try:
