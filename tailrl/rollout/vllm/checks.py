@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -25,6 +27,17 @@ def check_available() -> None:
     """ValueError naming the install command when vLLM is missing."""
     if importlib.util.find_spec("vllm") is None:
         raise ValueError(f"--engine vllm needs vLLM: {INSTALL_HINT}")
+
+
+def prepare_process() -> None:
+    """What this process needs before an engine starts in it (the trainer's, or an engine actor's
+    on Ray): the engine in this process, not a child (tailrl.rollout.vllm.rollout says why);
+    vLLM's own log lines quiet, since they would bury tailrl's progress
+    (VLLM_LOGGING_LEVEL=INFO shows them; read when vLLM is imported); and vLLM 0.32's kernel
+    dispatcher's FutureWarning about torch.distributed.reduce_op silenced."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
 
 
 def check_sampling(params: SamplingParams) -> None:

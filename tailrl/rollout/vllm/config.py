@@ -25,9 +25,7 @@ on vLLM. Does not know: vLLM's API (rollout.py), RL.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -37,10 +35,13 @@ from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.native.config import NativeRolloutConfig
+from tailrl.rollout import ray_support
 from tailrl.rollout.protocol import Held, Rollout, RolloutConfig, RolloutState
 from tailrl.rollout.registry import EngineEntry
-from tailrl.rollout.vllm.checks import check_available, check_sampling, spec_method
+from tailrl.rollout.vllm.actor import EngineSpec
+from tailrl.rollout.vllm.checks import check_available, check_sampling, prepare_process, spec_method
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
+from tailrl.rollout.workers import WorkerConfig
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.modes import DRAFTER_ARMS, RolloutSpeculationConfig, SpeculationConfig
@@ -56,6 +57,7 @@ class VllmRolloutConfig:
     speculation: SpeculationConfig = field(default_factory=RolloutSpeculationConfig)
     tuner: TunerConfig = field(default_factory=TunerConfig)
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
+    workers: WorkerConfig = field(default_factory=WorkerConfig)
 
     def __post_init__(self) -> None:
         if self.speculation.topk != 1:
@@ -64,11 +66,19 @@ class VllmRolloutConfig:
     @classmethod
     def from_sections(cls, sections: Mapping[str, object]) -> VllmRolloutConfig:
         """From a run's sections by name (those left out take their defaults)."""
-        names = {"vllm": "settings", "speculation": "speculation", "tuner": "tuner", "adapt": "adapt"}
+        names = {"vllm": "settings", "speculation": "speculation", "tuner": "tuner", "adapt": "adapt",
+                 "workers": "workers"}
         return cls(**{attr: sections[name] for name, attr in names.items() if sections.get(name) is not None})
 
     def sections(self) -> dict[str, object]:
-        return {"vllm": self.settings, "speculation": self.speculation, "tuner": self.tuner, "adapt": self.adapt}
+        return {"vllm": self.settings, "speculation": self.speculation, "tuner": self.tuner, "adapt": self.adapt,
+                "workers": self.workers}
+
+    @property
+    def on_ray(self) -> bool:
+        """Engines in Ray actors (fleet.py) rather than one in this process: more than one, or
+        Ray asked for."""
+        return self.workers.workers > 1 or self.workers.use_ray
 
     def drafter(self) -> Path | None:
         """The drafter directory the engine drafts with; None: it decodes plainly."""
@@ -95,18 +105,24 @@ class VllmRolloutConfig:
         return dataclasses.replace(self, speculation=dataclasses.replace(self.speculation, drafter=str(drafter)))
 
     def memory(self, model: Transformer, sequences: int, tokens: int) -> Held:
-        """vLLM allocates its whole KV cache at start and loads its own copy of the weights."""
+        """vLLM allocates its whole KV cache at start and loads its own copy of the weights, in
+        every engine; on Ray, the object store holds one more copy of the weights."""
         weights = parameters_gb(model)
-        return Held(self.settings.kv_cache_gb + weights, "--kv-cache-gb")
+        if not self.on_ray:
+            return Held(self.settings.kv_cache_gb + weights, "--kv-cache-gb")
+        return Held(self.workers.workers * (self.settings.kv_cache_gb + weights) + weights, "--kv-cache-gb, --workers")
 
     def check(self) -> None:
         check_available()
+        if self.on_ray and ray_support.ray is None:
+            raise ValueError("--engine vllm with --workers >= 2 runs its engines as Ray actors: pip install 'tailrl[ray]'")
         if (drafter := self.drafter()) is not None:
             spec_method(drafter)  # a missing or unreadable drafter fails in one line
 
     def describe(self) -> str:
         drafter = self.drafter()
-        return f"on vLLM, speculation {self.speculation.spec}" + (f" with drafter {drafter}" if drafter else "")
+        where = f"on {self.workers.workers} vLLM engine(s) on Ray" if self.on_ray else "on vLLM"
+        return f"{where}, speculation {self.speculation.spec}" + (f" with drafter {drafter}" if drafter else "")
 
     def for_evaluation(self) -> RolloutConfig:
         """tailrl's native engine, plain, in this process, with as many slots and as much cache:
@@ -116,16 +132,22 @@ class VllmRolloutConfig:
                                                        kv_budget_gb=self.settings.kv_cache_gb),
                                    speculation=SpeculationConfig(spec="off"))
 
+    def engine_spec(self, model: Transformer, seed: int) -> EngineSpec:
+        """What each engine on Ray opens with (fleet.py)."""
+        return EngineSpec(model.cfg, model.lm_head.weight.dtype, self.settings, self.drafter(), self.drafting(),
+                          self.tuner, self.speculation.draft_depth, seed, self.workers.worker_threads)
+
     def open(self, model: Transformer, seed: int, state: RolloutState | None = None) -> Rollout:
-        """An in-process vLLM engine on `model`'s architecture, weights and dtype, its unseeded
-        randomness and its tuner seeded by `seed`, resuming `state`."""
+        """A vLLM engine on `model`'s architecture, weights and dtype, in this process (or
+        --workers of them on Ray: fleet.py), its unseeded randomness and its tuner seeded by
+        `seed`, resuming `state`."""
         self.check()
-        # The engine runs in this process (rollout.py says why); vLLM's own log lines would bury
-        # tailrl's progress (VLLM_LOGGING_LEVEL=INFO shows them; read when vLLM is imported).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        # vLLM 0.32's kernel dispatcher trips torch's deprecation of torch.distributed.reduce_op.
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+        if self.on_ray:
+            from tailrl.rollout.vllm.fleet import VllmFleet
+
+            return VllmFleet.start(model, seed, state, spec=self.engine_spec(model, seed), workers=self.workers,
+                                   max_restarts=self.settings.engine_restarts, adapt=self.adapt)
+        prepare_process()
         from tailrl.rollout.vllm.rollout import VllmRollout
 
         return VllmRollout.start(model, seed, state, settings=self.settings, drafter=self.drafter(),
@@ -136,7 +158,7 @@ class VllmRolloutConfig:
 # The configuration sections of the vLLM engine (flags and TOML tables), by name; all but [vllm]
 # are shared with the native engine.
 SECTIONS: dict[str, type] = {"vllm": VllmSettings, "speculation": RolloutSpeculationConfig, "tuner": TunerConfig,
-                             "adapt": AdaptConfig}
+                             "adapt": AdaptConfig, "workers": WorkerConfig}
 
 
 def check_run(sections: Mapping[str, object], sampling: SamplingParams) -> None:

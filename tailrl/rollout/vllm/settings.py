@@ -41,7 +41,14 @@ class VllmSettings:
                                                    "docs/vllm.md)", "choices": DRAFT_SAMPLING}
     )
 
+    engine_restarts: int = field(
+        default=3, metadata={"help": "vLLM on Ray (--workers >= 2): dead or hung engines restarted per run before "
+                                     "the run stops (docs/workers.md)"}
+    )
+
     def __post_init__(self) -> None:
+        if self.engine_restarts < 0:
+            raise ValueError(f"engine_restarts must be >= 0, got {self.engine_restarts}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
