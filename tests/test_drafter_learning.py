@@ -168,7 +168,7 @@ HANG_GUARD_S = 120.0
 
 
 class WatchedIdle:
-    """IdleWork around `inner` that records what the work saw: `reached` is set once `cond()`
+    """A DrafterFeed around `inner` that records what its idle work saw: `reached` is set once `cond()`
     holds at a stop check; `ran_while_closed` counts stop checks that let a unit of work run
     while the test had declared the gate closed (`closed`, set after close_gate returned, so
     every stop() after it must be True); wait_out waits until no work_idle call is running."""
@@ -180,6 +180,9 @@ class WatchedIdle:
         self.ran_while_closed = 0
         self._running = 0
         self._idle = threading.Condition()
+
+    def observe(self, forwards) -> None:
+        self.inner.observe(forwards)
 
     def has_idle_work(self) -> bool:
         return self.inner.has_idle_work()

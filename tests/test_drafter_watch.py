@@ -155,7 +155,7 @@ def run_steps(rollout: Rollout, model, steps: int, before_publish: Callable[[int
         out = rollout.generate(step, requests(), SamplingParams(temperature=0.0), 32)
         samples = [Sample(c.prompt_ids, c.token_ids, 1.0, c.logprobs) for c in out]
         with torch.no_grad():
-            rollout.observe(policy_forwards(samples, packed_logprobs_and_hidden(model, samples, 1.0)[1]))
+            rollout.feed().observe(policy_forwards(samples, packed_logprobs_and_hidden(model, samples, 1.0)[1]))
         before_publish(step)
         rollout.publish(model)
         reports.append(rollout.report())

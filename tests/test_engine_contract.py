@@ -236,7 +236,7 @@ def observe(rollout: Rollout, policy: Transformer, out: list[Completion]) -> Non
     """Hand the rollout what the trainer's forwards compute for these responses, as the loop does."""
     samples = [Sample(c.prompt_ids, c.token_ids, 1.0, c.logprobs) for c in out]
     with torch.no_grad():
-        rollout.observe(policy_forwards(samples, packed_logprobs_and_hidden(policy, samples, 1.0)[1]))
+        rollout.feed().observe(policy_forwards(samples, packed_logprobs_and_hidden(policy, samples, 1.0)[1]))
 
 
 def test_a_published_policy_and_drafter_version_are_what_the_next_rollout_decodes_with(engine, model, tmp_path):
@@ -262,9 +262,10 @@ def test_a_published_policy_and_drafter_version_are_what_the_next_rollout_decode
         step1, _ = drafting(r, reqs, 1, observed_by=model)
         r.publish(new)  # nothing to train on yet: version 0 drafts on
         step2, out2 = drafting(r, reqs, 2, observed_by=new)
-        assert r.wants_forwards() and r.has_idle_work()  # step 1's forwards, for this step
+        feed = r.feed()
+        assert feed is not None and feed.has_idle_work()  # step 1's forwards, for this step
         units = []
-        r.work_idle(lambda: units.append(1) or len(units) > 1)  # one micro-step on a lent core
+        feed.work_idle(lambda: units.append(1) or len(units) > 1)  # one micro-step on a lent core
         r.publish(new)  # trains version 1: up to drafter_min_steps, on the step's own time
         m = r.report()
         assert (m.drafter_published, m.drafter_micro_steps) == (1, 4)

@@ -127,9 +127,9 @@ def run_step(rollout: Rollout, step: int, inputs: StepInputs, policy: Transforme
     overlap_batch > 0, else synchronous (module doc). `peak`, started with the step, is read at
     the rollout's end (StepWork.rollout_peak_gb) and started again: from there on it is the
     update's."""
-    on_hidden = None
-    if rollout.wants_forwards():
-        on_hidden = lambda samples, hidden: rollout.observe(policy_forwards(samples, hidden))  # noqa: E731
+    on_hidden, feed = None, rollout.feed()
+    if feed is not None:
+        on_hidden = lambda samples, hidden: feed.observe(policy_forwards(samples, hidden))  # noqa: E731
     grads = GroupGradients(policy, cfg, temperature, len(inputs.problems), ref, on_hidden)
     if overlap_batch > 0:
         return _overlapped(rollout, step, inputs, grads, overlap_batch, on_progress, peak)
@@ -158,7 +158,7 @@ def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGra
     finished: list[list[Completion | None]] = [[None] * G for _ in range(P)]
     left = [G] * P
     groups: list[ScoredGroup | None] = [None] * P
-    update = BackgroundUpdate(grads, rollout)
+    update = BackgroundUpdate(grads, rollout.feed())
     reward_s = 0.0
 
     def on_finished(index: int, completion: Completion) -> None:

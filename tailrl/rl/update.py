@@ -27,7 +27,7 @@ hidden states (tailrl.rl.packing.packed_logprobs_and_hidden), in group order, fo
 learn from; the gradient is the same bits either way. Groups that sit out (no reward spread) are
 not forwarded, so they hand out nothing.
 
-Idle work. Given an `IdleWork` (the rollout, whose drafter trains on a lent core), the
+Idle work. Given a `DrafterFeed` (the rollout's drafter, which trains on a lent core), the
 background thread runs it while the gate is open and no group is queued: policy work first, the
 idle work stopping between its units as soon as a group is queued, the gate closes or the
 rollout ends.
@@ -42,7 +42,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -52,6 +52,7 @@ from tailrl.rl.grpo import GRPOConfig, policy_loss
 from tailrl.rl.packing import (
     PackMemory, Sample, packed_behaviour, packed_logprobs, packed_logprobs_and_hidden, packs,
 )
+from tailrl.rollout.protocol import DrafterFeed
 
 # Token means (policy_loss's LossTerms of the same names), added up as token-weighted sums.
 STAT_NAMES = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "capped_fraction", "mismatch_kl")
@@ -235,19 +236,6 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-class IdleWork(Protocol):
-    """Work for the update's core while the policy's update has none (the rollout's drafter
-    training: tailrl.rollout.protocol.Rollout satisfies it)."""
-
-    def has_idle_work(self) -> bool:
-        """Whether there is work to do."""
-        ...
-
-    def work_idle(self, stop: Callable[[], bool]) -> None:
-        """Units of work (each short) until stop(), asked before each one, is True."""
-        ...
-
-
 _IDLE = object()  # _take's answer: no group to compute, run the idle work
 
 
@@ -262,7 +250,7 @@ class BackgroundUpdate:
     is added. Errors raised in the background thread re-raise in `drain`.
     """
 
-    def __init__(self, grads: GroupGradients, idle: IdleWork | None = None):
+    def __init__(self, grads: GroupGradients, idle: DrafterFeed | None = None):
         self.grads = grads
         self.idle = idle
         self._queue: deque[tuple[int, Sequence[Sample]]] = deque()

@@ -2,8 +2,8 @@
 
 TLT trains its drafter on time the long tail leaves idle. A rollout with idle workers of its own
 does that itself (tailrl.rollout.native's spot training, with two workers or more); a rollout
-without (one in-process native engine, an in-process vLLM engine) trains it here instead, with
-the Rollout protocol's calls:
+without (one in-process native engine, vLLM engines) trains it here instead: it is the
+rollout's DrafterFeed (Rollout.feed), and the rollout closes its step at publish:
 
 - observe: the trainer's forwards of this step's responses (their policy hidden states, which
   the rollout need not compute again) are kept as the next step's training data;
@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tailrl.model import Transformer
-from tailrl.rollout.protocol import PolicyForward, Rollback
+from tailrl.rollout.protocol import DrafterFeed, PolicyForward, Rollback
 from tailrl.speculative.drafter.learner import AdaptConfig, DrafterLearner
 from tailrl.speculative.drafter.training import TrainSeq
 from tailrl.speculative.watch import Tallies, VersionWatch, WatchConfig
@@ -55,8 +55,8 @@ class AdaptStep:
 
 
 class AdaptiveDrafter:
-    """A DrafterLearner scheduled by the Rollout protocol's calls (module doc); its idle work is
-    what a rollout hands the update (tailrl.rl.update.IdleWork). With rollback on, every version
+    """A DrafterLearner scheduled by the Rollout protocol's calls (module doc): the rollout's
+    DrafterFeed (tailrl.rollout.protocol). With rollback on, every version
     it publishes is watched (tailrl.speculative.watch): the engine records each rollout's
     first-token acceptance per draft shape (`record`), and a version that collapsed is rolled
     back at the next publish to the last version that drafted well, the learner with it (its
@@ -164,22 +164,10 @@ class AdaptiveDrafter:
 
 
 class AdaptingRollout:
-    """The Rollout protocol's calls that hand the trainer's forwards and idle core to a rollout's
-    adapting drafter (None: a rollout whose drafter adapts otherwise, or not at all), shared by
-    the engines that have one."""
+    """Rollout.feed for the engines whose drafter adapts on the trainer's side: the adapting
+    drafter itself (None: a rollout whose drafter adapts otherwise, or not at all)."""
 
     adapt: AdaptiveDrafter | None
 
-    def wants_forwards(self) -> bool:
-        return self.adapt is not None
-
-    def observe(self, forwards: Sequence[PolicyForward]) -> None:
-        if self.adapt is not None:
-            self.adapt.observe(forwards)
-
-    def has_idle_work(self) -> bool:
-        return self.adapt is not None and self.adapt.has_idle_work()
-
-    def work_idle(self, stop: Callable[[], bool]) -> None:
-        if self.adapt is not None:
-            self.adapt.work_idle(stop)
+    def feed(self) -> DrafterFeed | None:
+        return self.adapt

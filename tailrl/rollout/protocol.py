@@ -5,8 +5,8 @@ calls whatever the engine:
 
   generate  the step's requests (on_finished per sequence, so finished GRPO groups are scored and
             their gradient computed while the tail still decodes; lend_core while the update
-            takes a core, observe(what the update's forwards computed), work_idle(stop) on the
-            lent core while the update has nothing queued)
+            takes a core; the rollout's `feed`, if it has one, is handed what the update's
+            forwards computed and works on the lent core while the update has nothing queued)
   publish   the policy's new weights after the optimizer step; whatever the rollout learned this
             step (its drafter) goes live with them
   report    what the rollout did, typed (decoding, speculation, the tail, drafter training)
@@ -15,9 +15,9 @@ plus state_dict / close. Each engine keeps its own drafter up to date behind the
 drafter, what it trains on and when it publishes are the engine's business, and the loop never
 names one. `RolloutConfig` opens a rollout and answers what the run's set-up asks of it.
 Engines behind it: tailrl.rollout.native (tailrl's own engine, across its workers),
-tailrl.rollout.vllm (a vLLM engine in the trainer's process).
+tailrl.rollout.vllm (vLLM engines, in the trainer's process or on Ray).
 
-The records only the seam defines live here: PolicyForward, RolloutReport, RolloutState,
+The records only the seam defines live here: PolicyForward, DrafterFeed, RolloutReport, RolloutState,
 Rollback, Held and the rollout's errors. Those that the decoding engine below the seam
 (tailrl.engine) uses too live lower, so that it imports nothing of the seam: a generate call's
 Request, Completion and Progress (tailrl.records) and SamplingParams (tailrl.sampling). Callers
@@ -53,6 +53,25 @@ class PolicyForward:
     tokens: torch.Tensor  # (P + N,)
     hidden: torch.Tensor  # (P + N - 1, E) fp32, on the CPU
     prompt_len: int  # P
+
+
+class DrafterFeed(Protocol):
+    """A rollout's drafter fed on the trainer's side (tailrl.rollout.adapt): what the update's
+    forwards computed, and the update's core while it has nothing queued."""
+
+    def observe(self, forwards: Sequence[PolicyForward]) -> None:
+        """What the trainer's forwards computed for this step's responses (any thread, as groups
+        are computed), kept as training data."""
+        ...
+
+    def has_idle_work(self) -> bool:
+        """Whether there is work for a core the caller lends (drafter training)."""
+        ...
+
+    def work_idle(self, stop: Callable[[], bool]) -> None:
+        """That work, on the calling thread (one torch thread), in short units, until stop(),
+        asked before each unit, is True: a caller waits at most one unit for its core back."""
+        ...
 
 
 class WorkerError(RuntimeError):
@@ -191,22 +210,9 @@ class Rollout(Protocol):
         to lend and ignores it."""
         ...
 
-    def wants_forwards(self) -> bool:
-        """Whether observe keeps what it is handed (the update computes hidden states only then)."""
-        ...
-
-    def observe(self, forwards: Sequence[PolicyForward]) -> None:
-        """What the trainer's forwards computed for this step's responses (any thread, as groups
-        are computed). A rollout that trains its drafter on them keeps them; others drop them."""
-        ...
-
-    def has_idle_work(self) -> bool:
-        """Whether the rollout has work for a core the caller lends it (drafter training)."""
-        ...
-
-    def work_idle(self, stop: Callable[[], bool]) -> None:
-        """That work, on the calling thread (one torch thread), in short units, until stop(),
-        asked before each unit, is True: a caller waits at most one unit for its core back."""
+    def feed(self) -> DrafterFeed | None:
+        """What the rollout's drafter learns from on the trainer's side (the update's forwards,
+        its idle core); None: nothing (the update then computes no hidden states for it)."""
         ...
 
     def publish(self, policy: Transformer) -> None:
