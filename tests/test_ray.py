@@ -1,9 +1,14 @@
-"""Ray actors as rollout workers: the same tokens as local processes and the in-process engine,
-a killed actor reported with its rank and step, and a GRPO run identical to a local one.
-One local Ray (2 CPUs, no dashboard) serves the whole module."""
+"""Ray actors as rollout workers. The native engine's: the same tokens as local processes and
+the in-process engine, a killed actor reported with its rank and step, and a GRPO run identical
+to a local one. vLLM engines on Ray (`--engine vllm --workers 2`, tailrl.rollout.vllm.fleet): an
+engine killed mid-rollout is replaced, its requests decoded again, and the replacement decodes
+and drafts with the current policy and drafter version (the rest of the Rollout contract is the
+in-process engine's, test_engine_contract.py, which each actor runs). One local Ray (2 CPUs, no
+dashboard) serves the whole module."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -15,6 +20,12 @@ from tailrl.pipeline import run_config
 from tailrl.rollout.workers import WorkerConfig
 from tailrl.rollout.protocol import WorkerError
 from tailrl.rollout.native.spot import SpotConfig
+from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.speculative.drafter.model import Drafter, save_drafter
+from tailrl.speculative.modes import RolloutSpeculationConfig
+from test_engine_contract import (  # noqa: F401 - model is a fixture
+    GREEDY, drafting, is_greedy_chain, model, opened, perturbed, requests as contract_requests,
+)
 from test_workers import (  # noqa: F401 - target, straight_fp32, task_file, no_plots are fixtures
     PARAMS, exact_fp32_configs, no_plots, reference, requests, same_run, start_pool, straight_fp32, target, task_file,
 )
@@ -69,3 +80,46 @@ def test_a_run_on_ray_actors_is_the_local_run(straight_fp32, tmp_path, char_mode
     configs["workers"] = WorkerConfig(workers=2, ray=True)
     train(run_config(configs), tmp_path / "ray")
     assert same_run(RunDir(tmp_path / "ray").read_metrics(), RunDir(straight_fp32).read_metrics())
+
+
+def test_an_engine_killed_mid_rollout_is_replaced_and_drafts_with_the_current_version(model, tmp_path):  # noqa: F811
+    """Two engines, a learned drafter adapting on the trainer's forwards (version 1 published
+    after step 2, as in the contract suite). Both engines' shares hold the same prompts, so
+    each engine's drafting counts are half a step's: step 2 (version 0) and step 3 (version 1)
+    drafting differently shows that a share's counts tell the versions apart. In step 4 engine 1
+    is stopped (SIGSTOP) before it decodes anything and killed once engine 0 has finished its
+    whole share, so the kill lands mid-rollout whatever the machine's speed: the step still
+    returns every sample, each the new policy's greedy chain, counts one restart, and drafts
+    exactly as step 3 did: the replacement drafts with version 1."""
+    pytest.importorskip("vllm", reason="the vllm engine needs vLLM installed (pip install 'tailrl[vllm]')")
+    save_drafter(Drafter.from_target(model, list(range(96)), "target", seed=0), tmp_path / "v0")
+    new = perturbed(model)
+    half = contract_requests(8, 8)
+    reqs = half + [dataclasses.replace(r, seed=r.seed + 100) for r in half]
+    spec = RolloutSpeculationConfig(spec="on", drafter=str(tmp_path / "v0"), draft_depth=3, num_draft_tokens=3)
+    with opened("vllm", model, speculation=spec, workers=WorkerConfig(workers=2),
+                adapt=AdaptConfig(drafter_lr=1e-2, drafter_min_steps=4)) as fleet:
+        fleet.publish(model)
+        drafting(fleet, reqs, 1, observed_by=model)
+        fleet.publish(new)
+        step2, _ = drafting(fleet, reqs, 2, observed_by=new)
+        fleet.publish(new)  # trains version 1 on step 1's forwards and pushes it to both engines
+        step3, _ = drafting(fleet, reqs, 3)
+        assert step3[0] == step2[0] and step3[1:3] != step2[1:3] and (step2[3], step3[3]) == (0, 1)
+        engine1 = fleet.pids[1]
+        os.kill(engine1, signal.SIGSTOP)
+        finished = []
+
+        def kill_engine_1(i, completion):
+            finished.append(i)
+            if len(finished) == len(half):  # engine 0's share: engine 1 has decoded nothing
+                os.kill(engine1, signal.SIGKILL)
+
+        out = fleet.generate(4, reqs, GREEDY, 24, on_finished=kill_engine_1)
+        report = fleet.report()
+        assert sorted(finished) == list(range(len(reqs)))  # each once
+        assert all(is_greedy_chain(new, c, 24) for c in out)
+        assert (report.engine_restarts, report.drafter_version) == (1, 1)
+        assert fleet.pids[1] != engine1
+        step4 = ([c.token_ids for c in out], report.spec_verify_steps, report.accept_hist, report.drafter_version)
+        assert step4 == step3
