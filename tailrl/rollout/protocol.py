@@ -151,7 +151,7 @@ class RolloutReport:
     preempt_latency_s: float = 0.0
     buffer_tokens: int = 0
     drafter_rollback: Rollback | None = None  # at this step's publish
-    engine_restarts: int = 0  # engines that died or hung in this step and were restarted (vLLM on Ray)
+    engine_restarts: int = 0  # engines that died or hung in this step (rollout or publish), restarted (vLLM on Ray)
 
     def metrics(self) -> dict[str, object]:
         return dataclasses.asdict(self)

@@ -156,7 +156,7 @@ class VllmFleet(AdaptingRollout):
                     raise e.cause from None
                 self._replace(rank, f"raised {first_line(e)}", when)
             except RayActorError as e:
-                self._replace(rank, f"died ({first_line(e)})", when)
+                self._replace(rank, _died(e), when)
 
     # ---- a step's rollout ---------------------------------------------------------------------
 
@@ -188,16 +188,16 @@ class VllmFleet(AdaptingRollout):
         out = run.completions()
         report = decoding_report(stats, out, self.spec.ceiling_depth, self.spec.tuner.bucket_edges, self.tags.drafter,
                                  stats.spec.accept_len if stats.spec.verify_steps else None)
-        self._report = dataclasses.replace(report, drafter_published=self.tags.drafter,
-                                           engine_restarts=self.step_restarts)
+        self._report = dataclasses.replace(report, drafter_published=self.tags.drafter)
         return out
 
     def report(self) -> RolloutReport:
+        """The last generate's report, with the engines restarted in it and in the publish after
+        it (an engine that died between rollouts is found when the weights are pushed)."""
         if self._report is None:
             raise RuntimeError("no rollout has run yet")
-        if self._adapted is None:
-            return self._report
-        return dataclasses.replace(self._report, **self._adapted.report_fields())
+        report = dataclasses.replace(self._report, engine_restarts=self.step_restarts)
+        return report if self._adapted is None else dataclasses.replace(report, **self._adapted.report_fields())
 
     def lend_core(self, lend: bool) -> None:
         """The engines decode in their own processes: nothing of the caller's to lend."""
@@ -281,7 +281,7 @@ class _Run:
             try:
                 self._take(rank, ray.get(ref))
             except RayActorError as e:
-                self._lost(rank, f"died ({first_line(e)})")
+                self._lost(rank, _died(e))
             except RayTaskError as e:
                 self._lost(rank, f"raised {first_line(e)}")
         now = time.monotonic()
@@ -315,3 +315,8 @@ class _Run:
             raise RuntimeError("a generate call ended with unfinished requests")
         return self.out  # type: ignore[return-value]
 
+
+def _died(e: BaseException) -> str:
+    """An engine actor's death in a few words (Ray's own message runs to a paragraph, which Ray
+    logs itself)."""
+    return f"died (Ray: {type(e).__name__})"
