@@ -21,16 +21,16 @@ def test_report_by_bucket_and_arm():
         spec=SpecStats(draft_seconds=0.3, verify_seconds=0.8, accept_hist=[2, 3, 0, 1]),
     )
     r = rollout_report(stats, EDGES)
-    assert r["sd_fraction"] == 20 / 102
-    assert r["plain_s"] == 2.5 and r["draft_s"] == 0.3 and r["verify_s"] == 0.8
-    assert r["accept_hist"] == [2, 3, 0, 1]
-    assert list(r["by_bucket"]) == ["1", "3-4", "33+"]  # ordered by batch size
-    assert r["by_bucket"]["3-4"]["ngram(4,1,4)"]["accept_len"] == 15 / 7
-    assert r["by_bucket"]["3-4"]["ngram(4,1,4)"]["steps"] == 2
-    assert r["by_bucket"]["3-4"]["plain"] == {"steps": 1, "tokens": 3, "seconds": 0.5, "accept_len": 1.0}
-    assert r["by_bucket"]["33+"]["plain"]["accept_len"] == 79 / 80
-    assert r["arm_by_bucket"] == {"1": "ngram(4,1,4)", "3-4": "ngram(4,1,4)", "33+": "plain"}
-    assert r["batch_timeline"] == [
+    assert r.sd_fraction == 20 / 102
+    assert r.plain_s == 2.5 and r.draft_s == 0.3 and r.verify_s == 0.8
+    assert r.accept_hist == [2, 3, 0, 1]
+    assert list(r.by_bucket) == ["1", "3-4", "33+"]  # ordered by batch size
+    assert r.by_bucket["3-4"]["ngram(4,1,4)"]["accept_len"] == 15 / 7
+    assert r.by_bucket["3-4"]["ngram(4,1,4)"]["steps"] == 2
+    assert r.by_bucket["3-4"]["plain"] == {"steps": 1, "tokens": 3, "seconds": 0.5, "accept_len": 1.0}
+    assert r.by_bucket["33+"]["plain"]["accept_len"] == 79 / 80
+    assert r.arm_by_bucket == {"1": "ngram(4,1,4)", "3-4": "ngram(4,1,4)", "33+": "plain"}
+    assert r.batch_timeline == [
         [0.0, 2.0, 40, "plain"],
         [2.0, 2.5, 3, "plain"],
         [2.5, 3.0, 3, "ngram(4,1,4)"],
@@ -50,13 +50,13 @@ def test_tail_share_counts_steps_with_at_most_eight_running():
         ],
     )
     r = rollout_report(stats, EDGES)
-    assert r["tail_s"] == pytest.approx(2.3) and r["tail_share"] == pytest.approx(2.3 / 4.0)
+    assert r.tail_s == pytest.approx(2.3) and r.tail_share == pytest.approx(2.3 / 4.0)
 
 
 def test_report_of_an_empty_call():
     r = rollout_report(EngineStats(), EDGES)
-    assert r["sd_fraction"] == 0.0 and r["by_bucket"] == {} and r["batch_timeline"] == []
-    assert r["tail_s"] == 0.0 and r["tail_share"] == 0.0
+    assert r.sd_fraction == 0.0 and r.by_bucket == {} and r.batch_timeline == []
+    assert r.tail_s == 0.0 and r.tail_share == 0.0
 
 
 def test_chain_ceiling_replays_verifies_by_hand():

@@ -307,8 +307,8 @@ def _native_repetition(cfg: BenchRolloutConfig, engine: Engine, batches: list[li
         out = engine.generate(requests, params, cfg.max_new_tokens)
         st = engine.stats
         decoding = rollout_report(st, TunerConfig().bucket_edges)
-        r.add(decoding["by_bucket"], decoding["batch_timeline"], st.tokens, st.spec.accept_len, st.spec.verify_steps,
-              decoding["sd_fraction"], first)
+        r.add(decoding.by_bucket, decoding.batch_timeline, st.tokens, st.spec.accept_len, st.spec.verify_steps,
+              decoding.sd_fraction, first)
         if first:
             for name in ("position_verifies", "position_emitted"):
                 ours, theirs = getattr(r, name), getattr(st.spec, name)

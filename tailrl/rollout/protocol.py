@@ -164,13 +164,16 @@ def decoding_report(stats: EngineStats, completions: Sequence[Completion], ceili
     (tailrl.speculative.report), the headroom from the completions' top-1 flags, the drafter
     version it drafted with and that drafter's accept_len. The fields of what the rollout
     trained and published are left at their defaults for the engine to fill in."""
+    d = rollout_report(stats, bucket_edges)
     return RolloutReport(
         rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
         spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
         spec_proposed=stats.spec.proposed, spec_accepted=stats.spec.accepted,
         accept_len_ceiling=chain_ceiling([c.top1 for c in completions], ceiling_depth),
-        **rollout_report(stats, bucket_edges),
-        drafter_version=drafter_version, drafter_accept_len=drafter_accept_len,
+        tail_s=d.tail_s, tail_share=d.tail_share, sd_fraction=d.sd_fraction, plain_s=d.plain_s, draft_s=d.draft_s,
+        verify_s=d.verify_s, accept_hist=d.accept_hist, accept_len_by_position=d.accept_len_by_position,
+        by_bucket=d.by_bucket, arm_by_bucket=d.arm_by_bucket, batch_timeline=d.batch_timeline,
+        kv_preempted=d.kv_preempted, drafter_version=drafter_version, drafter_accept_len=drafter_accept_len,
     )
 
 

@@ -20,6 +20,7 @@ Knows: StepRecord, SpecStats, bucket edges. Does not know: how arms are chosen o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from tailrl.stats import EngineStats
@@ -29,7 +30,26 @@ from tailrl.tuner import bucket_index, bucket_label
 TAIL_BATCH = 8
 
 
-def rollout_report(stats: EngineStats, bucket_edges: Sequence[int]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Decoding:
+    """The fields above for one generate call (the rollout report's decoding fields,
+    tailrl.rollout.protocol.RolloutReport)."""
+
+    tail_s: float
+    tail_share: float
+    sd_fraction: float
+    plain_s: float
+    draft_s: float
+    verify_s: float
+    accept_hist: list[int]
+    accept_len_by_position: dict[str, float]
+    by_bucket: dict[str, dict[str, dict[str, float]]]
+    arm_by_bucket: dict[str, str]
+    batch_timeline: list[list[Any]]
+    kv_preempted: int
+
+
+def rollout_report(stats: EngineStats, bucket_edges: Sequence[int]) -> Decoding:
     """The fields above for one generate call."""
     timeline = stats.timeline
     decode_tokens = sum(r.tokens for r in timeline)
@@ -57,20 +77,20 @@ def rollout_report(stats: EngineStats, bucket_edges: Sequence[int]) -> dict[str,
     }
     busy = sum(r.seconds for r in timeline) + stats.prefill_seconds
     tail = sum(r.seconds for r in timeline if r.batch <= TAIL_BATCH)
-    return {
-        "tail_s": tail,
-        "tail_share": tail / busy if busy else 0.0,
-        "sd_fraction": spec_tokens / decode_tokens if decode_tokens else 0.0,
-        "plain_s": sum(r.seconds for r in timeline if r.arm == "plain"),
-        "draft_s": stats.spec.draft_seconds,
-        "verify_s": stats.spec.verify_seconds,
-        "accept_hist": list(stats.spec.accept_hist),
-        "accept_len_by_position": stats.spec.accept_len_by_position(),
-        "by_bucket": by_bucket,
-        "arm_by_bucket": {b: max(arms, key=lambda a: arms[a]["steps"]) for b, arms in by_bucket.items()},
-        "batch_timeline": segments(stats),
-        "kv_preempted": stats.preempted,
-    }
+    return Decoding(
+        tail_s=tail,
+        tail_share=tail / busy if busy else 0.0,
+        sd_fraction=spec_tokens / decode_tokens if decode_tokens else 0.0,
+        plain_s=sum(r.seconds for r in timeline if r.arm == "plain"),
+        draft_s=stats.spec.draft_seconds,
+        verify_s=stats.spec.verify_seconds,
+        accept_hist=list(stats.spec.accept_hist),
+        accept_len_by_position=stats.spec.accept_len_by_position(),
+        by_bucket=by_bucket,
+        arm_by_bucket={b: max(arms, key=lambda a: arms[a]["steps"]) for b, arms in by_bucket.items()},
+        batch_timeline=segments(stats),
+        kv_preempted=stats.preempted,
+    )
 
 
 def segments(stats: EngineStats) -> list[list[Any]]:
