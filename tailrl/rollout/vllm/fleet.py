@@ -38,8 +38,7 @@ from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request
 from tailrl.rollout import ray_support
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
-from tailrl.rollout.protocol import (DrafterVersionError, RolloutReport, RolloutState, WorkerError, check_state,
-                                     decoding_report)
+from tailrl.rollout.protocol import DrafterVersionError, RolloutReport, RolloutState, WorkerError, decoding_report
 from tailrl.rollout.ray_support import first_line, ray, to_numpy
 from tailrl.rollout.vllm.actor import Advance, EngineActor, EngineSpec, Shard, Tags
 from tailrl.rollout.vllm.checks import check_requests, check_sampling, is_learned
@@ -92,7 +91,9 @@ class VllmFleet(AdaptingRollout):
     def start(cls, model: Transformer, seed: int, state: RolloutState | None, *, spec: EngineSpec,
               workers: WorkerConfig, max_restarts: int, adapt: AdaptConfig) -> VllmFleet:
         """`workers.workers` engines on `model`'s weights (spec: how each opens), resuming `state`."""
-        check_state(state, VllmFleetState)
+        if state is not None and not isinstance(state, VllmFleetState):
+            raise ValueError(f"this checkpoint holds {type(state).__name__}, not vLLM engines on Ray's state: resume it "
+                             f"with the --engine and --workers it was saved with")
         tuners = state.tuners if state is not None else [None] * workers.workers
         if len(tuners) != workers.workers:
             raise ValueError(f"the checkpoint holds {len(tuners)} engines' state; resume with --workers {len(tuners)}")

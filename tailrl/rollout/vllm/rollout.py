@@ -38,13 +38,11 @@ on_finished fires as each sequence finishes and on_progress after every step.
   (every draft is the drafter's).
 - Speculation (tailrl.rollout.vllm.speculation): the learned drafter's export, head and versions;
   without a fixed table, the tuner's draft length before every step.
-- The learned drafter adapts on the trainer's forwards in the update's idle time
-  (tailrl.rollout.adapt); each version it makes goes into vLLM's drafter in place at publish,
-  after the policy's weights (its fc, layer and head; the embedding is the target's).
+- The learned drafter adapts on the trainer's forwards (tailrl.rollout.adapt); each version goes
+  into vLLM's drafter in place at publish, after the policy's weights (fc, layer, head).
 
 Knows: vLLM's LLMEngine (add_request, step, collective_rpc, stat loggers), its CPU quirks.
-Does not know: RL, rewards, tailrl's native engine, how its sections are read (config.py, which
-opens it and hands `start` what it resolved).
+Does not know: RL, rewards, tailrl's native engine, how its sections are read (config.py).
 """
 
 from __future__ import annotations
