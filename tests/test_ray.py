@@ -82,6 +82,30 @@ def test_a_run_on_ray_actors_is_the_local_run(straight_fp32, tmp_path, char_mode
     assert same_run(RunDir(tmp_path / "ray").read_metrics(), RunDir(straight_fp32).read_metrics())
 
 
+def test_vllm_on_ray_is_chosen_sized_and_refuses_another_layouts_checkpoint(model):  # noqa: F811
+    """What a run asks of `--engine vllm --workers 2` before any engine starts: engines on Ray,
+    each holding its KV cache and a copy of the weights, plus the object store's copy; a
+    checkpoint of another layout refused in one line. (No actor starts: the default selection's
+    check of the fleet; the kill test below is slow.)"""
+    from tailrl.memory import parameters_gb
+    from tailrl.rollout import registry
+    from tailrl.rollout.native.pool import NativeRolloutState
+    from tailrl.rollout.vllm.fleet import VllmFleet
+    from tailrl.rollout.vllm.settings import VllmSettings
+
+    cfg = registry.rollout_config("vllm", {"vllm": VllmSettings(kv_cache_gb=1.0), "workers": WorkerConfig(workers=2)},
+                                  GREEDY)
+    assert cfg.on_ray and cfg.describe().startswith("on 2 vLLM engine(s) on Ray")
+    weights = parameters_gb(model)
+    assert cfg.memory(model, 64, 512).gb == pytest.approx(2 * (1.0 + weights) + weights)
+    assert not registry.rollout_config("vllm", {}, GREEDY).on_ray
+    with pytest.raises(ValueError, match=r"^this checkpoint holds NativeRolloutState, not vLLM engines on Ray's state: "
+                                         r"resume it with the --engine and --workers it was saved with$"):
+        VllmFleet.start(model, 0, NativeRolloutState([None], [[]], None, {}), spec=cfg.engine_spec(model, 0),
+                        workers=cfg.workers, max_restarts=3, adapt=cfg.adapt)
+
+
+@pytest.mark.slow  # ~50 s on a 2-core AVX2 EPYC: three engine starts, each importing vLLM (~10 s)
 def test_an_engine_killed_mid_rollout_is_replaced_and_drafts_with_the_current_version(model, tmp_path):  # noqa: F811
     """Two engines, a learned drafter adapting on the trainer's forwards (version 1 published
     after step 2, as in the contract suite). Both engines' shares hold the same prompts, so
