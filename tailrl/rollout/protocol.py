@@ -39,7 +39,7 @@ import torch
 from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request
 from tailrl.sampling import SamplingParams
-from tailrl.speculative.report import chain_ceiling, rollout_report
+from tailrl.speculative.report import Decoding, chain_ceiling, rollout_report
 from tailrl.stats import EngineStats
 
 
@@ -104,7 +104,7 @@ class Rollback:
 
 
 @dataclass(frozen=True)
-class RolloutReport:
+class RolloutReport(Decoding):
     """What one step's rollout did (the last generate and publish), as fields of a step's metrics.
 
     Decoding: throughput, prefill, decode steps; the speculative share and acceptance
@@ -126,20 +126,6 @@ class RolloutReport:
     spec_proposed: int  # draft tokens proposed
     spec_accepted: int  # draft tokens accepted
     accept_len_ceiling: float | None
-    tail_s: float
-    tail_share: float
-    sd_fraction: float
-    plain_s: float
-    draft_s: float
-    verify_s: float
-    accept_hist: list[int]
-    accept_len_by_position: dict[str, float]  # by where in its response a verify started (tailrl.stats)
-    by_bucket: dict[str, dict[str, dict[str, float]]]
-    arm_by_bucket: dict[str, str]
-    batch_timeline: list[list[float | int | str]]
-    # Sequences the native engine took out of a full KV cache, their KV recomputed on readmission
-    # (tailrl.engine); vLLM's scheduler preempts on its own and is not counted.
-    kv_preempted: int
     drafter_version: int
     drafter_accept_len: float | None
     drafter_published: int = 0
@@ -164,16 +150,15 @@ def decoding_report(stats: EngineStats, completions: Sequence[Completion], ceili
     (tailrl.speculative.report), the headroom from the completions' top-1 flags, the drafter
     version it drafted with and that drafter's accept_len. The fields of what the rollout
     trained and published are left at their defaults for the engine to fill in."""
-    d = rollout_report(stats, bucket_edges)
+    decoding = rollout_report(stats, bucket_edges)
     return RolloutReport(
+        # The decoding fields are RolloutReport's own by inheritance: the same names, typed once.
+        **{f.name: getattr(decoding, f.name) for f in dataclasses.fields(Decoding)},
         rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
         spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
         spec_proposed=stats.spec.proposed, spec_accepted=stats.spec.accepted,
         accept_len_ceiling=chain_ceiling([c.top1 for c in completions], ceiling_depth),
-        tail_s=d.tail_s, tail_share=d.tail_share, sd_fraction=d.sd_fraction, plain_s=d.plain_s, draft_s=d.draft_s,
-        verify_s=d.verify_s, accept_hist=d.accept_hist, accept_len_by_position=d.accept_len_by_position,
-        by_bucket=d.by_bucket, arm_by_bucket=d.arm_by_bucket, batch_timeline=d.batch_timeline,
-        kv_preempted=d.kv_preempted, drafter_version=drafter_version, drafter_accept_len=drafter_accept_len,
+        drafter_version=drafter_version, drafter_accept_len=drafter_accept_len,
     )
 
 

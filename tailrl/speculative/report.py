@@ -32,8 +32,8 @@ TAIL_BATCH = 8
 
 @dataclass(frozen=True)
 class Decoding:
-    """The fields above for one generate call (the rollout report's decoding fields,
-    tailrl.rollout.protocol.RolloutReport)."""
+    """The fields above for one generate call; tailrl.rollout.protocol.RolloutReport has them
+    as its own (it extends this class)."""
 
     tail_s: float
     tail_share: float
@@ -42,10 +42,12 @@ class Decoding:
     draft_s: float
     verify_s: float
     accept_hist: list[int]
-    accept_len_by_position: dict[str, float]
+    accept_len_by_position: dict[str, float]  # by where in its response a verify started (tailrl.stats)
     by_bucket: dict[str, dict[str, dict[str, float]]]
     arm_by_bucket: dict[str, str]
     batch_timeline: list[list[Any]]
+    # Sequences the native engine took out of a full KV cache, their KV recomputed on readmission
+    # (tailrl.engine); vLLM's scheduler preempts on its own and is not counted.
     kv_preempted: int
 
 
