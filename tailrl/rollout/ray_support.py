@@ -32,6 +32,15 @@ def start(address: str | None) -> bool:
     return True
 
 
+def stop(actors: list, owns_ray: bool) -> None:
+    """Kill `actors` (their processes end, their memory with them) and shut Ray down if this
+    process started it (start() said so)."""
+    for actor in actors:
+        ray.kill(actor)
+    if owns_ray:
+        ray.shutdown()
+
+
 def to_numpy(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """numpy has no bf16: such tensors travel as their int16 bit patterns."""
     return {k: (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy() for k, v in weights.items()}

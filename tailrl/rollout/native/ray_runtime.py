@@ -140,9 +140,6 @@ class RayRuntime:
         return ray.get([a.pid.remote() for a in self.actors])
 
     def close(self) -> None:
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []
-        if self.owns_ray:
-            ray.shutdown()
+        ray_support.stop(self.actors, self.owns_ray)
+        self.actors, self.owns_ray = [], False
 

@@ -231,12 +231,8 @@ class VllmFleet(AdaptingRollout):
         return ray.get([actor.pid.remote() for actor in self.actors])
 
     def close(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
-        self.actors = []
-        if self.owns_ray:
-            ray.shutdown()
-            self.owns_ray = False
+        ray_support.stop(self.actors, self.owns_ray)
+        self.actors, self.owns_ray = [], False
 
 
 class _Run:
