@@ -247,6 +247,9 @@ def mean_char_reward(prompt: str, completion: str, answer: object) -> float:
     return sum(map(ord, completion)) / (1 + len(completion)) / 128
 
 
+# Slow: 21-35 s on a 2-core AVX2 CPU (the first vLLM test of a fresh process pays vLLM's ~10 s
+# import); the contract suite's publish test covers the drafter's feeding and publishing on vLLM.
+@pytest.mark.slow
 def test_train_with_the_vllm_engine_trains_and_publishes_the_learned_drafter(tmp_path, task_file):
     pytest.importorskip("vllm")
     from tailrl.pipeline import TRAIN_SECTIONS, run_config
