@@ -9,8 +9,10 @@
 # leave an n-gram drafter nothing to accept, the regime where auto must cost nothing).
 #
 #     OUT=$(mktemp -d) bash scripts/gpu_run.sh .gpu        # results: $OUT/*.json, *.log
+#     OUT=... bash scripts/gpu_run.sh .gpu passes,rollout  # some parts only (a lent machine's minutes are few)
 set -u
-TOKENIZER_DIR=${1:?usage: gpu_run.sh TOKENIZER_DIR}
+TOKENIZER_DIR=${1:?usage: gpu_run.sh TOKENIZER_DIR [check,passes,generate,rollout]}
+PARTS=,${2:-check,passes,generate,rollout},
 OUT=${OUT:?set OUT to a results folder}
 DEVICE=${DEVICE:-cuda}
 export PYTHONPATH=$PWD
@@ -18,7 +20,7 @@ MODELS=$(mktemp -d)  # the random models, outside $OUT (its files come back from
 
 nvidia-smi -L; lscpu | grep -m1 "Model name"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-python3 scripts/gpu_check.py --device "$DEVICE" --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+[[ $PARTS == *,check,* ]] && python3 scripts/gpu_check.py --device "$DEVICE" --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 
 python3 - "$TOKENIZER_DIR" "$MODELS" <<'PY'
 import shutil, sys
@@ -37,10 +39,10 @@ for name, shape in shapes.items():
         shutil.copy(src / f, root / name / f)
     print("random model", name, sum(p.numel() for p in model.parameters()) / 1e6, "M parameters")
 PY
-# Plain decodes of 32 requests x 64 tokens timed, and one profiled: on the H200 a plain step of
-# `bench rollout` took ~10x one of `bench generate` on the same model, except in the rollout's
-# last mode (docs/performance.md); the suspect is a cost per new attention shape.
-python3 - "$MODELS/smollm2-135m" "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/plain_profile.log"
+# Plain decodes of 32 requests x 64 tokens timed, a first and a repeated pass over new prompts,
+# and one profiled: SDPA's cuDNN backend made a first pass ~7x slower on the H200 (a plan per new
+# attention shape), so the engine decodes without it (model._DECODE_BACKENDS); this shows it stays so.
+[[ $PARTS == *,passes,* ]] && python3 - "$MODELS/smollm2-135m" "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/plain_profile.log"
 import sys, time
 from pathlib import Path
 import torch
@@ -55,17 +57,13 @@ model, tok = load_model(path, device=device), load_tokenizer(path)
 prompts = _prompts(tok, 96)
 engine = Engine(model, EngineConfig(max_batch=32))
 engine.generate(make_requests(prompts[:2], 1, 0), SamplingParams(1.0), 4)
-# A call over new prompts meets attention shapes (rows x keys) not seen before, its repeat none:
-# first and second calls apart, with SDPA's cuDNN backend on (torch's default) and off.
-for part, cudnn in ((0, True), (1, False)):
-    if device.startswith("cuda"):
-        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+# A call over new prompts meets attention shapes (rows x keys) not seen before, its repeat none.
+for part in (0, 1):
     requests = make_requests(prompts[32 * part:32 * part + 32], 1, 0)
     for t in (1.0, 1.0, 0.0):
         t0 = time.perf_counter()
         engine.generate(requests, SamplingParams(t), 64)
-        print(f"cudnn sdp {cudnn}, T = {t}: {time.perf_counter() - t0:.2f} s for {engine.stats.tokens} tokens",
-              flush=True)
+        print(f"prompts {part}, T = {t}: {time.perf_counter() - t0:.2f} s for {engine.stats.tokens} tokens", flush=True)
 requests = make_requests(prompts[64:], 1, 0)
 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
 with profile(activities=activities) as prof:
@@ -74,15 +72,17 @@ key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_to
 print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
 PY
-python3 - "$MODELS" "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/bench.log"
+python3 - "$MODELS" "$OUT" "$DEVICE" "$PARTS" <<'PY' 2>&1 | tee "$OUT/bench.log"
 import json, sys
 from pathlib import Path
 from tailrl.bench import generate, rollout
-models, out, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-for name in ("smollm2-135m", "llama-1b"):
+models, out, device, parts = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+for name in ("smollm2-135m", "llama-1b") if ",generate," in parts else ():
     print(f"bench generate, {name} (random weights), {device}", flush=True)
     cfg = generate.BenchGenerateConfig(model=str(models / name), device=device, batch_sizes=(1, 8, 64), max_new_tokens=128)
     (out / f"generate-{name}.json").write_text(json.dumps(generate.report(cfg, log=lambda line: print(line, flush=True))))
+if ",rollout," not in parts:
+    sys.exit()
 print(f"bench rollout, smollm2-135m (random weights), {device}", flush=True)
 cfg = rollout.BenchRolloutConfig(model=str(models / "smollm2-135m"), device=device, modes=("off", "ngram", "auto"),
                                  reps=1, num_prompts=8, max_new_tokens=128, plot=str(out / "rollout.png"))

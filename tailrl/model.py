@@ -33,6 +33,7 @@ D head dim, E hidden size, V vocabulary, L layers, C cache slots, M cache capaci
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ import torch
 import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tailrl.linears import FusedLinears, Linear, blocked, packed_path
 
@@ -403,6 +405,18 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+# SDPA's cuDNN backend builds a plan for every new (rows x keys) shape, and a cached decode meets
+# new key counts on every step: on an H200 a rollout's first pass over a batch ran ~7x slower with
+# it (docs/performance.md, "On a GPU"). The other fused kernels take any shape at no set-up cost.
+_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _decode_attention(device: torch.device, view: CacheView | None) -> contextlib.AbstractContextManager:
+    if view is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(_DECODE_BACKENDS)
+
+
 class Transformer(nn.Module):
     """The target model: token ids in, logits (and optionally the LM head's input) out."""
 
@@ -440,11 +454,12 @@ class Transformer(nn.Module):
         sequences: a layer's activations are ~30x its input)."""
         x = self.model.embed_tokens(ids)
         cos, sin = self.rope(positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            if checkpoint:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, i, view, mask, exact, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, i, view, mask, exact)
+        with _decode_attention(ids.device, view):
+            for i, layer in enumerate(self.model.layers):
+                if checkpoint:
+                    x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, i, view, mask, exact, use_reentrant=False)
+                else:
+                    x = layer(x, cos, sin, i, view, mask, exact)
         return self.model.norm(x)
 
     def forward(self, ids, positions, view=None, mask=None, return_hidden: bool = False, exact: bool = False):
