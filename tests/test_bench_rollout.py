@@ -41,16 +41,21 @@ def test_the_oracle_decodes_each_buckets_work_at_its_best_measured_rate():
     """Hand-computed: off decodes 100 tokens at batch 64 in 2 s and 10 at batch 1 in 1 s (two
     repetitions: twice that), after 0.5 s of prefill; the drafter mode decodes batch 1 at 30
     tok/s (and an arm measured over too few steps to count at 90), vLLM's off batch 64 at 100
-    tok/s. Native oracle: 0.5 + 100/50 + 10/30; over both engines: 0.5 + 100/100 + 10/30."""
+    tok/s. Native oracle: 0.5 + 100/50 + 10/30; over both engines: 0.5 + 100/100 + 10/30. auto
+    sampled other tokens: 30 per repetition, all at batch 1 (at 10 and 20 tok/s), after 0.5 s of
+    prefill, in 3 s: its own work at the best rates takes 0.5 + 30/30 s, efficiency 1.5 / 3."""
     off, drafter, vllm_off = ModeResult(prefill=[0.5, 0.5]), ModeResult(seconds=[2.0, 2.0]), ModeResult(prefill=[0.2])
     off.cells = {">32": {"plain": [200.0, 4.0, 10]}, "1": {"plain": [20.0, 2.0, 20]}}
     drafter.cells = {"1": {"drafter(6,1,6)": [60.0, 2.0, 8], "ngram(2,1,2)": [90.0, 1.0, 4]}}  # 4 steps: too few
     vllm_off.cells = {">32": {"plain": [100.0, 1.0, 5]}}
-    o = oracle({"off": off, "drafter": drafter, "vllm-off": vllm_off}, reps=2)
+    auto = ModeResult(seconds=[3.0, 3.0], prefill=[0.4, 0.6])
+    auto.cells = {"1": {"plain": [20.0, 2.0, 20], "ngram(2,1,2)": [40.0, 2.0, 10]}}
+    o = oracle({"off": off, "drafter": drafter, "vllm-off": vllm_off, "auto": auto}, reps=2)
     assert o["native_seconds"] == pytest.approx(0.5 + 2.0 + 1 / 3)
     assert o["any_seconds"] == pytest.approx(0.5 + 1.0 + 1 / 3)
     assert o["vllm_seconds"] == pytest.approx(0.2 + 0.5)  # vLLM's own work per repetition: 100 / 2 at 100 tok/s
     assert o["buckets"]["1"]["best"] == "drafter drafter(6,1,6)" and o["buckets"][">32"]["best"] == "vllm-off plain"
+    assert o["auto_efficiency"] == pytest.approx((0.5 + 1.0) / 3.0)
 
 
 @pytest.mark.slow  # two vLLM engines on the two-layer SmolLM2: ~25 s on a 2-core AVX2 EPYC
