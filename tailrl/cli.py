@@ -8,23 +8,21 @@ Knows: argument parsing, printing. Does not know: how any component works inside
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from tailrl import config as cfglib
-from tailrl.bench.suite import BENCHES
+from tailrl.bench.suite import BENCHES, BenchAllConfig
 from tailrl.records import Progress
+from tailrl.rl.sft import SFTConfig
 from tailrl.rollout import registry
 from tailrl.rollout.protocol import DrafterVersionError, WorkerError
 from tailrl.sampling import SamplingParams
-
-if TYPE_CHECKING:  # imported where used: the CLI starts without loading every component
-    from tailrl.warmup import WarmupProgress
+from tailrl.warmup import WarmupConfig, WarmupProgress
 
 
 def progress_printer(label: str = "") -> Callable[[Progress], None]:
@@ -52,16 +50,6 @@ def _generate_sections() -> dict[str, type]:
     from tailrl.generate import GenerateConfig
 
     return {"generate": GenerateConfig, "sampling": SamplingParams, **registry.generate_sections()}
-
-
-def _sections(paths: dict) -> dict[str, type]:
-    out = {}
-    for name, cls in paths.items():
-        if isinstance(cls, str):
-            mod, attr = cls.split(":")
-            cls = getattr(importlib.import_module(mod), attr)
-        out[name] = cls
-    return out
 
 
 def _add_generate(sub) -> None:
@@ -207,7 +195,7 @@ def run_printer() -> Callable[[Any], None]:
 
 # ---- sft --------------------------------------------------------------------------------------
 
-SFT_SECTIONS = {"sft": "tailrl.rl.sft:SFTConfig"}
+SFT_SECTIONS = {"sft": SFTConfig}
 
 
 def _add_sft(sub) -> None:
@@ -219,7 +207,7 @@ def _add_sft(sub) -> None:
     )
     p.add_argument("--out", metavar="DIR", help="model directory to write (default: in the tailrl cache)")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with an [sft] table")
-    cfglib.add_arguments(p, _sections(SFT_SECTIONS))
+    cfglib.add_arguments(p, SFT_SECTIONS)
     p.set_defaults(run=_run_sft)
 
 
@@ -245,7 +233,7 @@ def _run_sft(args: argparse.Namespace) -> None:
     from tailrl.rl.sft import sft
 
     toml = cfglib.read_toml(args.config) if args.config else None
-    cfg = cfglib.resolve(_sections(SFT_SECTIONS), args, toml)["sft"]
+    cfg = cfglib.resolve(SFT_SECTIONS, args, toml)["sft"]
     result = sft(cfg, args.out, on_event=sft_printer())
     if result.cached:
         print(f"tailrl: reusing the cold start in {result.out_dir} ({result.steps} steps)", file=sys.stderr)
@@ -263,7 +251,7 @@ def _add_drafter(sub) -> None:
     w.add_argument("--out", metavar="DIR", required=True, help="drafter directory to write")
     w.add_argument("--config", metavar="FILE.toml", help="TOML file with a [warmup] table")
     _add_report_to(w)
-    cfglib.add_arguments(w, _sections({"warmup": "tailrl.warmup:WarmupConfig"}))
+    cfglib.add_arguments(w, {"warmup": WarmupConfig})
     w.set_defaults(run=_run_warmup)
     e = d.add_parser("export", help="write a drafter as an EAGLE checkpoint for a serving engine")
     e.add_argument("drafter_dir", metavar="DRAFTER_DIR")
@@ -291,7 +279,7 @@ def _run_warmup(args: argparse.Namespace) -> None:
     from tailrl.tracking import WarmupTracking, tee
 
     toml = cfglib.read_toml(args.config) if args.config else None
-    cfg = cfglib.resolve(_sections({"warmup": "tailrl.warmup:WarmupConfig"}), args, toml)["warmup"]
+    cfg = cfglib.resolve({"warmup": WarmupConfig}, args, toml)["warmup"]
     tracking = WarmupTracking(_reporters(args, Path(args.out), {"warmup": cfg}))
 
     try:
@@ -319,20 +307,20 @@ def _add_bench(sub) -> None:
     runners = {"generate": _run_bench_generate, "spec": _run_bench_spec, "rollout": _run_bench_rollout,
                "drafter": _run_bench_drafter, "train": _run_bench_train,
                "peers": _run_bench_peers}
-    for name, (help_text, config, _) in BENCHES.items():
-        b = bench.add_parser(name, help=help_text)
+    for name, entry in BENCHES.items():
+        b = bench.add_parser(name, help=entry.help)
         b.add_argument("--json", action="store_true", help="print one JSON object")
-        cfglib.add_arguments(b, _sections({"bench": config}))
+        cfglib.add_arguments(b, {"bench": entry.config})
         b.set_defaults(run=runners[name])
     a = bench.add_parser("all", help="every bench: a JSON file and PNG each, and the results page (docs/results.md)")
     a.add_argument("--config", metavar="FILE.toml", help="one table per bench ([rollout], [train], ...) and [all]")
     a.add_argument("--json", action="store_true", help="print one JSON object: bench -> result file or why skipped")
-    cfglib.add_arguments(a, _sections({"all": "tailrl.bench.suite:BenchAllConfig"}))
+    cfglib.add_arguments(a, {"all": BenchAllConfig})
     a.set_defaults(run=_run_bench_all)
 
 
 def _bench_config(args: argparse.Namespace) -> Any:
-    return cfglib.resolve(_sections({"bench": BENCHES[args.bench][1]}), args)["bench"]
+    return cfglib.resolve({"bench": BENCHES[args.bench].config}, args)["bench"]
 
 
 def _run_bench_generate(args: argparse.Namespace) -> None:
@@ -400,7 +388,7 @@ def _run_bench_all(args: argparse.Namespace) -> None:
     from tailrl.bench import suite
 
     toml = cfglib.read_toml(args.config) if args.config else None
-    sections = _sections({"all": suite.BenchAllConfig} | {name: cls for name, (_, cls, _) in BENCHES.items()})
+    sections = {"all": BenchAllConfig} | {name: entry.config for name, entry in BENCHES.items()}
     # A flag of [all] that a bench also has (--drafter) applies to both.
     configs = cfglib.resolve(sections, args, toml)
     done = suite.run(configs.pop("all"), configs, log=(lambda *_: None) if args.json else print)
