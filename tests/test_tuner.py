@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig, bucket_label
+from tailrl.tuner import LOSER_RECENT, PLAIN, Arm, Tuner, TunerConfig, bucket_label
 
 DRAFTER = Arm("drafter", 3, 4, 8)
 NGRAM = Arm("ngram", 2, 2, 4)
@@ -159,9 +159,9 @@ def test_exploration_rate_matches_epsilon():
 
 
 def test_clear_losers_are_explored_ten_times_less():
-    # Best median 10; DRAFTER's best reward 9 is within the 15% margin, NGRAM's 5 and X's 1 are
-    # clear losers, and so would DRAFTER be on a median of 7 if one step of it had reached 9. Per
-    # pick: DRAFTER ~ eps/k, each loser ~ eps/k/10 (drawn, then kept one time in 10). Three exact
+    # Best median 10; the upper quartile of DRAFTER's rewards (9, 7, 7) is 9, within the 15%
+    # margin (a median of 7 would condemn it), NGRAM's 5 and X's 1 are clear losers. Per pick:
+    # DRAFTER ~ eps/k, each loser ~ eps/k/10 (drawn, then kept one time in 10). Three exact
     # binomial intervals at delta = 2.5e-7 each: false failure < 1e-6.
     eps, n, delta = 0.1, 40_000, 2.5e-7
     x = Arm("drafter", 1, 8, 8)
@@ -178,6 +178,24 @@ def test_clear_losers_are_explored_ten_times_less():
     assert lo <= counts[DRAFTER] <= hi
     lo, hi = binomial_interval(n, eps / k / 10, delta)
     assert lo <= counts[NGRAM] <= hi and lo <= counts[x] <= hi
+
+
+def test_a_loser_is_judged_by_its_recent_upper_quartile():
+    # Best median 10, margin 15%: a clear loser's upper quartile of its last LOSER_RECENT rewards
+    # is below 8.5. Hand-computed on sorted(last 12)[9], the third best.
+    assert LOSER_RECENT == 12
+    tuner = Tuner([PLAIN, DRAFTER, NGRAM], TunerConfig(min_pulls=1), seed=0)
+    tuner.update(1, PLAIN, 10.0)
+    for reward in [5.0] * 10 + [9.5, 9.5]:  # two lucky steps do not clear an arm at half speed
+        tuner.update(1, NGRAM, reward)
+    assert tuner._loses(tuner.bucket(1), NGRAM)
+    tuner.update(1, NGRAM, 9.0)  # a third good step among the last 12 does
+    assert not tuner._loses(tuner.bucket(1), NGRAM)
+    for reward in [5.0] * 200 + [9.0] * 3 + [5.0] * 9:  # only the newest 12 count, however many are older
+        tuner.update(1, DRAFTER, reward)
+    assert not tuner._loses(0, DRAFTER)
+    tuner.update(1, DRAFTER, 5.0)  # the oldest good one of the three leaves the last 12
+    assert tuner._loses(0, DRAFTER)
 
 
 def test_epsilon_zero_never_explores():
