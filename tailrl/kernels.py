@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from tailrl.linears import Linear, row_block
+from tailrl.linears import Linear
 from tailrl.model import Transformer
 
 MKL_MODE_VARIABLE = "MKL_CBWR"
@@ -62,12 +62,11 @@ def check_thread_invariance(model: Transformer) -> None:
     weight = model.lm_head.weight
     if threads == 1 or weight.device.type != "cpu":
         return
-    shapes = {tuple(m.weight.shape): m for m in model.modules() if isinstance(m, Linear)}
-    rows = row_block(weight.dtype)
+    shapes = {(tuple(m.weight.shape), m.exact_rows(weight.dtype)): m for m in model.modules() if isinstance(m, Linear)}
     gen = torch.Generator().manual_seed(0)
     try:
         with torch.inference_mode():
-            for (n, k), layer in shapes.items():
+            for ((n, k), rows), layer in shapes.items():
                 x = torch.randn(rows, k, generator=gen).to(weight.dtype)  # (rows, k)
                 torch.set_num_threads(1)
                 one = layer(x, exact=True)

@@ -21,16 +21,20 @@ from torch import nn
 # cheap; bf16 gets a larger block because CPU bf16 matrix units work on tiles of 16 rows, so a
 # 16-row call costs little more than a 1-row one, where an fp32 call grows with its rows.
 _ROW_BLOCK = {torch.float32: 4, torch.bfloat16: 16}
+# The LM head's: every call reads its whole vocabulary-sized weight, which costs more than the
+# arithmetic of a few dozen rows, so wider blocks cost about what narrow ones do and are called
+# several times less often (docs/lossless.md, "Block sizes").
+_HEAD_ROW_BLOCK = {torch.float32: 32, torch.bfloat16: 16}
 
 
 def row_block(dtype: torch.dtype) -> int:
     return _ROW_BLOCK.get(dtype, 16)
 
 
-def blocked(fn, x: torch.Tensor, dim: int) -> torch.Tensor:
-    """fn over x split along dim into blocks of exactly row_block(x.dtype) rows, the last one
-    zero-padded; fn must treat rows along dim independently (a matmul's M dimension)."""
-    n, r = x.shape[dim], row_block(x.dtype)
+def blocked(fn, x: torch.Tensor, dim: int, rows: int | None = None) -> torch.Tensor:
+    """fn over x split along dim into blocks of exactly `rows` rows (default row_block(x.dtype)),
+    the last one zero-padded; fn must treat rows along dim independently (a matmul's M dimension)."""
+    n, r = x.shape[dim], rows or row_block(x.dtype)
     if n % r:
         shape = list(x.shape)
         shape[dim] = r - n % r
@@ -115,9 +119,14 @@ class Linear(nn.Linear):
     _pack: torch.Tensor | None = None
     _pack_key: tuple[int, int] | None = None
 
+    def exact_rows(self, dtype: torch.dtype) -> int:
+        """Rows per matmul call in exact mode."""
+        return row_block(dtype)
+
     def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         if exact:
-            out = blocked(lambda rows: F.linear(rows, self.weight, self.bias), x.reshape(-1, x.shape[-1]), 0)
+            out = blocked(lambda rows: F.linear(rows, self.weight, self.bias), x.reshape(-1, x.shape[-1]), 0,
+                          self.exact_rows(x.dtype))
             return out.reshape(*x.shape[:-1], out.shape[-1])
         if packed_path(x, self.weight):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
@@ -133,3 +142,10 @@ class Linear(nn.Linear):
             self._pack = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self._pack_key = key
         return self._pack
+
+
+class Head(Linear):
+    """The LM head: a Linear whose exact-mode blocks are wider (_HEAD_ROW_BLOCK)."""
+
+    def exact_rows(self, dtype: torch.dtype) -> int:
+        return _HEAD_ROW_BLOCK.get(dtype, row_block(dtype))
