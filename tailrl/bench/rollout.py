@@ -4,11 +4,12 @@ The batches are the first `batches` RL steps of the configured run (the task's p
 order of its stream, group_size seeded samples each, the policy before any update); a mode's
 time is the sum over them. They are generated in each
 mode: off (plain decoding), ngram (n-gram drafter every step), drafter (the learned drafter every
-step, when one is given) and auto (the tuner, TLT's switch gate in front); and on vLLM (in
-process, tailrl.rollout.vllm): vllm-off, vllm-drafter (the learned drafter as vLLM's EAGLE
-drafter every step) and vllm-auto (the same drafter, tailrl's tuner choosing each step's draft
-length), each from an engine started for the repetition (start-up untimed, the tuner empty),
-whose tokens are vLLM's samples and not compared with the native engine's. Modes run interleaved
+step, when one is given) and auto (the tuner, TLT's switch gate in front); and on every other
+engine of the registry (tailrl.rollout.registry), opened through it in this process: ENGINE-off,
+ENGINE-drafter (the learned drafter as that engine drafts with it, every step) and ENGINE-auto
+(the same drafter, tailrl's tuner choosing each step's draft length), each from an engine
+started for the repetition (start-up untimed), whose tokens are that engine's samples and not
+compared with the native engine's. Modes run interleaved
 within each repetition, so slow phases of a shared machine hit every mode alike; each mode starts
 each repetition from a fresh decoder (an empty n-gram history: a repetition must not draft from
 its own previous answers). The tuner starts from the state it reached on one untimed rollout of
@@ -26,12 +27,12 @@ The oracle: every decode step falls in a running-batch-size bucket (the tuner's)
 mode measures, per bucket and arm, how many tokens per second it decoded there. Decoding the
 off run's tokens of each bucket at the best rate any arm reached in that bucket, after the off
 run's prefill, takes the oracle time: the best schedule of the measured arms on this batch. It
-is reported per engine (native arms after the native off run's prefill, vLLM's after vLLM's)
-and over both, beside each mode. The tuner's efficiency is the oracle time of auto's own work
+is reported per engine (each engine's arms after its own off run's prefill) and over all,
+beside each mode. The tuner's efficiency is the oracle time of auto's own work
 (its own tokens per bucket, which outside exact mode are not off's) over auto's time.
 
-Knows: how to build a step's requests (tailrl.rl.train), install a mode (tailrl.speculative.modes), open
-a vLLM rollout.
+Knows: how to build a step's requests (tailrl.rl.train), install a mode on the native engine
+(tailrl.speculative.modes), open any engine's rollout (tailrl.rollout.registry).
 Does not know: rewards, training.
 """
 
@@ -52,15 +53,28 @@ from tailrl.rl.plots import log_counts
 from tailrl.rl.run_dir import atomic_file
 from tailrl.rl.tasks import DEFAULT_TASK, make_task
 from tailrl.rl.train import TrainConfig, rollout_requests
+from tailrl.rollout import registry
 from tailrl.rollout.protocol import Rollout, RolloutState
-from tailrl.rollout.vllm.checks import check_available
 from tailrl.sampling import SamplingParams
+from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.speculative.report import rollout_report
 from tailrl.stats import position_label
 from tailrl.tuner import TunerConfig
 
-MODES = ("off", "ngram", "drafter", "auto", "vllm-off", "vllm-drafter", "vllm-auto")
+NATIVE_MODES = ("off", "ngram", "drafter", "auto")
+# Another engine's modes, "ENGINE-off" and so on: the spec each asks for.
+OTHER_SPECS = {"off": "off", "drafter": "on", "auto": "auto"}
+
+
+def mode_name(engine: str, mode: str) -> str:
+    """The bench's name of `mode` on `engine`: "auto" on the native engine, "ENGINE-auto" elsewhere."""
+    return mode if engine == registry.DEFAULT else f"{engine}-{mode}"
+
+
+OTHER_MODES = {mode_name(name, mode): (name, spec) for name in registry.NAMES if name != registry.DEFAULT
+               for mode, spec in OTHER_SPECS.items()}
+MODES = NATIVE_MODES + tuple(OTHER_MODES)
 ORACLE_STEPS = 5  # decode steps an arm needs in a bucket for the oracle to count its rate there
 
 
@@ -78,11 +92,14 @@ class BenchRolloutConfig:
     seed: int = field(default=0, metadata={"help": "run seed (problems and sampling)"})
     batches: int = field(default=1, metadata={"help": "rollout batches: steps 1..N of the run's problem stream"})
     reps: int = field(default=3, metadata={"help": "repetitions of every mode"})
-    modes: tuple[str, ...] = field(default=("off", "ngram", "drafter", "auto"), metadata={"help": "comma-separated modes to run (drafter, auto, vllm-drafter, vllm-auto only with --drafter); vllm-* decode on vLLM (tailrl[vllm])"})
+    modes: tuple[str, ...] = field(default=("off", "ngram", "drafter", "auto"), metadata={
+        "help": "comma-separated modes to run: off, ngram, drafter, auto on the native engine; ENGINE-off, "
+                "ENGINE-drafter, ENGINE-auto on another (vllm-off, ...: tailrl[vllm]); the drafter modes and the "
+                "other engines' auto only with --drafter"})
     draft_depth: int = field(default=6, metadata={"help": "draft tokens per verify of the drafter modes (a chain; vLLM's num_speculative_tokens)"})
-    kv_cache_gb: float = field(default=2.0, metadata={"help": "vLLM modes: KV cache, GiB"})
+    kv_cache_gb: float = field(default=2.0, metadata={"help": "the other engines' modes (vllm-*): KV cache, GiB"})
     exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (slower steps, see tailrl.model)"})
-    cold_tuner: bool = field(default=False, metadata={"help": "auto and vllm-auto start with an empty tuner (default: warmed on one other batch)"})
+    cold_tuner: bool = field(default=False, metadata={"help": "the auto modes start with an empty tuner (default: warmed on one other batch)"})
     plot: str | None = field(default="bench-rollout.png", metadata={"help": "PNG of the running batch over time and the times (empty: none)"})
 
     def __post_init__(self) -> None:
@@ -104,7 +121,7 @@ class ModeResult:
     verifies: int = 0  # sequence-verifies, first repetition
     spec_tokens: int = 0  # decode-step tokens from speculative steps, first repetition
     decode_tokens: int = 0
-    differing: int | None = 0  # sequences whose tokens differ from the off run's, summed over repetitions (None: vLLM)
+    differing: int | None = 0  # sequences whose tokens differ from the off run's, summed over repetitions (None: another engine)
     timeline: list[list[Any]] = field(default_factory=list)  # the first repetition's first batch's segments
     cells: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # bucket -> arm -> [tokens, seconds, steps], all reps
     peaks: list[float] = field(default_factory=list)  # resident peak of each repetition, GiB (where the kernel tells)
@@ -159,27 +176,30 @@ def _spec_config(mode: str, drafter: str | None, depth: int) -> SpeculationConfi
     return SpeculationConfig(spec="auto", drafter=drafter)
 
 
-def _vllm_rollout(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request],
-                  state: RolloutState | None = None) -> Rollout:
-    """A vLLM engine for `mode` (tailrl.rollout.vllm), its kernels warmed on two requests, its
-    tuner resuming `state`; its drafter does not adapt (a rollout, not an RL step)."""
-    from tailrl.rollout.vllm.config import VllmRolloutConfig
-    from tailrl.rollout.vllm.settings import VllmSettings
-    from tailrl.speculative.drafter.learner import AdaptConfig
+def engine_of(mode: str) -> str:
+    """The registry name of the engine `mode` decodes on."""
+    return OTHER_MODES[mode][0] if mode in OTHER_MODES else registry.DEFAULT
 
-    spec = {"vllm-off": "off", "vllm-drafter": "on", "vllm-auto": "auto"}[mode]
-    settings = VllmSettings(kv_cache_gb=cfg.kv_cache_gb, max_num_seqs=len(requests))
+
+def _other_rollout(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request],
+                   state: RolloutState | None = None) -> Rollout:
+    """Another engine's rollout for `mode`, opened through the registry and holding the batch, its
+    kernels warmed on two requests, its tuner resuming `state`; its drafter does not adapt (a
+    rollout, not an RL step)."""
+    name, spec = OTHER_MODES[mode]
     speculation = SpeculationConfig(spec=spec, drafter=cfg.drafter, draft_depth=cfg.draft_depth,
-                                           num_draft_tokens=cfg.draft_depth)
-    rollout = VllmRolloutConfig(settings, speculation, adapt=AdaptConfig(adapt_drafter=False)).open(
-        model, seed=cfg.seed, state=state)
+                                    num_draft_tokens=cfg.draft_depth)
+    sections = registry.engine(name).capacity({"speculation": speculation, "adapt": AdaptConfig(adapt_drafter=False)},
+                                              len(requests), cfg.kv_cache_gb)
+    rollout = registry.rollout_config(name, sections, SamplingParams(cfg.temperature)).open(model, seed=cfg.seed,
+                                                                                          state=state)
     rollout.generate(0, requests[:2], SamplingParams(cfg.temperature), 2)
     return rollout
 
 
-def _warm_vllm_tuner(cfg: BenchRolloutConfig, model: Transformer, other: list[Request]) -> RolloutState:
-    """vllm-auto's rollout state (its tuner) after one untimed rollout of another batch."""
-    rollout = _vllm_rollout(cfg, "vllm-auto", model, other)
+def _warm_other_tuner(cfg: BenchRolloutConfig, mode: str, model: Transformer, other: list[Request]) -> RolloutState:
+    """An ENGINE-auto mode's rollout state (its tuner) after one untimed rollout of another batch."""
+    rollout = _other_rollout(cfg, mode, model, other)
     try:
         rollout.generate(0, other, SamplingParams(cfg.temperature), cfg.max_new_tokens)
         return rollout.state_dict()
@@ -187,13 +207,13 @@ def _warm_vllm_tuner(cfg: BenchRolloutConfig, model: Transformer, other: list[Re
         rollout.close()
 
 
-def _vllm_repetition(cfg: BenchRolloutConfig, mode: str, model: Transformer, batches: list[list[Request]],
-                     state: RolloutState | None, r: ModeResult, first: bool) -> tuple[float, int, float]:
-    """One timed pass of `mode` over the batches on a fresh engine (its tuner carries from batch
-    to batch), into `r`; its seconds, tokens and accept_len. vLLM samples its own tokens (the
-    same distribution as the native engine's, other responses), so they are not compared
-    (differing is None)."""
-    rollout = _vllm_rollout(cfg, mode, model, batches[0], state)
+def _other_repetition(cfg: BenchRolloutConfig, mode: str, model: Transformer, batches: list[list[Request]],
+                      state: RolloutState | None, r: ModeResult, first: bool) -> tuple[float, int, float]:
+    """One timed pass of another engine's `mode` over the batches on a fresh engine (its tuner
+    carries from batch to batch), into `r`; its seconds, tokens and accept_len. That engine
+    samples its own tokens (the same distribution as the native engine's, other responses), so
+    they are not compared (differing is None)."""
+    rollout = _other_rollout(cfg, mode, model, batches[0], state)
     seconds = prefill = 0.0
     tokens = emitted = verifies = 0
     try:
@@ -218,11 +238,12 @@ def _vllm_repetition(cfg: BenchRolloutConfig, mode: str, model: Transformer, bat
 def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every mode `reps` times over the batches; the JSON object described in the CLI help."""
     # off first: each repetition's other modes are compared with its tokens.
-    modes = ["off"] + [m for m in cfg.modes if m != "off" and (m in ("ngram", "auto", "vllm-off") or cfg.drafter)]
+    needs_drafter = {"drafter"} | {m for m, (_, spec) in OTHER_MODES.items() if spec != "off"}
+    modes = ["off"] + [m for m in cfg.modes if m != "off" and (m not in needs_drafter or cfg.drafter)]
     for m in set(cfg.modes) - set(modes):
         log(f"{m} mode skipped: no --drafter given")
-    if any(m.startswith("vllm") for m in modes):
-        check_available()
+    for name in {engine_of(m) for m in modes} - {registry.DEFAULT}:  # refused before the model loads
+        registry.engine(name).check({}, SamplingParams(cfg.temperature))
     path = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=cfg.dtype, device=resolve_device(cfg.device))
@@ -241,19 +262,19 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     if "auto" in modes and not cfg.cold_tuner:
         tuner_state = _warm_native_tuner(cfg, engine, batch(0), params)
         log(f"tuner warmed on another batch of {len(batches[0])} requests in {engine.stats.seconds:.1f} s")
-    vllm_state = None
-    if "vllm-auto" in modes and not cfg.cold_tuner:
-        vllm_state = _warm_vllm_tuner(cfg, model, batch(0))
-        log("vLLM's tuner warmed on another batch")
+    other_states: dict[str, RolloutState] = {}
+    for mode in [m for m in modes if OTHER_MODES.get(m, (None, None))[1] == "auto" and not cfg.cold_tuner]:
+        other_states[mode] = _warm_other_tuner(cfg, mode, model, batch(0))
+        log(f"{mode}'s tuner warmed on another batch")
     results = {m: ModeResult() for m in modes}
     ideal: list[float] = []
     for rep in range(cfg.reps):
         reference: list[list[list[int]]] = []
         for mode in modes:
             r, peak = results[mode], Peak().start()
-            if mode.startswith("vllm"):
-                state = vllm_state if mode == "vllm-auto" else None
-                seconds, tokens, accept_len = _vllm_repetition(cfg, mode, model, batches, state, r, first=rep == 0)
+            if mode in OTHER_MODES:
+                seconds, tokens, accept_len = _other_repetition(cfg, mode, model, batches, other_states.get(mode), r,
+                                                                first=rep == 0)
                 detail = f", accept_len {accept_len:4.2f}"
             else:
                 # One decoder (and tuner, whose state carries from batch to batch) per repetition.
@@ -326,7 +347,7 @@ def _native_repetition(cfg: BenchRolloutConfig, engine: Engine, batches: list[li
 
 
 def oracle(results: dict[str, ModeResult], reps: int) -> dict[str, Any]:
-    """The oracle times (module doc): per engine and over both, the tuner's efficiency against
+    """The oracle times (module doc): per engine and over all, each tuner's efficiency against
     its engine's, and per bucket every mode's rate (tokens per second) with the best arm."""
     rates: dict[str, dict[str, float]] = {}  # bucket -> "mode arm" -> tokens per second
     for mode, r in results.items():
@@ -337,39 +358,43 @@ def oracle(results: dict[str, ModeResult], reps: int) -> dict[str, Any]:
                 if seconds > 0 and steps >= ORACLE_STEPS:
                     rates.setdefault(bucket, {})[f"{mode} {arm}"] = tokens / seconds
 
-    def oracle_seconds(mode: str, engines: tuple[bool, ...]) -> float | None:
+    def oracle_seconds(mode: str, engines: set[str]) -> float | None:
         """`mode`'s own prefill and decode work, each bucket's at the best rate measured there."""
         if mode not in results:
             return None
         total = statistics.median(results[mode].prefill)
         for bucket, arms in results[mode].cells.items():
             work = sum(tokens for tokens, _, _ in arms.values()) / reps
-            best = max((v for k, v in rates.get(bucket, {}).items() if k.startswith("vllm") in engines), default=None)
+            best = max((v for k, v in rates.get(bucket, {}).items() if engine_of(k.split(" ", 1)[0]) in engines),
+                       default=None)
             total += work / best if best else 0.0
         return total
 
-    out: dict[str, Any] = {
-        "native_seconds": oracle_seconds("off", (False,)),
-        "vllm_seconds": oracle_seconds("vllm-off", (True,)),
-        "any_seconds": oracle_seconds("off", (False, True)),
-        "buckets": {b: {"best": max(v, key=v.get), "rates": v} for b, v in rates.items()},
-    }
+    out: dict[str, Any] = {f"{name}_seconds": oracle_seconds(mode_name(name, "off"), {name}) for name in registry.NAMES}
+    out["any_seconds"] = oracle_seconds("off", set(registry.NAMES))
+    out["buckets"] = {b: {"best": max(v, key=v.get), "rates": v} for b, v in rates.items()}
     # Outside exact mode a mode's samples are not off's (a verify rounds otherwise than a plain
     # step), so its rollout is other work: one long response more or less moves its time by more
     # than any choice of arms (measured: 0.81x and 0.99x off in two runs of one tuner). The tuner is
     # judged on the work it had: its own tokens, bucket by bucket, at the best measured rates.
-    for auto, vllm in (("auto", False), ("vllm-auto", True)):
-        if auto in results and (best := oracle_seconds(auto, (vllm,))) is not None:
+    for name in registry.NAMES:
+        auto = mode_name(name, "auto")
+        if auto in results and (best := oracle_seconds(auto, {name})) is not None:
             out[f"{auto}_efficiency"] = best / statistics.median(results[auto].seconds)
     return out
+
+
+def autos() -> list[str]:
+    """Every engine's auto mode."""
+    return [mode_name(name, "auto") for name in registry.NAMES]
 
 
 def log_summary(report: dict[str, Any], log: Callable[[str], None]) -> None:
     log(f"ideal (all tokens at full-batch throughput): {report['ideal_seconds']:.1f} s")
     o = report["oracle"]
     log("oracle (each bucket at its best measured arm): " + ", ".join(
-        f"{name} {o[f'{name}_seconds']:.1f} s" for name in ("native", "vllm", "any") if o[f"{name}_seconds"] is not None)
-        + "".join(f"; {m} efficiency {o[f'{m}_efficiency']:.2f}" for m in ("auto", "vllm-auto") if f"{m}_efficiency" in o))
+        f"{name} {o[f'{name}_seconds']:.1f} s" for name in (*registry.NAMES, "any") if o[f"{name}_seconds"] is not None)
+        + "".join(f"; {m} efficiency {o[f'{m}_efficiency']:.2f}" for m in autos() if f"{m}_efficiency" in o))
     for m, j in report["modes"].items():
         positions = ", ".join(f"{pos} {a:.2f}" for pos, a in j["accept_len_by_position"].items())
         log(f"{m:>12}: median {j['seconds_median']:7.1f} s [{j['seconds_min']:.1f}-{j['seconds_max']:.1f}], "

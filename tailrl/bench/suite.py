@@ -236,10 +236,10 @@ def _rollout(r: dict[str, Any]) -> list[str]:
 
 def _oracle(o: dict[str, Any]) -> list[str]:
     """The oracle times and, per bucket, each arm's rate (tokens per second) with the best one."""
-    times = ", ".join(f"{name} {o[f'{name}_seconds']:.1f} s" for name in ("native", "vllm", "any")
-                      if o.get(f"{name}_seconds") is not None)
-    eff = "".join(f"; {m} efficiency (the oracle time of its own tokens over its time) **{o[f'{m}_efficiency']:.2f}**"
-                  for m in ("auto", "vllm-auto") if f"{m}_efficiency" in o)
+    times = ", ".join(f"{key.removesuffix('_seconds')} {v:.1f} s" for key, v in o.items()
+                      if key.endswith("_seconds") and v is not None)
+    eff = "".join(f"; {key.removesuffix('_efficiency')} efficiency (the oracle time of its own tokens over its time) "
+                  f"**{v:.2f}**" for key, v in o.items() if key.endswith("_efficiency"))
     arms = sorted({a for b in o["buckets"].values() for a in b["rates"]})
     lines = [f"Oracle time (each bucket's tokens at its best measured arm): {times}{eff}.", "",
              "| bucket | best | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]

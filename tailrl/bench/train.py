@@ -50,7 +50,6 @@ from tailrl.rl.train import RunConfig, TrainConfig
 from tailrl.rollout import registry
 from tailrl.rollout.workers import WorkerConfig
 from tailrl.rollout.protocol import RolloutConfig
-from tailrl.rollout.vllm.settings import VllmSettings
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
 
@@ -90,12 +89,12 @@ class TwoRunsConfig:
         _check("--engine", self.engine, self.exact, self.workers)
 
     def rollout(self, speculation: SpeculationConfig, adapt: AdaptConfig) -> RolloutConfig:
-        """Every run's engine, speculating and adapting its drafter as given; each engine reads the
-        sections it has of these (vLLM holds the whole batch)."""
+        """Every run's engine, speculating and adapting its drafter as given and holding the whole
+        batch; each engine reads the sections it has of these."""
         sections = {"engine": EngineConfig(exact=self.exact), "workers": WorkerConfig(workers=self.workers),
-                    "vllm": VllmSettings(max_num_seqs=self.num_prompts * self.group_size),
                     "speculation": speculation, "adapt": adapt}
         engine = registry.engine(self.engine)
+        sections = engine.capacity(sections, self.num_prompts * self.group_size, None)
         return engine.config({name: value for name, value in sections.items() if name in engine.sections})
 
 

@@ -53,6 +53,9 @@ class EngineEntry:
     # Its RolloutConfig from its own sections by name (those left out take their defaults).
     config: Callable[[Mapping[str, object]], RolloutConfig]
     generate: Generate
+    # `sections` with its own set to hold `sequences` at once, with `kv_gb` GiB of KV cache (None:
+    # its default): how a benchmark sizes every engine alike.
+    capacity: Callable[[Mapping[str, object], int, float | None], dict[str, object]]
     # Whether it has exact mode: bit-identical tokens with speculation on and off.
     exact: bool
     # Whether it ends a sample at a stop string (`tailrl generate --stop`).

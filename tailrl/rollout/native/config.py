@@ -157,6 +157,13 @@ def generate(sections: Mapping[str, object], model: Transformer, requests: list[
                              sp.accepted, sp.verify_steps, sp.accept_hist)
 
 
+def capacity(sections: Mapping[str, object], sequences: int, kv_gb: float | None) -> dict[str, object]:
+    """`sections` with [engine] holding `sequences` at once (and `kv_gb` GiB of KV cache)."""
+    engine = sections.get("engine") or EngineConfig()
+    sized = dataclasses.replace(engine, max_batch=sequences, **({} if kv_gb is None else {"kv_budget_gb": kv_gb}))
+    return {**sections, "engine": sized}
+
+
 def _check(sections: Mapping[str, object], sampling: SamplingParams) -> None:
     """Nothing to refuse: every sampling and every setting of its sections is the native engine's."""
 
@@ -164,5 +171,6 @@ def _check(sections: Mapping[str, object], sampling: SamplingParams) -> None:
 ENGINE = EngineEntry(
     name="native", sections=SECTIONS,
     generate_sections={"engine": EngineConfig, "speculation": SpeculationConfig, "tuner": TunerConfig},
-    check=_check, config=NativeRolloutConfig.from_sections, generate=generate, exact=True, stop_strings=True,
+    check=_check, config=NativeRolloutConfig.from_sections, generate=generate, capacity=capacity, exact=True,
+    stop_strings=True,
 )

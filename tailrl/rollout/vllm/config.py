@@ -161,14 +161,23 @@ SECTIONS: dict[str, type] = {"vllm": VllmSettings, "speculation": RolloutSpecula
                              "adapt": AdaptConfig, "workers": WorkerConfig}
 
 
+def capacity(sections: Mapping[str, object], sequences: int, kv_gb: float | None) -> dict[str, object]:
+    """`sections` with [vllm] holding `sequences` at once (and `kv_gb` GiB of KV cache)."""
+    settings = sections.get("vllm") or VllmSettings()
+    sized = dataclasses.replace(settings, max_num_seqs=sequences, **({} if kv_gb is None else {"kv_cache_gb": kv_gb}))
+    return {**sections, "vllm": sized}
+
+
 def check_run(sections: Mapping[str, object], sampling: SamplingParams) -> None:
     """ValueError for exact mode (before [engine] is refused as the native engine's section, so
-    the line says why) and for sampling whose log-probs vLLM records otherwise (checks.py)."""
+    the line says why), for sampling whose log-probs vLLM records otherwise (checks.py), and
+    when vLLM is not installed."""
     engine = sections.get("engine")
     if isinstance(engine, EngineConfig) and engine.exact:
         raise ValueError("--exact is the native engine's (bit-identical tokens with speculation on and off); "
                          "vLLM's speculation is lossless in distribution only: drop --exact or use --engine native")
     check_sampling(sampling)
+    check_available()
 
 
 def generate(sections: Mapping[str, object], model: Transformer, requests: list[Request], sampling: SamplingParams,
@@ -194,5 +203,6 @@ def generate(sections: Mapping[str, object], model: Transformer, requests: list[
 ENGINE = EngineEntry(
     name="vllm", sections=SECTIONS,
     generate_sections={"vllm": VllmSettings, "speculation": SpeculationConfig, "tuner": TunerConfig},
-    check=check_run, config=VllmRolloutConfig.from_sections, generate=generate, exact=False, stop_strings=False,
+    check=check_run, config=VllmRolloutConfig.from_sections, generate=generate, capacity=capacity, exact=False,
+    stop_strings=False,
 )
