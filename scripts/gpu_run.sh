@@ -64,6 +64,26 @@ for part in (0, 1):
         t0 = time.perf_counter()
         engine.generate(requests, SamplingParams(t), 64)
         print(f"prompts {part}, T = {t}: {time.perf_counter() - t0:.2f} s for {engine.stats.tokens} tokens", flush=True)
+# Inside auto a plain step cost ~45 ms against ~32 ms in off on the H200 (docs/performance.md): the
+# plain decoder against a speculative one that always picks plain (auto's arms, so auto's cache
+# reservation), same requests, alternated.
+from tailrl.engine import PlainDecoder
+from tailrl.speculative.decoder import NgramProposer, SpecDecoder
+from tailrl.tuner import PLAIN, Arm
+# A third decoder alternates plain and ngram(2,1,2) steps: its plain steps' own cost, after verifies.
+requests = make_requests(prompts[:32], 1, 0)
+arms = [PLAIN, Arm("ngram", 2, 1, 2), Arm("ngram", 8, 1, 8)]
+for rep in range(2):
+    for name in ("plain decoder", "spec decoder, always plain", "spec decoder, plain and n-gram alternating"):
+        steps = iter(range(10**9))
+        choose = (lambda running: PLAIN) if "always" in name else (lambda running: arms[next(steps) % 2])
+        engine.decoder = PlainDecoder() if name == "plain decoder" else SpecDecoder({"ngram": NgramProposer()}, choose, arms)
+        t0 = time.perf_counter()
+        engine.generate(requests, SamplingParams(1.0), 64)
+        sp = engine.stats.spec
+        plain = f", plain steps {sp.plain_seconds / sp.plain_steps * 1e3:.1f} ms" if sp.plain_steps else ""
+        print(f"{name}: {time.perf_counter() - t0:.2f} s for {engine.stats.tokens} tokens{plain}", flush=True)
+engine.decoder = PlainDecoder()
 requests = make_requests(prompts[64:], 1, 0)
 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
 with profile(activities=activities) as prof:
