@@ -143,6 +143,7 @@ class SpecDecoder:
         first_accepted = 0
         if arm.kind == "plain":
             engine.plain_step(running, call)
+            _settle(engine)
             draft, verify = 0.0, time.perf_counter() - t0
             stats.plain_steps += 1
             stats.plain_tokens += engine.stats.tokens - tokens_before
@@ -153,6 +154,7 @@ class SpecDecoder:
                 raise ValueError(f"{arm.kind} proposer returned {tree.num_nodes} nodes for {arm.label}")
             t1 = time.perf_counter()
             first_accepted = spec_step(engine, running, tree, call)
+            _settle(engine)
             draft, verify = t1 - t0, time.perf_counter() - t1
             stats.draft_seconds += draft
             stats.verify_seconds += verify
@@ -160,6 +162,14 @@ class SpecDecoder:
         for o in self.observers:
             o.observe(report)
         return arm.label
+
+
+def _settle(engine: Engine) -> None:
+    """Wait for the step's queued device work: a verify's cache compaction runs after its last
+    host sync, so on CUDA the next step's sync would absorb it, and the tuner would see verifies
+    cheaper and plain steps dearer than they are (docs/performance.md, "On a GPU")."""
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
 
 
 def spec_step(engine: Engine, running: list[Seq], tree: DraftTree, call: GenerateCall) -> int:
