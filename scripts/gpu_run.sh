@@ -70,7 +70,8 @@ for part in (0, 1):
 from tailrl.engine import PlainDecoder
 from tailrl.speculative.decoder import NgramProposer, SpecDecoder
 from tailrl.tuner import PLAIN, Arm
-# A third decoder alternates plain and ngram(2,1,2) steps: its plain steps' own cost, after verifies.
+# A third decoder alternates plain and ngram(2,1,2) steps: its plain steps' own cost, after verifies
+# (random weights accept nothing and rarely end a sample, so every step runs the same 32 rows).
 requests = make_requests(prompts[:32], 1, 0)
 arms = [PLAIN, Arm("ngram", 2, 1, 2), Arm("ngram", 8, 1, 8)]
 for rep in range(2):
