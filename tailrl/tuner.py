@@ -21,9 +21,8 @@ exploration spent epsilon of the steps on arms several times slower than plain d
 a loser still gets rechecked now and then (a drafter that adapts may turn one into a winner:
 its recent rewards clear it, whatever its older ones were). The quartile, not the best reward:
 a speculative step's reward swings with what it accepted, so an arm at half plain's speed kept
-a lucky step or two in its window and was never judged a loser (measured: the n-gram arms at
-0.48-0.77x of plain decoding took 18% of a rollout's tokens where none paid); nor do a few
-unlucky steps condemn an arm, as a median would.
+a lucky step or two in its window and was never judged a loser (docs/performance.md); nor do a
+few unlucky steps condemn an arm, as a median would.
 
 A switch gate sits in front (TLT's rule): SD is considered only once the running batch has
 stayed <= switch_batch for switch_patience consecutive decode steps, counting the current one.
