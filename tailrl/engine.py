@@ -37,7 +37,7 @@ import torch
 
 from tailrl.kernels import check_thread_invariance, request_reproducible_kernels
 from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer, whole_chunks
-from tailrl.records import Completion, Progress, Request
+from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.sampling import SamplingParams, is_top1, next_position, sample
 from tailrl.stats import EngineStats, StepRecord
 
@@ -86,7 +86,7 @@ class GenerateCall:
 
     params: SamplingParams
     max_new_tokens: int
-    stop: Callable[[list[int]], bool] | None = None  # on a sequence's tokens so far: end it here
+    stop: Stop | None = None  # tailrl.records.Stop
 
 
 class StepDecoder(Protocol):
@@ -210,7 +210,7 @@ class Engine:
         requests: Sequence[Request],
         params: SamplingParams,
         max_new_tokens: int,
-        stop: Callable[[list[int]], bool] | None = None,
+        stop: Stop | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         on_finished: Callable[[int, Completion], None] | None = None,
     ) -> list[Completion]:

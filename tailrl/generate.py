@@ -1,8 +1,9 @@
-"""The text edge of generation: prompt files, chat templates, stop strings, seeds, samples.
+"""`tailrl generate`: prompt files, chat templates, stop strings, seeds, samples, on any engine.
 
-The engine works on token ids; this module turns user prompts (strings or chat messages) into
-requests, derives each sample's seed from (seed, prompt_index, sample_index), and turns
-completions back into text.
+The engines work on token ids; this module turns user prompts (strings or chat messages) into
+requests, derives each sample's seed from (seed, prompt_index, sample_index), decodes them
+through the chosen engine's Rollout (tailrl.rollout.registry), as a training run's rollout
+does, and turns completions back into text.
 
 Knows: tokenizers, prompt file format, stop strings. Does not know: how tokens are produced.
 """
@@ -10,13 +11,17 @@ Knows: tokenizers, prompt file format, stop strings. Does not know: how tokens a
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from tailrl.model import Transformer
+from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.rollout import registry
-from tailrl.records import Completion, Request
-from tailrl.sampling import derive_seed
+from tailrl.sampling import SamplingParams, derive_seed
+from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.stats import Summary, summary_line
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role", "content"}]
 
@@ -99,19 +104,45 @@ def make_requests(prompt_ids: Sequence[tuple[int, ...]], n: int, seed: int) -> l
     ]
 
 
-def stop_checker(tokenizer, stops: Sequence[str]) -> Callable[[list[int]], bool] | None:
-    """A callable telling whether generated tokens end in a stop string (decodes only the tail)."""
-    if not stops:
-        return None
-    # A stop string spans at most len(s) tokens (every token decodes to >= 1 char), plus one
-    # token of slack for a partial character at the tail start.
-    tail = max(len(s) for s in stops) + 1
+def generate(engine: str, sections: Mapping[str, object], model: Transformer, requests: list[Request],
+             sampling: SamplingParams, max_new_tokens: int, seed: int, stop: Stop | None,
+             progress: Callable[[Progress], None] | None) -> tuple[list[Completion], Summary]:
+    """`requests` decoded by engine `engine`'s Rollout, opened from its generate `sections` on
+    `model` as a run opens it (refused in one line before it starts, as a run's would be), its
+    learned drafter, if any, not adapting: there is no training here. The stats line counts the
+    call's tokens, its time, and its speculation where it verified drafts."""
+    config = registry.rollout_config(engine, {**sections, "adapt": AdaptConfig(adapt_drafter=False)}, sampling)
+    rollout = config.open(model, seed)
+    try:
+        t0 = time.perf_counter()
+        out = rollout.generate(0, requests, sampling, max_new_tokens, on_progress=progress, stop=stop)
+        seconds, r = time.perf_counter() - t0, rollout.report()
+    finally:
+        rollout.close()
+    tokens = sum(len(c.token_ids) for c in out)
+    return out, summary_line(tokens, seconds, r.spec_verify_steps > 0, r.spec_accept_len, r.spec_proposed,
+                             r.spec_accepted, r.spec_verify_steps, r.accept_hist)
 
-    def hit(tokens: list[int]) -> bool:
-        text = tokenizer.decode(tokens[-tail:], skip_special_tokens=True)
-        return any(s in text for s in stops)
 
-    return hit
+@dataclass(frozen=True)
+class StopStrings:
+    """A Stop (tailrl.records): whether generated tokens end in one of `stops`, decoding only the
+    tail. A class, not a closure, so that it pickles to a worker process."""
+
+    tokenizer: Any
+    stops: tuple[str, ...]
+
+    def __call__(self, tokens: list[int]) -> bool:
+        # A stop string spans at most len(s) tokens (every token decodes to >= 1 char), plus one
+        # token of slack for a partial character at the tail start.
+        tail = max(len(s) for s in self.stops) + 1
+        text = self.tokenizer.decode(tokens[-tail:], skip_special_tokens=True)
+        return any(s in text for s in self.stops)
+
+
+def stop_checker(tokenizer, stops: Sequence[str]) -> Stop | None:
+    """Where generated tokens end in a stop string; None for no stop strings."""
+    return StopStrings(tokenizer, tuple(stops)) if stops else None
 
 
 def completion_text(tokenizer, completion: Completion, stops: Sequence[str] = ()) -> str:

@@ -1,5 +1,6 @@
-"""The records of one generate call, on either engine: what it is asked (`Request`), what it
-returns per request (`Completion`) and how far it is (`Progress`).
+"""The records of one generate call, on either engine: what it is asked (`Request`, and `Stop`:
+where a caller's own ending falls), what it returns per request (`Completion`) and how far it is
+(`Progress`).
 
 They live below the engine and the seam: tailrl.engine decodes Requests into Completions, and
 tailrl.rollout.protocol's `Rollout.generate` takes and returns the same records, so both import
@@ -11,8 +12,15 @@ Knows: the fields. Does not know: how tokens are produced, rollouts, RL.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+# A caller's own ending (`tailrl generate --stop`: text, decoded by the caller): called with a
+# sequence's generated tokens so far after each token is appended; True ends the sequence there,
+# that token kept, finish_reason "stop". It travels to wherever the sequence decodes (a worker
+# process or a Ray actor), so it must pickle.
+Stop = Callable[[list[int]], bool]
 
 
 @dataclass(frozen=True)

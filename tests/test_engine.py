@@ -242,6 +242,21 @@ def test_cli_prompt_longer_than_context(smollm2_dir, capsys):
     assert "exceeds the model's context of 8192 tokens" in err
 
 
+def test_cli_stop_string_ends_the_greedy_sample_and_cuts_its_text(smollm2_dir, capsys):
+    """`--stop WORD`: the sample is the greedy one up to the token that completes WORD, its text
+    the greedy text cut before WORD's first occurrence."""
+    argv = ["generate", "--temperature", "0", "--dtype", "fp32", "--max-new-tokens", "24", "--json", "--prompt",
+            "List three prime numbers."]
+    assert cli.main(argv) == 0
+    full = json.loads(capsys.readouterr().out.splitlines()[0])
+    word = full["text"].split()[3]  # a word in the middle: neither the first token nor the last
+    assert cli.main([*argv, "--stop", word]) == 0
+    cut = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert cut["finish_reason"] == "stop" and cut["text"] == full["text"][:full["text"].find(word)]
+    assert 0 < len(cut["token_ids"]) < len(full["token_ids"])
+    assert cut["token_ids"] == full["token_ids"][:len(cut["token_ids"])]
+
+
 def test_cli_greedy_matches_transformers(smollm2_dir, capsys):
     """`tailrl generate --temperature 0 --dtype fp32` == transformers greedy on SmolLM2."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

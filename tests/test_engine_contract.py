@@ -3,7 +3,8 @@
 tiny model built here:
 
 - greedy tokens are the reference forward's argmax chain (tailrl.model.Transformer, no cache),
-  on_finished fires once per request, on_progress ends at done == total;
+  on_finished fires once per request, on_progress ends at done == total; a caller's Stop ends
+  a sequence at the token where it says;
 - a bad request fails in one line (ValueError), and the engine decodes on as before;
 - the report has the fields the loop writes, its counts consistent with the completions;
 - a published policy, and a published drafter version, are what the next rollout decodes with:
@@ -22,6 +23,8 @@ import copy
 import dataclasses
 import json
 import math
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -79,6 +82,16 @@ def opened(engine: str, model: Transformer, **sections: object) -> Iterator[Roll
         yield rollout
     finally:
         rollout.close()
+
+
+@dataclass(frozen=True)
+class EndsWith:
+    """A Stop (tailrl.records): the sequence ends at `token`."""
+
+    token: int
+
+    def __call__(self, tokens: list[int]) -> bool:
+        return tokens[-1] == self.token
 
 
 def requests(prompt_len: int = 6, n: int = 12) -> list[Request]:
@@ -192,6 +205,24 @@ class TestPlainDecoding:
         verifies = sum(-(-(len(c.token_ids) - 1) // 7) for c in out)
         assert report.accept_len_ceiling == pytest.approx((tokens - len(out)) / verifies)
         assert report.accept_len_ceiling == chain_ceiling([c.top1 for c in out], 6)
+
+    def test_a_stop_ends_each_sequence_at_the_token_where_it_says(self, rollout, greedy):
+        out = greedy[0]
+        # The token most greedy responses reach before their last: most of them stop there.
+        target = Counter(t for c in out for t in set(c.token_ids[:-1])).most_common(1)[0][0]
+        finished = []
+        stopped = rollout.generate(4, requests(), GREEDY, MAX_NEW, stop=EndsWith(target),
+                                   on_finished=lambda i, c: finished.append(i))
+        cuts = [c.token_ids.index(target) + 1 if target in c.token_ids else None for c in out]
+        assert sum(cut is not None for cut in cuts) >= len(out) // 2
+        for c, s, cut in zip(out, stopped, cuts):
+            if cut is None:  # never reached: as without the stop
+                assert (s.token_ids, s.finish_reason) == (c.token_ids, c.finish_reason)
+            else:  # the greedy chain to the stop's token, the step's tokens after it dropped
+                assert (s.token_ids, s.finish_reason) == (c.token_ids[:cut], "stop")
+            assert len(s.logprobs) == len(s.top1) == len(s.token_ids)
+        assert sorted(finished) == list(range(len(out)))
+        assert rollout.report().rollout_tok_s > 0
 
     @pytest.mark.parametrize("prompt,max_new_tokens,word", [
         ((), 4, "request 3 has an empty prompt"),

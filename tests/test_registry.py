@@ -28,7 +28,6 @@ def test_names_and_sections():
     (["--kv-cache-gb", "1"], "[vllm] configures the vllm engine, but this run's is --engine native: leave [vllm] at "
                              "its defaults or use --engine vllm"),
     (["--engine", "vllm", "--max-batch", "4"], "[engine] configures the native engine"),
-    (["--engine", "vllm", "--stop", "x"], "--stop is the native engine's"),
 ])
 def test_generate_refuses_what_its_engine_does_not_read(capsys, flags, message):
     assert main(["generate", "--prompt", "ab", *flags]) == 2  # before any model loads

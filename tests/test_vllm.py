@@ -138,8 +138,7 @@ def test_generate_with_the_vllm_engine_prints_the_native_engines_fields(tmp_path
     assert stats["tokens"] == sum(len(x["token_ids"]) for x in vllm[:-1]) and stats["verify_steps"] > 0
     assert stats["accepted"] == sum(d * n for d, n in enumerate(stats["accept_hist"]))
     assert stats["proposed"] == 3 * stats["verify_steps"]  # --spec on: the whole chain every verify
-    for flags, message in ((["--engine", "vllm", "--stop", "x"], "--stop is the native engine's"),
-                           (["--engine", "vllm", "--max-batch", "4"], "[engine] configures the native engine"),
+    for flags, message in ((["--engine", "vllm", "--max-batch", "4"], "[engine] configures the native engine"),
                            (["--kv-cache-gb", "1"], "[vllm] configures the vllm engine")):
         assert main(["generate", "--model", str(model), "--prompt", "ab", *flags]) == 2
         err = capsys.readouterr().err

@@ -20,7 +20,7 @@ tailrl.rollout.vllm (vLLM engines, in the trainer's process or on Ray).
 The records only the seam defines live here: PolicyForward, DrafterFeed, RolloutReport, RolloutState,
 Rollback, Held and the rollout's errors. Those that the decoding engine below the seam
 (tailrl.engine) uses too live lower, so that it imports nothing of the seam: a generate call's
-Request, Completion and Progress (tailrl.records) and SamplingParams (tailrl.sampling). Callers
+Request, Stop, Completion and Progress (tailrl.records) and SamplingParams (tailrl.sampling). Callers
 import them from there, not from here: each name has one home, and what the RL loop takes from
 below the seam is plain data, never a way to generate.
 
@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import torch
 
 from tailrl.model import Transformer
-from tailrl.records import Completion, Progress, Request
+from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.report import Decoding, chain_ceiling, rollout_report
 from tailrl.stats import EngineStats
@@ -182,13 +182,14 @@ class Rollout(Protocol):
     def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
                  on_progress: Callable[[Progress], None] | None = None,
                  on_finished: Callable[[int, Completion], None] | None = None,
-                 policy_busy: Callable[[], bool] = lambda: False) -> list[Completion]:
+                 policy_busy: Callable[[], bool] = lambda: False, stop: Stop | None = None) -> list[Completion]:
         """The completions of `requests`, in request order, sampled from the last published
         policy. on_progress as the rollout advances; on_finished(request index, completion) once
         per request as it finishes, in the thread that called generate. Idle time inside the
         rollout goes to the policy's update first: background work of the rollout's own (spot
-        training on idle workers) runs only while policy_busy() is False. Raises WorkerError
-        when a worker fails (naming `step`)."""
+        training on idle workers) runs only while policy_busy() is False. `stop` ends a sequence
+        where it says (finish_reason "stop"), besides EOS and the length limit. Raises
+        WorkerError when a worker fails (naming `step`)."""
         ...
 
     def lend_core(self, lend: bool) -> None:

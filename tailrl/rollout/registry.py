@@ -2,7 +2,7 @@
 
 Each engine describes itself in its own package (an `EngineEntry`, `ENGINE` in its config
 module): the configuration sections it reads, what it refuses, how its RolloutConfig is built
-from its sections, and how `tailrl generate` runs on it. This module maps the names to those
+from its sections, and which of them `tailrl generate` reads. This module maps the names to those
 descriptions and imports an engine's only when it is asked for, so the RL loop can offer the
 names (TrainConfig.engine's choices) without importing any engine, and vLLM stays optional.
 The engines' config modules import `EngineEntry` from here when they are imported; this module
@@ -19,24 +19,10 @@ Knows: the engines' names and where each describes itself. Does not know: what a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping
 
-from tailrl.model import Transformer
-from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.protocol import RolloutConfig
 from tailrl.sampling import SamplingParams
-from tailrl.stats import Summary
-
-
-class Generate(Protocol):
-    """`tailrl generate` on one engine: `requests` decoded with `model` as the engine's own
-    generate sections say, and the call's summary."""
-
-    def __call__(self, sections: Mapping[str, object], model: Transformer, requests: list[Request],
-                 sampling: SamplingParams, max_new_tokens: int, seed: int,
-                 stop: Callable[[list[int]], bool] | None,
-                 progress: Callable[[Progress], None] | None) -> tuple[list[Completion], Summary]:
-        ...
 
 
 @dataclass(frozen=True)
@@ -48,18 +34,15 @@ class EngineEntry:
     sections: Mapping[str, type]
     # `tailrl generate`'s, by name.
     generate_sections: Mapping[str, type]
-    # ValueError for what a training run's sections and sampling ask that it cannot do.
+    # ValueError for what a run's sections and sampling ask that it cannot do.
     check: Callable[[Mapping[str, object], SamplingParams], None]
     # Its RolloutConfig from its own sections by name (those left out take their defaults).
     config: Callable[[Mapping[str, object]], RolloutConfig]
-    generate: Generate
     # `sections` with its own set to hold `sequences` at once, with `kv_gb` GiB of KV cache (None:
     # its default): how a benchmark sizes every engine alike.
     capacity: Callable[[Mapping[str, object], int, float | None], dict[str, object]]
     # Whether it has exact mode: bit-identical tokens with speculation on and off.
     exact: bool
-    # Whether it ends a sample at a stop string (`tailrl generate --stop`).
-    stop_strings: bool
 
 
 def _native() -> EngineEntry:

@@ -8,8 +8,8 @@ is idle first. Exact mode (bit-identical tokens with speculation on and off) is 
 Its `ENGINE` is what tailrl.rollout.registry finds as "native" (the registry imports this module
 only when asked for it; this module imports `EngineEntry` from the registry).
 
-Knows: which sections configure the native engine, how its workers start, how `tailrl generate`
-runs on it. Does not know: RL.
+Knows: which sections configure the native engine, how its workers start, which of them `tailrl
+generate` reads. Does not know: RL.
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 from safetensors.torch import load_file
 
-from tailrl.engine import Engine, EngineConfig
+from tailrl.engine import EngineConfig
 from tailrl.linears import PACKED_DTYPES
 from tailrl.memory import parameters_gb
 from tailrl.model import KVCache, Transformer, whole_chunks
-from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.adapt import AdaptiveDrafter
 from tailrl.rollout.native.pool import NativeRolloutState, WorkerPool
 from tailrl.rollout.workers import WorkerConfig
@@ -37,8 +36,7 @@ from tailrl.rollout.registry import EngineEntry
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import WEIGHTS_FILE
-from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig, install
-from tailrl.stats import Summary, summary_line
+from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
 from tailrl.tuner import TunerConfig
 
 # The configuration sections of the native engine (flags and TOML tables), by name.
@@ -143,20 +141,6 @@ def _runtime(cfg: WorkerConfig, model: Transformer, setup: WorkerSetup, tuners: 
     return ProcessRuntime(cfg.workers, model, dataclasses.replace(setup, threads=cfg.worker_threads), tuners, start_s)
 
 
-def generate(sections: Mapping[str, object], model: Transformer, requests: list[Request], sampling: SamplingParams,
-             max_new_tokens: int, seed: int, stop: Callable[[list[int]], bool] | None,
-             progress: Callable[[Progress], None] | None) -> tuple[list[Completion], Summary]:
-    """`tailrl generate` on one engine in this process, decoding with `model` itself, stop strings
-    included; the summary from the engine's counters."""
-    cfg = NativeRolloutConfig.from_sections(sections)
-    engine = Engine(model, cfg.engine)
-    install(engine, cfg.speculation, cfg.tuner, seed=seed)
-    out = engine.generate(requests, sampling, max_new_tokens, stop=stop, on_progress=progress)
-    st, sp = engine.stats, engine.stats.spec
-    return out, summary_line(st.tokens, st.seconds, cfg.speculation.spec != "off", sp.accept_len, sp.proposed,
-                             sp.accepted, sp.verify_steps, sp.accept_hist)
-
-
 def capacity(sections: Mapping[str, object], sequences: int, kv_gb: float | None) -> dict[str, object]:
     """`sections` with [engine] holding `sequences` at once (and `kv_gb` GiB of KV cache)."""
     engine = sections.get("engine") or EngineConfig()
@@ -171,6 +155,5 @@ def _check(sections: Mapping[str, object], sampling: SamplingParams) -> None:
 ENGINE = EngineEntry(
     name="native", sections=SECTIONS,
     generate_sections={"engine": EngineConfig, "speculation": SpeculationConfig, "tuner": TunerConfig},
-    check=_check, config=NativeRolloutConfig.from_sections, generate=generate, capacity=capacity, exact=True,
-    stop_strings=True,
+    check=_check, config=NativeRolloutConfig.from_sections, capacity=capacity, exact=True,
 )

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 
 from tailrl.model import Transformer
-from tailrl.records import Completion, Progress, Request
+from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.native.buffer import DataBuffer
 from tailrl.rollout.native.runtimes import Runtime
@@ -151,22 +151,23 @@ class WorkerPool(AdaptingRollout):
     def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
                  on_progress: Callable[[Progress], None] | None = None,
                  on_finished: Callable[[int, Completion], None] | None = None,
-                 policy_busy: Callable[[], bool] = lambda: False) -> list[Completion]:
+                 policy_busy: Callable[[], bool] = lambda: False, stop: Stop | None = None) -> list[Completion]:
         """The completions of `requests`, in order. on_progress(Progress) as the workers report
         it; on_finished(request index, completion) as each sequence finishes (in the trainer's
         thread that called generate). Idle time goes to the policy's update first: spot training
-        starts on an idle worker only while policy_busy() is False."""
+        starts on an idle worker only while policy_busy() is False. `stop` ends sequences on
+        every worker."""
         self._on_finished = on_finished
         self._threads = torch.get_num_threads()
         try:
-            return self._generate(requests, params, max_new_tokens, on_progress, policy_busy)
+            return self._generate(requests, params, max_new_tokens, on_progress, policy_busy, stop)
         except WorkerError as e:
             raise WorkerError(e.rank, f"{e.reason} in step {step}") from None
         finally:
             self._on_finished = None
             torch.set_num_threads(self._threads)  # a core lent in the tail comes back
 
-    def _generate(self, requests, params, max_new_tokens, on_progress, policy_busy) -> list[Completion]:
+    def _generate(self, requests, params, max_new_tokens, on_progress, policy_busy, stop) -> list[Completion]:
         if self.drafter is not None and self.drafter.version != self.published:
             self._call_all(SetDrafter(self.drafter.version, self.drafter.weights))
             self.published = self.drafter.version
@@ -178,7 +179,7 @@ class WorkerPool(AdaptingRollout):
         for rank, idx in enumerate(shards):
             if idx:
                 job = RolloutJob([requests[i] for i in idx], params, max_new_tokens, self.tuner_pending[rank],
-                                 report_finished=self._on_finished is not None)
+                                 report_finished=self._on_finished is not None, stop=stop)
                 self._start(rank, job)
                 self.tuner_pending[rank] = []
                 busy.add(rank)

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.records import Completion, Progress, Request
+from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.rollout.protocol import DrafterVersionError
 from tailrl.stats import EngineStats
 from tailrl.model import Transformer
@@ -62,6 +62,7 @@ class RolloutJob:
     # Tuner rewards the other workers observed since this worker's last rollout (Tuner.absorb).
     tuner_records: list = field(default_factory=list)
     report_finished: bool = False  # beat a Finished per sequence as it finishes
+    stop: Stop | None = None  # the caller's own ending (pickled to a worker process)
 
 
 @dataclass
@@ -167,7 +168,7 @@ class RolloutWorker:
         finished = None
         if job.report_finished:
             finished = lambda i, c: self.beat(Finished(i, dataclasses.replace(c, hidden=None, prompt_hidden=None)))  # noqa: E731
-        out = self.engine.generate(job.requests, job.params, job.max_new_tokens, on_progress=self.beat,
+        out = self.engine.generate(job.requests, job.params, job.max_new_tokens, stop=job.stop, on_progress=self.beat,
                                    on_finished=finished)
         seqs = [train_seq(c) for c in out] if self.setup.collect else []
         for c in out:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from tailrl.model import ModelConfig
-from tailrl.records import Completion, Progress, Request
+from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.rollout.ray_support import build_model, from_numpy
 from tailrl.rollout.vllm.checks import prepare_process
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
@@ -120,14 +120,14 @@ class EngineActor:
         return os.getpid()
 
     def begin(self, tags: Tags, step: int, requests: Sequence[Request], params: SamplingParams,
-              max_new_tokens: int) -> None:
+              max_new_tokens: int, stop: Stop | None) -> None:
         """`requests` into the engine, to be decoded by `advance`; RuntimeError unless the engine
         holds the weights and drafter `tags` names (the trainer's current ones)."""
         if tags != self.tags:
             raise RuntimeError(f"the engine holds {self.tags}, the trainer publishes {tags}")
         if self.call is not None:
             self.call.abort()
-        self.call = self.rollout.begin(step, requests, params, max_new_tokens)
+        self.call = self.rollout.begin(step, requests, params, max_new_tokens, stop)
 
     def advance(self, seconds: float) -> Advance:
         """Decode for about `seconds` (whole engine steps, at least one), or until the call is done."""

@@ -18,22 +18,20 @@ engine's learned-drafter chain depths (and plain), per running-batch bucket. A f
 --speculative-per-batch table replaces either. vLLM drafts chains only (--topk 1).
 
 Knows: the sections, their checks, which drafter directory vLLM loads how, that held-out
-evaluations decode on the native engine and that exact mode is its, how `tailrl generate` runs
-on vLLM. Does not know: vLLM's API (rollout.py), RL.
+evaluations decode on the native engine and that exact mode is its, which sections `tailrl
+generate` reads. Does not know: vLLM's API (rollout.py), RL.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 from tailrl.engine import EngineConfig
 from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
-from tailrl.records import Completion, Progress, Request
 from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rollout import ray_support
 from tailrl.rollout.protocol import Held, Rollout, RolloutConfig, RolloutState
@@ -45,7 +43,6 @@ from tailrl.rollout.workers import WorkerConfig
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.modes import DRAFTER_ARMS, RolloutSpeculationConfig, SpeculationConfig
-from tailrl.stats import Summary, summary_line
 from tailrl.tuner import TunerConfig
 
 
@@ -180,29 +177,8 @@ def check_run(sections: Mapping[str, object], sampling: SamplingParams) -> None:
     check_available()
 
 
-def generate(sections: Mapping[str, object], model: Transformer, requests: list[Request], sampling: SamplingParams,
-             max_new_tokens: int, seed: int, stop: Callable[[list[int]], bool] | None,
-             progress: Callable[[Progress], None] | None) -> tuple[list[Completion], Summary]:
-    """`tailrl generate` on an in-process vLLM engine (the T > 0 repair applied), drafting as
-    [speculation] says with a tailrl drafter, an EAGLE export or a draft model; the drafter does
-    not adapt (there is no training here). Samples end at EOS or their length: the engine has no
-    stop strings (`stop` is None, the CLI refuses --stop)."""
-    cfg = VllmRolloutConfig.from_sections({**sections, "adapt": AdaptConfig(adapt_drafter=False)})
-    rollout = cfg.open(model, seed)
-    try:
-        t0 = time.perf_counter()
-        out = rollout.generate(0, requests, sampling, max_new_tokens, on_progress=progress)
-        seconds, r = time.perf_counter() - t0, rollout.report()
-    finally:
-        rollout.close()
-    tokens = sum(len(comp.token_ids) for comp in out)
-    return out, summary_line(tokens, seconds, cfg.speculation.spec != "off", r.spec_accept_len, r.spec_proposed,
-                             r.spec_accepted, r.spec_verify_steps, r.accept_hist)
-
-
 ENGINE = EngineEntry(
     name="vllm", sections=SECTIONS,
     generate_sections={"vllm": VllmSettings, "speculation": SpeculationConfig, "tuner": TunerConfig},
-    check=check_run, config=VllmRolloutConfig.from_sections, generate=generate, capacity=capacity, exact=False,
-    stop_strings=False,
+    check=check_run, config=VllmRolloutConfig.from_sections, capacity=capacity, exact=False,
 )

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tailrl.model import Transformer
-from tailrl.records import Completion, Progress, Request
+from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.rollout import ray_support
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.protocol import DrafterVersionError, RolloutReport, RolloutState, WorkerError, decoding_report
@@ -164,14 +164,15 @@ class VllmFleet(AdaptingRollout):
     def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
                  on_progress: Callable[[Progress], None] | None = None,
                  on_finished: Callable[[int, Completion], None] | None = None,
-                 policy_busy: Callable[[], bool] = lambda: False) -> list[Completion]:
+                 policy_busy: Callable[[], bool] = lambda: False, stop: Stop | None = None) -> list[Completion]:
         """The completions of `requests`, in order (see the module doc). policy_busy is not
-        consulted: the engines' processes have no background work."""
+        consulted: the engines' processes have no background work. `stop` goes to every engine
+        with its requests."""
         check_sampling(params)
         check_requests(requests, max_new_tokens, self.max_len)
         self.step_restarts = 0
         t0 = time.perf_counter()
-        run = _Run(self, step, requests, params, max_new_tokens, on_finished)
+        run = _Run(self, step, requests, params, max_new_tokens, on_finished, stop)
         for rank, shard in enumerate(shard_indices(len(requests), self.size)):
             if shard:
                 run.dispatch(rank, list(shard))
@@ -239,9 +240,9 @@ class _Run:
     """One generate call across the engines: which requests each decodes, what came back."""
 
     def __init__(self, fleet: VllmFleet, step: int, requests: Sequence[Request], params: SamplingParams,
-                 max_new_tokens: int, on_finished: Callable[[int, Completion], None] | None):
+                 max_new_tokens: int, on_finished: Callable[[int, Completion], None] | None, stop: Stop | None):
         self.fleet, self.step, self.requests = fleet, step, requests
-        self.params, self.max_new_tokens, self.on_finished = params, max_new_tokens, on_finished
+        self.params, self.max_new_tokens, self.on_finished, self.stop = params, max_new_tokens, on_finished, stop
         self.out: list[Completion | None] = [None] * len(requests)
         self.shards: dict[int, list[int]] = {}  # rank -> the request indices its current call decodes
         self.calls: dict[ray.ObjectRef, int] = {}  # an outstanding advance -> rank
@@ -256,7 +257,7 @@ class _Run:
         self.shards[rank] = indices
         self.latest.pop(rank, None)
         fleet.actors[rank].begin.remote(fleet.tags, self.step, [self.requests[i] for i in indices], self.params,
-                                        self.max_new_tokens)
+                                        self.max_new_tokens, self.stop)
 
     def _lost(self, rank: int, reason: str) -> None:
         """Engine `rank` failed: a new one decodes its unfinished requests from their start."""

