@@ -136,6 +136,21 @@ def test_under_tried_arms_come_first_in_order():
     assert tuner.choose(5) == NGRAM
 
 
+def test_a_bucket_of_many_sequences_needs_fewer_tries_of_each_arm():
+    # pulls_needed by hand: ceil(32 / the bucket's smallest batch), at most min_pulls (3), at
+    # least 1: buckets 1, 2, 3-4, 5-8, 9-16 need 3; 17-32 needs 2; 33+ needs 1.
+    tuner = Tuner([PLAIN, NGRAM, DRAFTER], TunerConfig(epsilon=0.0))
+    assert [tuner.pulls_needed(b) for b in range(7)] == [3, 3, 3, 3, 3, 2, 1]
+    assert Tuner([PLAIN, NGRAM], TunerConfig(min_pulls=1)).pulls_needed(0) == 1
+    for batch, rounds in ((64, 1), (20, 2), (9, 3)):
+        order = []
+        for _ in range(3 * rounds + 1):  # every try, then one ranked pick
+            arm = tuner.choose(batch)
+            order.append(arm)
+            tuner.update(batch, arm, {PLAIN: 2.0, NGRAM: 1.0, DRAFTER: 3.0}[arm])
+        assert order == [PLAIN, NGRAM, DRAFTER] * rounds + [DRAFTER], batch
+
+
 def test_exploration_rate_matches_epsilon():
     # Non-greedy picks ~ Binomial(n, eps * (k-1)/k); each other arm ~ Binomial(n, eps/k).
     # Four exact two-sided binomial intervals at delta = 2.5e-7 each: false failure < 1e-6.
