@@ -1,0 +1,144 @@
+"""TLT inside TRL's GRPOTrainer (tailrl.trl) on a tiny model: three GRPO steps with TLT on, then
+what the engine drafts with, what policy it decodes, and what it samples.
+
+One trainer run (module fixture) on a tiny random Llama with a character-level tokenizer, its
+head sharpened so that greedy choices are no near-ties between two engines' fp32 kernels, the
+engine in fp32, and a fresh learned drafter over half the vocabulary; every check reads that
+run. The distribution check is a KS test at false-failure probability 0.001 (the asymptotic
+bound on sqrt(n) D, as tests/test_vllm_cpu_fix.py); the equalities are exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("vllm")
+
+from conftest import VLLM_TINY, write_char_model  # noqa: E402
+from test_vllm_cpu_fix import KS_CRIT, ks_distance, pit  # noqa: E402
+
+from tailrl.loading import load_model  # noqa: E402
+from tailrl.records import Request  # noqa: E402
+from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402
+from tailrl.rollout.vllm.settings import VllmSettings  # noqa: E402
+from tailrl.sampling import SamplingParams  # noqa: E402
+from tailrl.speculative.drafter.learner import AdaptConfig  # noqa: E402
+from tailrl.speculative.drafter.model import Drafter, save_drafter  # noqa: E402
+from tailrl.speculative.modes import SpeculationConfig  # noqa: E402
+
+K = 4  # draft tokens per verify
+STEPS = 3
+MIN_STEPS = 4  # drafter micro-steps per RL step
+
+
+def _prompts(n: int) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(5)
+    return [tuple(torch.randint(3, 98, (6,), generator=g).tolist()) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Train STEPS GRPO steps with TLT; then, with the trained policy and the adapted drafter:
+    greedy and T = 1 responses of the TRL trainer's engine, the trainer model's own greedy
+    responses, and greedy responses of tailrl's vLLM engine started from the saved drafter version."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig
+    from vllm import SamplingParams as VllmSampling
+    from vllm.inputs import TokensPrompt
+
+    from tailrl.trl import TLTConfig, TLTGRPOTrainer
+    from tailrl.trl.policy import policy_view
+
+    tmp = tmp_path_factory.mktemp("trl")
+    write_char_model(tmp / "m", tie_word_embeddings=False, **VLLM_TINY)
+    hf = AutoModelForCausalLM.from_pretrained(tmp / "m", dtype=torch.float32)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(12.0)  # sharp: p(argmax) well above its rivals (conftest.write_sharp_llama)
+    hf.save_pretrained(tmp / "m")
+    drafter = save_drafter(Drafter.from_target(load_model(tmp / "m", "fp32"), list(range(0, 128, 2)), "char", seed=0),
+                           tmp / "drafter")
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i}="}]} for i in range(16)])
+
+    def reward(completions, **_):  # a spread in every group: no group sits out
+        return [c[-1]["content"].count("a") / (1 + len(c[-1]["content"])) + 0.01 * len(c[-1]["content"])
+                for c in completions]
+
+    args = GRPOConfig(
+        output_dir=str(tmp / "out"), use_cpu=True, bf16=False, seed=0, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, num_generations=4, max_steps=STEPS, max_completion_length=24,
+        temperature=1.0, learning_rate=1e-3, beta=0.0, use_vllm=True, vllm_mode="colocate",
+        vllm_max_model_length=128, gradient_checkpointing=False, logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True)
+    tlt = TLTConfig(drafter=drafter, num_speculative_tokens=K, draft_sampling="greedy", dtype="float32",
+                    adapt=AdaptConfig(drafter_min_steps=MIN_STEPS, drafter_batch_tokens=64))
+    trainer = TLTGRPOTrainer(model=hf, reward_funcs=reward, args=args, train_dataset=data, tlt=tlt)
+    trainer.train()
+    gen = trainer.vllm_generation
+    gen.sync_weights()  # the last step's weights, as the next generation would
+    prompts = _prompts(16)
+    try:
+        before = gen.counters()
+        greedy = gen.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                  VllmSampling(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        greedy_counts = tuple(a - b for a, b in zip(gen.counters(), before))
+        sampled = gen.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(4)],
+                                   VllmSampling(temperature=1.0, max_tokens=32, ignore_eos=True, seed=0),
+                                   use_tqdm=False)
+        version = gen.drafter_version
+        saved = trainer.save_drafter(tmp / "adapted")
+    finally:
+        gen.close()
+    with torch.no_grad():
+        hf_greedy = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, min_new_tokens=24,
+                                 eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    policy = policy_view(hf)
+    settings = VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=16, draft_sampling="greedy")
+    spec = SpeculationConfig(spec="on", drafter=str(saved), draft_depth=K, num_draft_tokens=K)
+    rollout = VllmRolloutConfig(settings, spec, adapt=AdaptConfig(adapt_drafter=False)).open(policy, seed=0)
+    try:
+        fresh = rollout.generate(1, [Request(p, seed=i, group=i) for i, p in enumerate(prompts)],
+                                 SamplingParams(temperature=0.0), 24)
+        hist = rollout.report().accept_hist
+    finally:
+        rollout.close()
+    return dict(logs=trainer.state.log_history, version=version, greedy=[list(o.outputs[0].token_ids) for o in greedy],
+                greedy_counts=greedy_counts, sampled=sampled, hf_greedy=hf_greedy, policy=policy,
+                fresh=[c.token_ids for c in fresh], fresh_counts=(sum(hist), sum(i * h for i, h in enumerate(hist))))
+
+
+def test_the_drafter_adapts_and_trls_metrics_say_so(run):
+    steps = [h for h in run["logs"] if "loss" in h]
+    assert len(steps) == STEPS
+    assert all(h["tlt/accept_len"] >= 1.0 for h in steps)
+    # Training lags a step (the first step's data trains at the third sync): version 1 drafts at step 3.
+    assert [h["tlt/drafter_version"] for h in steps] == [0.0, 0.0, 1.0]
+    assert [h["tlt/drafter_micro_steps"] for h in steps] == [0.0, 0.0, float(MIN_STEPS)]
+    assert run["version"] == 2  # the sync after the last step published the second
+
+
+def test_the_engine_decodes_the_trainers_policy(run):
+    """After the sync, the engine's greedy responses are the trainer model's own (fp32)."""
+    assert run["greedy"] == run["hf_greedy"]
+
+
+def test_the_engine_drafts_with_the_pushed_version(run):
+    """Greedy drafts of the pushed version in the trainer's engine equal those of a fresh engine
+    started from that version's files: the same verifies, the same accepted tokens, the same tokens."""
+    drafts, accepted, _ = run["greedy_counts"]
+    assert drafts > 0 and accepted > 0
+    assert (drafts, accepted) == run["fresh_counts"]
+    assert run["fresh"] == run["greedy"]
+
+
+def test_samples_at_t1_follow_the_trained_policy(run):
+    g = torch.Generator().manual_seed(11)
+    from tailrl.records import Completion
+
+    u = torch.cat([pit(run["policy"], Completion(tuple(o.prompt_token_ids), list(o.outputs[0].token_ids), [], "length",
+                                                 0, 0), g) for o in run["sampled"]])
+    assert math.sqrt(u.numel()) * ks_distance(u) < KS_CRIT
