@@ -3,7 +3,7 @@ the imports that run when a module is imported.
 
 Layers, bottom to top (docs/architecture.md): base (model, sampling, stats, the records of a
 generate call, ...), engine, speculative, the seam (rollout/protocol.py), the rollout engines,
-rl, and the top (pipeline, warmup, bench, cli). An import at module level runs at import time; one
+rl, and the top (pipeline, warmup, bench, cli, trl). An import at module level runs at import time; one
 inside a function runs when called (how the registry reaches the engines, and the CLI its
 commands): both are dependencies and both must point down or sideways. Only the first can make an
 import cycle; two modules that import each other through the second are reported too (their
@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rollout", ("tailrl.rollout",)),
     ("rl", ("tailrl.rl",)),
     ("top", ("tailrl.pipeline", "tailrl.warmup", "tailrl.generate", "tailrl.tracking", "tailrl.bench",
-             "tailrl.cli", "tailrl.__main__")),
+             "tailrl.cli", "tailrl.__main__", "tailrl.trl")),
 ]
 
 # Modules that import, inside the function that looks one up by name, modules that import them:

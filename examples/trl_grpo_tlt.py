@@ -1,0 +1,105 @@
+"""TRL's GRPOTrainer on SmolLM2 and the `sums` task, with TLT on or off (docs/trl.md).
+
+    python examples/trl_grpo_tlt.py --model MODEL --drafter DRAFTER --tlt auto --steps 5
+    python examples/trl_grpo_tlt.py --model MODEL --tlt off --steps 5
+
+MODEL: a model directory (`tailrl sft` writes SmolLM2's cold start; the default is SmolLM2 itself);
+DRAFTER: a tailrl learned drafter for it (`tailrl drafter warmup --model MODEL --out DRAFTER`).
+Both runs generate with TRL's colocated vLLM engine on this machine's CPU (fp32; --dtype to
+change) and print one JSON line per step (step seconds, generation seconds, reward, accept_len,
+drafter version) and a summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # TRL's colocate mode drives the engine in this process
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="tailrl drafter directory (needed unless --tlt off)")
+    p.add_argument("--tlt", choices=("off", "on", "auto"), default="auto",
+                   help="off: no drafter; on: 4 draft tokens every step; auto: TLT's tuner per step")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM's choice would be bf16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-drafter", default=None, help="write the adapted drafter here at the end (TLT on)")
+    args = p.parse_args(argv)
+    if args.tlt != "off" and args.drafter is None:
+        print("error: --drafter is needed unless --tlt off", file=sys.stderr)
+        return 2
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig
+
+    from tailrl.trl import TLTConfig, TLTGRPOTrainer
+
+    from tailrl.loading import resolve_model_dir
+    from tailrl.rl.rewards import task_reward
+    from tailrl.rl.tasks import format_prompt, make_task
+
+    task = make_task("sums")
+    score = task_reward(task)
+    problems = [task.sample(args.seed, i) for i in range(args.steps * args.num_prompts)]
+    data = Dataset.from_list([{"prompt": format_prompt(q.question), "problem": i} for i, q in enumerate(problems)])
+
+    def reward(completions: list, problem: list[int], **_: object) -> list[float]:
+        return [score(problems[i], c[-1]["content"]) for i, c in zip(problem, completions)]
+
+    model_dir = resolve_model_dir(args.model)
+    batch = args.num_prompts * args.group_size
+    out = Path(tempfile.mkdtemp(prefix="trl-tlt-"))
+    config = GRPOConfig(
+        output_dir=str(out), use_cpu=True, bf16=False, seed=args.seed, per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1, num_generations=args.group_size, max_steps=args.steps,
+        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-5,
+        beta=0.0, loss_type="dapo", use_vllm=True, vllm_mode="colocate", gradient_checkpointing=False,
+        shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True)
+    ends: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a: object, **k: object) -> None:
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, *a: object, **k: object) -> None:
+            ends.append(time.perf_counter())
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    common = dict(model=model, reward_funcs=reward, args=config, train_dataset=data,
+                  processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Clock()])
+    # --tlt off is TRL's own generation with only the weight sync TLT brings (TRL's fails on CPU)
+    # and the same engine dtype: the baseline TLT is measured against.
+    drafter = Path(args.drafter) if args.tlt != "off" else None
+    trainer = TLTGRPOTrainer(**common, tlt=TLTConfig(drafter=drafter, spec=args.tlt, dtype=args.dtype))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    steps = [b - a for a, b in zip(ends, ends[1:])]
+    for k, (h, s) in enumerate(zip(logs, steps), 1):
+        print(json.dumps({"step": k, "step_s": round(s, 2), "reward": h.get("reward"),
+                          "accept_len": h.get("tlt/accept_len"), "drafter_version": h.get("tlt/drafter_version")}))
+    later = steps[1:] or steps  # the first step compiles and warms the engine
+    accept = [h["tlt/accept_len"] for h in logs if h.get("tlt/accept_len") is not None]
+    print(json.dumps({"tlt": args.tlt, "steps": len(steps), "median_step_s_after_first": round(statistics.median(later), 2),
+                      "accept_len_mean": round(statistics.mean(accept), 3) if accept else None}))
+    if args.save_drafter and args.tlt != "off":
+        trainer.save_drafter(args.save_drafter)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
