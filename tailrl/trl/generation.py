@@ -61,6 +61,9 @@ class TLTConfig:
     # The engine's dtype; None leaves it to vLLM, as TRL does (a float32 checkpoint then decodes
     # in bf16, which CPUs without native bf16 emulate, docs/performance.md).
     dtype: str | None = None
+    # vLLM's enforce_eager; None leaves it to vLLM, as TRL does (torch.compile at start: minutes
+    # on a CPU, where tailrl's own vLLM engine runs eager, docs/vllm.md).
+    enforce_eager: bool | None = None
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
     tuner: TunerConfig = field(default_factory=TunerConfig)
     seed: int = 0  # the tuner's exploration
@@ -117,10 +120,12 @@ class TLTGeneration(VLLMGeneration):
         self.adapt: AdaptiveDrafter | None = None
         self.drafter_version = 0
         self.last_adapt: AdaptStep | None = None
-        # Per-step stats on, for EngineSteps; the dtype where asked.
+        # Per-step stats on, for EngineSteps; dtype and eagerness where asked.
         llm_kwargs: dict[str, object] = {"disable_log_stats": False}
         if self.tlt.dtype:
             llm_kwargs["dtype"] = self.tlt.dtype
+        if self.tlt.enforce_eager is not None:
+            llm_kwargs["enforce_eager"] = self.tlt.enforce_eager
         if self.tlt.drafter is None:
             self._start(llm_kwargs)
             self.steps = EngineSteps(self.llm.llm_engine, None, "plain")
