@@ -111,6 +111,7 @@ def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
 
 def run_tailrl(cfg: BenchPeersConfig, out: Path) -> dict[str, Any]:
     """tailrl.rl.train.train as configured; its metrics.jsonl gives the times."""
+    from tailrl.pipeline import run_config
     from tailrl.rl.grpo import GRPOConfig
     from tailrl.rl.run_dir import RunDir
     from tailrl.rl.train import TrainConfig, train
@@ -124,7 +125,7 @@ def run_tailrl(cfg: BenchPeersConfig, out: Path) -> dict[str, Any]:
         "grpo": GRPOConfig(lr=cfg.lr, micro_batch=cfg.micro_batch, clip_low=0.2, grad_clip=1.0, kl_coef=0.0),
         "speculation": RolloutSpeculationConfig(spec=cfg.spec, drafter=cfg.drafter),
     }
-    train(configs, out)
+    train(run_config(configs), out)
     records = RunDir(out).read_metrics()[cfg.warmup:]
     steps = [{k: r[k] for k in ("step_s", "rollout_s", "reward_s", "train_s")}
              | {"tokens": r["tokens_generated"], "train_tokens": r["train_tokens"], "reward_mean": r["reward_mean"],
