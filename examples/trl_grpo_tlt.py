@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM's choice would be bf16)")
+    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM's KV cache")
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the engine (minutes at start on a CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-drafter", default=None, help="write the adapted drafter here at the end (TLT on)")
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     # and the same engine dtype: the baseline TLT is measured against.
     drafter = Path(args.drafter) if args.tlt != "off" else None
     trainer = TLTGRPOTrainer(**common, tlt=TLTConfig(drafter=drafter, spec=args.tlt, dtype=args.dtype,
-                                                             enforce_eager=not args.compile))
+                                                             enforce_eager=not args.compile, kv_cache_gb=args.kv_cache_gb))
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; this prints one line per step
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -79,7 +79,7 @@ def run(tmp_path_factory):
         save_strategy="no", disable_tqdm=True)
     # An exploring tuner: every step's draft length a seeded uniform draw among plain and the three
     # lengths, whatever the steps cost, so where it drafts does not depend on timing.
-    tlt = TLTConfig(drafter=drafter, draft_sampling="greedy", dtype="float32",
+    tlt = TLTConfig(drafter=drafter, draft_sampling="greedy", dtype="float32", kv_cache_gb=1 / 16,
                     adapt=AdaptConfig(drafter_min_steps=MIN_STEPS, drafter_batch_tokens=64),
                     tuner=TunerConfig(epsilon=1.0, loser_margin=1.0, switch_patience=1))
     trainer = TLTGRPOTrainer(model=hf, reward_funcs=reward, args=args, train_dataset=data, tlt=tlt)

@@ -64,6 +64,9 @@ class TLTConfig:
     # vLLM's enforce_eager; None leaves it to vLLM, as TRL does (torch.compile at start: minutes
     # on a CPU, where tailrl's own vLLM engine runs eager, docs/vllm.md).
     enforce_eager: bool | None = None
+    # vLLM's KV cache in GB; None leaves it to TRL's vllm_gpu_memory_utilization (on a CPU, that
+    # share of the RAM less what the process already holds: TRL's default 0.3 is 7 GB of 24).
+    kv_cache_gb: float | None = None
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
     tuner: TunerConfig = field(default_factory=TunerConfig)
     seed: int = 0  # the tuner's exploration
@@ -77,6 +80,8 @@ class TLTConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {', '.join(DRAFT_SAMPLING)}, got {self.draft_sampling!r}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb must be > 0 (or None: TRL's memory share), got {self.kv_cache_gb}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16 (or None: vLLM's choice), got {self.dtype!r}")
         if self.drafter is not None:
@@ -120,12 +125,14 @@ class TLTGeneration(VLLMGeneration):
         self.adapt: AdaptiveDrafter | None = None
         self.drafter_version = 0
         self.last_adapt: AdaptStep | None = None
-        # Per-step stats on, for EngineSteps; dtype and eagerness where asked.
+        # Per-step stats on, for EngineSteps; dtype, eagerness and KV cache where asked.
         llm_kwargs: dict[str, object] = {"disable_log_stats": False}
         if self.tlt.dtype:
             llm_kwargs["dtype"] = self.tlt.dtype
         if self.tlt.enforce_eager is not None:
             llm_kwargs["enforce_eager"] = self.tlt.enforce_eager
+        if self.tlt.kv_cache_gb is not None:
+            llm_kwargs["kv_cache_memory_bytes"] = int(self.tlt.kv_cache_gb * 2**30)
         if self.tlt.drafter is None:
             self._start(llm_kwargs)
             self.steps = EngineSteps(self.llm.llm_engine, None, "plain")
