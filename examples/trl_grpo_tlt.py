@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per loss forward (divides the batch)")
     p.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM's choice would be bf16)")
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM's KV cache")
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the engine (minutes at start on a CPU)")
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.tlt != "off" and args.drafter is None:
         print("error: --drafter is needed unless --tlt off", file=sys.stderr)
+        return 2
+    if (args.num_prompts * args.group_size) % args.micro_batch:
+        print("error: --micro-batch must divide --num-prompts x --group-size", file=sys.stderr)
         return 2
 
     import torch
@@ -67,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     batch = args.num_prompts * args.group_size
     out = Path(tempfile.mkdtemp(prefix="trl-tlt-"))
     config = GRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, seed=args.seed, per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1, num_generations=args.group_size, max_steps=args.steps,
+        # One generation of the whole batch per optimizer step, its loss in micro-batches (the
+        # logits of 32 x 300 tokens over a 49k vocabulary would hold gigabytes at once).
+        output_dir=str(out), use_cpu=True, bf16=False, seed=args.seed, per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=batch // args.micro_batch, num_generations=args.group_size, max_steps=args.steps,
         max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-5,
         beta=0.0, loss_type="dapo", use_vllm=True, vllm_mode="colocate", gradient_checkpointing=False,
         shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True)
