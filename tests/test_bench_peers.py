@@ -49,6 +49,7 @@ def test_trl_tokenizes_prompts_as_tailrl_does(smollm2_dir):
     assert list(trl_ids) == list(encode_question(tok, question))
 
 
+@pytest.mark.slow  # both trainers and four batch-1 runs: ~20 s, and the default selection's budget is spent
 def test_both_sides_run_the_same_steps_and_batch1(tiny_chat_dir, capsys):
     pytest.importorskip("trl")
     code = main(["bench", "peers", "--model", str(tiny_chat_dir), "--num-prompts", "2", "--group-size", "2",
