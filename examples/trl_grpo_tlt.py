@@ -93,18 +93,22 @@ def main(argv: list[str] | None = None) -> int:
     # --tlt off is TRL's own generation with only the weight sync TLT brings (TRL's fails on CPU)
     # and the same engine dtype: the baseline TLT is measured against.
     drafter = Path(args.drafter) if args.tlt != "off" else None
-    trainer = TLTGRPOTrainer(**common, tlt=TLTConfig(drafter=drafter, spec=args.tlt, dtype=args.dtype,
-                                                             enforce_eager=not args.compile, kv_cache_gb=args.kv_cache_gb))
+    tlt = TLTConfig(drafter=drafter, spec=args.tlt, dtype=args.dtype, enforce_eager=not args.compile,
+                    kv_cache_gb=args.kv_cache_gb)
+    trainer = TLTGRPOTrainer(**common, tlt=tlt)
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; this prints one line per step
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     steps = [b - a for a, b in zip(ends, ends[1:])]
     for k, (h, s) in enumerate(zip(logs, steps), 1):
-        print(json.dumps({"step": k, "step_s": round(s, 2), "reward": h.get("reward"),
-                          "accept_len": h.get("tlt/accept_len"), "drafter_version": h.get("tlt/drafter_version")}))
+        print(json.dumps({"step": k, "step_s": round(s, 2), "generate_s": round(h["tlt/generate_s"], 2),
+                          "reward": h.get("reward"), "accept_len": h.get("tlt/accept_len"),
+                          "drafter_version": h.get("tlt/drafter_version")}))
     later = steps[1:] or steps  # the first step compiles and warms the engine
     accept = [h["tlt/accept_len"] for h in logs if h.get("tlt/accept_len") is not None]
+    gen_later = [h["tlt/generate_s"] for h in logs][1:] or [h["tlt/generate_s"] for h in logs]
     print(json.dumps({"tlt": args.tlt, "steps": len(steps), "median_step_s_after_first": round(statistics.median(later), 2),
+                      "median_generate_s_after_first": round(statistics.median(gen_later), 2),
                       "accept_len_mean": round(statistics.mean(accept), 3) if accept else None}))
     if args.save_drafter and args.tlt != "off":
         trainer.save_drafter(args.save_drafter)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +101,7 @@ class GenerationStats:
 
     accept_len: float | None  # tokens per verify; None: no step drafted
     drafter_version: int
+    seconds: float  # the call's wall time (the sync before it not included)
 
 
 def _load_policy(worker, weights: dict[str, torch.Tensor]) -> None:
@@ -186,10 +188,12 @@ class TLTGeneration(VLLMGeneration):
 
     def generate(self, *args, **kwargs):
         self.steps.begin()
+        t0 = time.perf_counter()
         out = super().generate(*args, **kwargs)
+        seconds = time.perf_counter() - t0
         if self.adapt is not None:  # the drafting version's acceptance, for its rollback watch
             self.adapt.record(self.steps.tallies)
-        self.stats = GenerationStats(self.steps.accept_len, self.drafter_version)
+        self.stats = GenerationStats(self.steps.accept_len, self.drafter_version, seconds)
         return out
 
     def save_drafter(self, path: Path) -> Path:

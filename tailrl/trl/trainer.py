@@ -9,7 +9,7 @@ Everything else is TRL's. What changes (docs/trl.md): the engine drafts with the
 (tailrl.trl.generation), the weights reach vLLM by its layerwise reload, the drafter trains on
 the final-norm hidden states of TRL's own loss forward (tailrl.trl.policy: no second forward) for
 `drafter_min_steps` micro-steps at each weight sync (the bounded cost per step), and TRL's logged
-metrics gain `tlt/accept_len`, `tlt/drafter_version` and `tlt/drafter_micro_steps`.
+metrics gain `tlt/accept_len`, `tlt/drafter_version`, `tlt/drafter_micro_steps` and `tlt/generate_s`.
 
 Knows: where GRPOTrainer builds its engine, runs its loss forward and keeps its metrics (trl 1.16).
 Does not know: vLLM, the drafter's training.
@@ -55,6 +55,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         if gen.stats.accept_len is not None:
             metrics["tlt/accept_len"].append(gen.stats.accept_len)
         metrics["tlt/drafter_version"].append(float(gen.stats.drafter_version))
+        metrics["tlt/generate_s"].append(gen.stats.seconds)
         if gen.last_adapt is not None:
             metrics["tlt/drafter_micro_steps"].append(float(gen.last_adapt.micro_steps))
         return out
