@@ -89,9 +89,10 @@ def run(tmp_path_factory):
     prompts = _prompts(16)
     try:
         gen.steps.begin()
+        # One seed per response: four responses to a prompt under one seed would be one response four times.
         sampled = gen.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(4)],
-                                   VllmSampling(temperature=1.0, max_tokens=32, ignore_eos=True, seed=0),
-                                   use_tqdm=False)
+                                   [VllmSampling(temperature=1.0, max_tokens=32, ignore_eos=True, seed=i)
+                                    for i in range(4 * len(prompts))], use_tqdm=False)
         shapes = set(gen.steps.tallies)
         # Then K draft tokens every step, as the fresh engine below drafts: the tuner set aside.
         gen.steps.schedule = None

@@ -37,7 +37,7 @@ from tailrl.rollout.adapt import AdaptiveDrafter, AdaptStep
 from tailrl.rollout.protocol import PolicyForward
 from tailrl.rollout.vllm import cpu_fix
 from tailrl.rollout.vllm import internals as vllm_internals
-from tailrl.rollout.vllm.checks import DRAFT_SAMPLING, prepare_process
+from tailrl.rollout.vllm.checks import DRAFT_SAMPLING, prepare_process, process_state_kept
 from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
 from tailrl.speculative.drafter.export import eagle_weights
 from tailrl.speculative.drafter.learner import AdaptConfig
@@ -161,7 +161,9 @@ class TLTGeneration(VLLMGeneration):
 
     def _start(self, llm_kwargs: dict[str, object]) -> None:
         """TRL's own engine start, with `llm_kwargs` added to its arguments."""
-        with internals.replaced(internals.LLM_CLASS, functools.partial(LLM, **llm_kwargs)):
+        # vLLM's start would leave the trainer's process with torch.set_num_threads made a no-op,
+        # the global random generators reseeded (TRL seeded them) and the GC heap frozen.
+        with internals.replaced(internals.LLM_CLASS, functools.partial(LLM, **llm_kwargs)), process_state_kept():
             super()._init_vllm()
         self.dtype = self.llm.llm_engine.model_config.dtype
 

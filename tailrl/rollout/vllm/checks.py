@@ -1,6 +1,7 @@
 """What the vLLM engine's settings must satisfy, checked without importing vLLM: it is installed,
 the sampling is one whose log-probs vLLM records as tailrl defines them, requests fit the engine, a drafter directory is
-one vLLM can load (and how), and whether it is a learned drafter.
+one vLLM can load (and how), and whether it is a learned drafter; and what starting an engine
+in this process does to the process, undone (`process_state_kept`).
 
 Knows: vLLM's install command, its log-prob convention, drafter config files. Does not know:
 vLLM's API, the engine's settings (config.py), RL.
@@ -8,12 +9,18 @@ vLLM's API, the engine's settings (config.py), RL.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib.util
 import json
 import os
+import random
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
 
 from tailrl.records import Request
 from tailrl.sampling import SamplingParams
@@ -38,6 +45,27 @@ def prepare_process() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+
+
+@contextlib.contextmanager
+def process_state_kept() -> Iterator[None]:
+    """Undo what starting an in-process engine does to the process: the global random
+    generators (vLLM seeds them), torch.set_num_threads (vLLM's CPU worker makes it a no-op, for
+    its own worker process) and the GC heap (vLLM freezes it after start)."""
+    set_num_threads, frozen = torch.set_num_threads, gc.get_freeze_count()
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if not frozen:
+            gc.unfreeze()
 
 
 def check_sampling(params: SamplingParams) -> None:

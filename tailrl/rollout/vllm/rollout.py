@@ -10,7 +10,7 @@ In process because: weights are published by handing tensors to the engine's mod
 no disk), the repair must run where the sampler runs, and the engine decodes on this process's
 torch threads, which lend_core lends. Starting it changes process-wide state that the trainer
 owns (it seeds the global generators, replaces torch.set_num_threads by a no-op
-(vllm/v1/worker/cpu_worker.py:139-145) and freezes the GC heap); `_process_state_kept` puts it
+(vllm/v1/worker/cpu_worker.py:139-145) and freezes the GC heap); `process_state_kept` (checks.py) puts it
 back. One engine at a time per process: vLLM's in-process engines share process-wide state (its
 distributed groups, the kernel workspace) that closing any one of them tears down
 (EngineCore.shutdown -> cleanup_dist_env_and_memory), so a second would break the first; `start`
@@ -50,14 +50,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import random
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar, Iterator, Sequence
+from typing import Callable, ClassVar, Sequence
 
-import numpy as np
 import torch
 from vllm import EngineArgs
 from vllm.config import VllmConfig
@@ -74,7 +72,7 @@ from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.protocol import (DrafterVersionError, RolloutReport, RolloutState, WorkerError, check_state,
                                      decoding_report)
 from tailrl.rollout.vllm import cpu_fix, internals
-from tailrl.rollout.vllm.checks import check_requests, check_sampling, is_learned, spec_method
+from tailrl.rollout.vllm.checks import check_requests, check_sampling, is_learned, process_state_kept, spec_method
 from tailrl.rollout.vllm.outputs import SequenceOutput, StepCounters, add_spec, finish_reason
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
 from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
@@ -92,27 +90,6 @@ class VllmRolloutState(RolloutState):
 
     tuner: dict | None
     adapt: dict | None
-
-
-@contextlib.contextmanager
-def _process_state_kept() -> Iterator[None]:
-    """Undo what starting an in-process engine does to the process: the global random
-    generators (vLLM seeds them), torch.set_num_threads (vLLM's CPU worker makes it a no-op, for
-    its own worker process) and the GC heap (vLLM freezes it after start)."""
-    set_num_threads, frozen = torch.set_num_threads, gc.get_freeze_count()
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_num_threads
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        if not frozen:
-            gc.unfreeze()
 
 
 def _engine_args(cfg: VllmSettings, drafting: Drafting | None, method: str, model_dir: Path, drafter_dir: Path | None,
@@ -281,7 +258,7 @@ class VllmRollout(AdaptingRollout):
         def factory(vllm_config: VllmConfig, engine_index: int) -> StatLoggerBase:
             return counters
 
-        with tempfile.TemporaryDirectory(prefix="tailrl-vllm-") as tmp, _process_state_kept():
+        with tempfile.TemporaryDirectory(prefix="tailrl-vllm-") as tmp, process_state_kept():
             model_dir = Path(tmp) / "model"
             model_dir.mkdir()
             write_model_dir(model, dtype, model_dir)
