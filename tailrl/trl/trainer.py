@@ -41,6 +41,8 @@ class TLTGRPOTrainer(GRPOTrainer):
         self._capture = HiddenCapture(self.accelerator.unwrap_model(self.model))
 
     def _compute_loss(self, model, inputs):
+        if self.vllm_generation.adapt is None:  # spec "off": no drafter to feed
+            return super()._compute_loss(model, inputs)
         with self._capture.capturing() as chunks:
             loss = super()._compute_loss(model, inputs)
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
