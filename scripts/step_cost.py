@@ -5,7 +5,9 @@ case is `batch` prompts of random tokens whose lengths spread +-50% around `cont
 native engine admits them longest first, as it admits any wave), decoded for `--steps` steps
 with EOS ignored, so every step advances the whole batch; a case's time is the median of its
 steps after the first (the prefill is not a decode step). Printed per case: each engine's
-median over the repetitions, ms per step, and native's speed over vLLM's (vLLM's time / native's).
+median over the repetitions, ms per step, and native's speed over vLLM's (vLLM's time / native's);
+native runs twice, with its compiled decode attention and with it switched off (SDPA:
+tailrl.attention_kernel.SWITCH), when the kernel is built on this machine.
 
     .venv/bin/python scripts/step_cost.py [--model DIR] [--batches 1 4 16 32 64]
         [--contexts 256 1024] [--steps 16] [--reps 3]
@@ -38,6 +40,7 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams as VllmParams, TokensPrompt
 
+    from tailrl import attention_kernel
     from tailrl.engine import Engine, EngineConfig
     from tailrl.loading import load_model, resolve_dtype, resolve_model_dir
     from tailrl.records import Request
@@ -64,24 +67,29 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         return statistics.median(times[2:]) * 1e3  # times[0] is the prefill
 
-    def native_ms(prompts: list[list[int]]) -> float:
+    def native_ms(prompts: list[list[int]], kernel: bool) -> float:
+        os.environ[attention_kernel.SWITCH] = "1" if kernel else "0"
         requests = [Request(tuple(p), seed=i, group=i) for i, p in enumerate(prompts)]
         native.generate(requests, SamplingParams(temperature=1.0), args.steps)
         return statistics.median(r.seconds for r in native.stats.timeline[1:]) * 1e3
 
-    print(f"dtype {dtype}, {torch.get_num_threads()} threads; ms per plain decode step (median)")
-    print("| running | context | native ms | vLLM ms | native speed / vLLM's |\n|---|---|---|---|---|")
+    kernel = attention_kernel.library() is not None
+    print(f"dtype {dtype}, {torch.get_num_threads()} threads; ms per plain decode step (median); decode kernel "
+          f"{'built' if kernel else 'not built: native is SDPA only'}")
+    print("| running | context | native ms | native SDPA ms | vLLM ms | native speed / vLLM's | SDPA's / vLLM's |")
+    print("|---|---|---|---|---|---|---|")
     for context in args.contexts:
         for b in args.batches:
             rng = random.Random(b * 100003 + context)
             prompts = [[rng.randrange(100, 20000) for _ in range(rng.randint(context // 2, context * 3 // 2))]
                        for _ in range(b)]
-            nat, vll = [], []
+            nat, sdpa, vll = [], [], []
             for _ in range(args.reps):
-                nat.append(native_ms(prompts))
+                nat.append(native_ms(prompts, kernel))
+                sdpa.append(native_ms(prompts, False))
                 vll.append(vllm_ms(prompts))
-            n, v = statistics.median(nat), statistics.median(vll)
-            print(f"| {b} | {context} | {n:.1f} | {v:.1f} | {v / n:.2f}x |", flush=True)
+            n, sd, v = statistics.median(nat), statistics.median(sdpa), statistics.median(vll)
+            print(f"| {b} | {context} | {n:.1f} | {sd:.1f} | {v:.1f} | {v / n:.2f}x | {v / sd:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

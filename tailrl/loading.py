@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tailrl.cache_dir import cache_root
 from tailrl.model import ModelConfig, Transformer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -69,22 +70,6 @@ def resolve_device(name: str) -> torch.device:
 
 class ModelError(ValueError):
     """A model directory that cannot be used, with the reason in one line."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TAILRL_CACHE", Path.home() / ".cache" / "tailrl"))
-
-
-def shown_path(path: str) -> str:
-    """`path` as a record meant for other machines shows it: under the cache directory's
-    documented name, or relative to the working directory (the repository, where benches run),
-    so that it names no one machine's home or temporary directory; other paths as given."""
-    p = Path(path)
-    cache = "$TAILRL_CACHE" if "TAILRL_CACHE" in os.environ else "~/.cache/tailrl"
-    for root, shown in ((cache_root(), cache), (Path.cwd(), "")):
-        if p.is_absolute() and p.is_relative_to(root):
-            return str(Path(shown, p.relative_to(root)))
-    return path
 
 
 def default_model_dir() -> Path:

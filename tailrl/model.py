@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tailrl import attention_kernel
 from tailrl.linears import FusedLinears, Head, Linear, blocked, packed_path
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
@@ -247,6 +248,17 @@ class CacheView:
         return out
 
     @cached_property
+    def row_keys(self) -> torch.Tensor | None:
+        """For one new token per row whose mask is a prefix of the keys: each row's key count, for
+        the decode kernel (tailrl.attention_kernel); else None.  # (B,) int32"""
+        if self.mask.shape[1] != 1:
+            return None
+        row = self.mask[:, 0]  # (B, S)
+        count = row.sum(-1)
+        last = self.kv_len - row.flip(-1).int().argmax(-1)  # last attended key + 1
+        return count.to(torch.int32) if bool((count == last).all()) else None
+
+    @cached_property
     def rows(self) -> torch.Tensor:
         """Each new token's row in the view, beside write_pos for indexing the cache.  # (B, T)"""
         b, t = self.write_pos.shape
@@ -340,6 +352,10 @@ class Attention(nn.Module):
         cv[view.rows, :, view.write_pos] = v.transpose(1, 2)
         g = self.h // self.k
         n = g * t  # the G query heads of a kv head stacked as rows: K and V are read once per kv head
+        if not exact and t == 1 and view.row_keys is not None and attention_kernel.usable(q.reshape(b, self.k, n, d), ck):
+            # One call for the whole batch, each row over its own keys (the kernel's module says why).
+            out = attention_kernel.decode_attention(q.reshape(b, self.k, n, d), ck, cv, view.row_keys)
+            return out.reshape(b, self.h, t, d)
         if not exact:
             # SDPA reads the cache's first S keys where they lie: a matmul needs them contiguous,
             # and a row's keys are strided by the cache's capacity, so it would copy K and V on

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from tailrl.loading import cache_root, model_fingerprint, resolve_model_dir
+from tailrl.cache_dir import cache_root
+from tailrl.loading import model_fingerprint, resolve_model_dir
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.progress import Notice
 from tailrl.rl.rewards import load_reward

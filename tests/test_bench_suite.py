@@ -7,7 +7,7 @@ import pytest
 
 from tailrl.bench.suite import END, START, BenchAllConfig, update_results_md
 from tailrl.cli import main
-from tailrl.loading import shown_path
+from tailrl.cache_dir import shown_path
 
 
 def test_bench_all_writes_json_and_rewrites_only_the_results_section(smollm2_shallow_dir, tmp_path, capsys):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build_hf
+from tailrl import attention_kernel
 from tailrl.engine import EngineConfig
 from tailrl.loading import ModelError, load_model
 from tailrl.linears import PACKED_DTYPES
@@ -49,8 +50,10 @@ def test_logits_match_transformers(tmp_path, kind, extra):
     assert (got - ref).abs().max().item() <= ATOL
 
 
-@pytest.mark.parametrize("rows", [3, 1])  # one row: its decode steps take the unmasked SDPA path
-def test_cached_decode_equals_full_forward(tiny_dir, rows):
+@pytest.mark.parametrize("kernel", ["1", "0"])  # decode steps in the compiled kernel, or SDPA
+@pytest.mark.parametrize("rows", [3, 1])  # one row: SDPA's decode steps take its unmasked path
+def test_cached_decode_equals_full_forward(tiny_dir, monkeypatch, rows, kernel):
+    monkeypatch.setenv(attention_kernel.SWITCH, kernel)
     model = load_model(tiny_dir, dtype="fp32")
     torch.manual_seed(0)
     ids = torch.randint(0, 96, (3, 30))[:rows]
@@ -77,7 +80,10 @@ def test_row_segments_minimise_keys_read_plus_calls():
 @pytest.mark.parametrize("cost", [0, model_module.SEGMENT_COST_KEYS])  # 0: a range per distinct length
 def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkeypatch, cost):
     """A right-padded prefill of prompts of 7, 30 and 15 tokens, then 5 decode steps each at its
-    own position: every row's logits are those of a full forward over that row alone."""
+    own position: every row's logits are those of a full forward over that row alone. SDPA's row
+    groups: the compiled decode kernel, which reads each row's own keys without groups, is
+    switched off (its own test: test_attention_kernel.py)."""
+    monkeypatch.setenv(attention_kernel.SWITCH, "0")
     monkeypatch.setattr(model_module, "SEGMENT_COST_KEYS", cost)
     model = load_model(tiny_dir, dtype="fp32")
     torch.manual_seed(0)

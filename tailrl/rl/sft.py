@@ -38,8 +38,9 @@ from safetensors.torch import save_file
 
 from tailrl.engine import Engine, EngineConfig
 from tailrl.records import Request
+from tailrl.cache_dir import cache_root
 from tailrl.loading import (
-    DTYPES, cache_root, load_model, load_tokenizer, model_fingerprint, resolve_dtype, resolve_model_dir,
+    DTYPES, load_model, load_tokenizer, model_fingerprint, resolve_dtype, resolve_model_dir,
 )
 from tailrl.model import Transformer
 from tailrl.rl.guards import sigint_deferred

@@ -1,0 +1,118 @@
+"""Decode attention on CPU as one compiled call per layer: each sequence's query rows attend its
+own first L keys where they lie in the slotted cache.
+
+Why: torch's CPU SDPA (its flash kernel) computes a decode step's attention as two small GEMMs
+per (sequence, kv head, 512-key block), each a separate library call whose fixed cost is many
+times its arithmetic when a kv head has only a few query rows; its bf16 path is no faster than
+its fp32 one. vLLM's CPU backend has its own kernel for this, and a native step spent about
+twice vLLM's time in attention (docs/performance.md, "Decode attention"). This one loops over
+each sequence's keys once for scores and once for values, fp32 sums, and splits the (sequence,
+kv head) pairs over threads; it reads bf16 or fp32 caches, so the cache stays in the run's dtype.
+
+It is C (csrc/decode_attention.c), compiled at first use with the machine's C compiler for the
+machine's own instruction set (`-march=native`) into the cache directory, keyed by the source,
+the compiler and the CPU, and loaded with ctypes; a ctypes call releases the GIL. Where there is
+no compiler or the build fails, `decode_attention` returns None and the model keeps SDPA: the
+kernel is a speed-up, never a requirement. It is not row-invariant by design (no exact mode):
+exact mode keeps its own fixed-chunk attention (tailrl.model).
+
+Knows: the KV cache's layout (slot, kv head, position, dim), the C compiler, ctypes.
+Does not know: the model, masks other than a row's key count, engines.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tailrl.cache_dir import cache_root
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+MAX_ROWS, MAX_DIM = 64, 256  # the C source's fixed limits (MAX_ROWS, MAX_DIM)
+DTYPES = (torch.bfloat16, torch.float32)
+# "0" turns the kernel off (SDPA then computes every step), read at each call so that one process
+# can compare the two (scripts/step_cost.py).
+SWITCH = "TAILRL_DECODE_KERNEL"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+
+
+def _cpu_key() -> str:
+    """What the compiled code depends on besides the source: the CPU's model and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "vendor_id"))][:3]
+    return platform.machine() + "\n" + "\n".join(wanted)
+
+
+def _build(compiler: str) -> Path | None:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_key()]).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / key / "decode_attention.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
+        built = Path(tmp.name)
+    done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+    if done.returncode != 0:
+        built.unlink(missing_ok=True)
+        return None
+    os.replace(built, out)  # atomic: a concurrent process sees the whole library or none
+    return out
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None where it cannot be (no C compiler, a failed
+    build, not Linux-like)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not SOURCE.exists():
+        return None
+    try:
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path)) if path else None
+    except OSError:
+        return None
+    if lib is not None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.decode_attention.argtypes = [p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        lib.decode_attention.restype = ctypes.c_int
+    return lib
+
+
+def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `decode_attention` can take this call: CPU tensors of a supported dtype, shapes
+    within the C limits, a cache with unit stride along D, the library built, and not switched
+    off (SWITCH)."""
+    b, k, n, d = q.shape
+    return (os.environ.get(SWITCH) != "0" and q.device.type == "cpu" and keys.dtype in DTYPES and q.dtype == keys.dtype and n <= MAX_ROWS
+            and d <= MAX_DIM and keys.stride(-1) == 1 and keys.stride(-2) == d and library() is not None)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v for each row b over its keys [0, lens[b]); the call must be
+    `usable`.  q (B, K, n, D), keys/values (B, K, M, D) views of the cache (same strides),
+    lens (B,) int32 with 1 <= lens[b] <= M  -> (B, K, n, D) in q's dtype"""
+    b, k, n, d = q.shape
+    if keys.stride() != values.stride():
+        raise ValueError("keys and values must share one layout")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lens = lens.to(torch.int32).contiguous()
+    status = library().decode_attention(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), lens.data_ptr(), out.data_ptr(), b, k, n, d,
+        keys.stride(0), keys.stride(1), 1.0 / d**0.5, int(keys.dtype == torch.bfloat16), torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"decode attention kernel failed (status {status})")
+    return out
