@@ -321,14 +321,15 @@ def test_a_chunked_and_checkpointed_update_is_the_ordinary_one(tiny_dir):
     """The whole update with every memory setting forced on (log-probs 3 tokens at a time, every
     pack checkpointed, packs of at most 24 tokens), against the ordinary update of the same
     micro-batches, in fp64 (bound as above); checkpointing alone recomputes each layer with the
-    same shapes, so in fp32 it gives the same bits."""
+    same shapes, so in fp32 it gives the same bits. autocast fp32: where bf16 is native, "auto"
+    would run the products in bf16 and the two updates would differ by bf16 rounding."""
     groups = _groups(96)
-    plain = GRPOConfig(micro_batch=3, micro_batch_tokens=24)
-    flat = GRPOConfig(micro_batch=3, micro_batch_tokens=24, logprob_chunk=3, checkpoint_tokens=1)
+    plain = GRPOConfig(micro_batch=3, micro_batch_tokens=24, autocast="fp32")
+    flat = GRPOConfig(micro_batch=3, micro_batch_tokens=24, logprob_chunk=3, checkpoint_tokens=1, autocast="fp32")
     policy64 = load_model(tiny_dir, dtype="fp32").double().requires_grad_(True)
     want, got = (_in_order(policy64, groups, cfg, range(len(groups))) for cfg in (plain, flat))
     assert all(torch.allclose(x, y, rtol=1e-12, atol=1e-12 * y.abs().max().item()) for x, y in zip(got, want))
     policy = load_model(tiny_dir, dtype="fp32").requires_grad_(True)
-    checkpointed = GRPOConfig(micro_batch=3, micro_batch_tokens=24, checkpoint_tokens=1)
+    checkpointed = GRPOConfig(micro_batch=3, micro_batch_tokens=24, checkpoint_tokens=1, autocast="fp32")
     want, got = (_in_order(policy, groups, cfg, range(len(groups))) for cfg in (plain, checkpointed))
     assert all(torch.equal(x, y) for x, y in zip(got, want))
