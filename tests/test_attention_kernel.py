@@ -1,5 +1,5 @@
-"""The compiled decode attention (tailrl.attention_kernel) against a float64 reference, and the
-model's decode steps through it against full forwards.
+"""The compiled decode attention (tailrl.attention_kernel) against a float64 reference (the
+model's decode steps through it against full forwards: test_model.py).
 
 Tolerances. fp32 cache: the kernel sums in fp32 what the reference sums in float64, over at
 most a few hundred keys of unit-scale values, so outputs (magnitude <= ~1) differ by ~1e-7; we
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tailrl import attention_kernel
-from tailrl.loading import load_model
 from tailrl.model import CacheView, KVCache
 
 pytestmark = pytest.mark.skipif(attention_kernel.library() is None, reason="no C compiler: the kernel is not built")
@@ -66,37 +65,3 @@ def test_row_keys_only_for_one_token_over_a_prefix():
     assert CacheView(cache, 0, lens[:, None], 5, holed).row_keys is None
     two = torch.ones(2, 2, 5, dtype=torch.bool)
     assert CacheView(cache, 0, torch.zeros(2, 2, dtype=torch.long), 5, two).row_keys is None
-
-
-def test_decode_steps_through_the_kernel_equal_full_forwards(tiny_dir, monkeypatch):
-    """Prompts of 7, 30 and 15 tokens, then 5 decode steps each at its own position, every
-    step's attention in the kernel (counted): each row's logits are those of a full forward
-    over that row alone (SDPA), to 1e-4 in fp32 as the model's other tests (test_model.py)."""
-    calls = []
-    real = attention_kernel.decode_attention
-
-    def counted(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(attention_kernel, "decode_attention", counted)
-    monkeypatch.setenv(attention_kernel.SWITCH, "1")
-    model = load_model(tiny_dir, dtype="fp32")
-    torch.manual_seed(0)
-    lens, steps = torch.tensor([7, 30, 15]), 5
-    prompts, fed = torch.randint(0, 96, (3, 30)), torch.randint(0, 96, (3, steps))
-    cache = KVCache(model.cfg, slots=3, capacity=64, dtype=torch.float32, device="cpu")
-    pos = torch.arange(30).expand(3, 30)
-    mask = torch.ones(30, 30).tril().bool()[None] & (pos < lens[:, None])[:, None]
-    with torch.inference_mode():
-        got = [model(prompts, pos, CacheView(cache, 0, pos, 30, mask))[torch.arange(3), lens - 1][:, None]]
-        for t in range(steps):
-            at = lens + t
-            m = (torch.arange(int(at.max()) + 1)[None] <= at[:, None])[:, None]
-            got.append(model(fed[:, t : t + 1], at[:, None], CacheView(cache, 0, at[:, None], int(at.max()) + 1, m)))
-        got = torch.cat(got, 1)  # (3, 1 + steps, V)
-        assert len(calls) == steps * model.cfg.num_layers
-        for i in range(3):
-            own = torch.cat([prompts[i, : lens[i]], fed[i]])
-            full = model(own[None], torch.arange(len(own))[None])[0, lens[i] - 1 :]
-            assert (got[i] - full).abs().max().item() <= 1e-4

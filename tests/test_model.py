@@ -77,13 +77,22 @@ def test_row_segments_minimise_keys_read_plus_calls():
     assert row_segments([1, 100, 1], 100) == [(0, 3, 100)]  # 400 against 401, 402
 
 
-@pytest.mark.parametrize("cost", [0, model_module.SEGMENT_COST_KEYS])  # 0: a range per distinct length
-def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkeypatch, cost):
+# The decode steps' attention: the compiled kernel (tailrl.attention_kernel), or SDPA over row
+# groups with `cost` (0: a group per distinct length).
+@pytest.mark.parametrize("kernel,cost", [("1", model_module.SEGMENT_COST_KEYS), ("0", 0), ("0", model_module.SEGMENT_COST_KEYS)])
+def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkeypatch, kernel, cost):
     """A right-padded prefill of prompts of 7, 30 and 15 tokens, then 5 decode steps each at its
-    own position: every row's logits are those of a full forward over that row alone. SDPA's row
-    groups: the compiled decode kernel, which reads each row's own keys without groups, is
-    switched off (its own test: test_attention_kernel.py)."""
-    monkeypatch.setenv(attention_kernel.SWITCH, "0")
+    own position: every row's logits are those of a full forward over that row alone. With the
+    kernel, each decode step's attention is counted to have gone through it."""
+    calls = []
+    real = attention_kernel.decode_attention
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(attention_kernel, "decode_attention", counted)
+    monkeypatch.setenv(attention_kernel.SWITCH, kernel)
     monkeypatch.setattr(model_module, "SEGMENT_COST_KEYS", cost)
     model = load_model(tiny_dir, dtype="fp32")
     torch.manual_seed(0)
@@ -98,6 +107,8 @@ def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkey
         m = (torch.arange(int(at.max()) + 1)[None] <= at[:, None])[:, None]
         got.append(model(fed[:, t : t + 1], at[:, None], CacheView(cache, 0, at[:, None], int(at.max()) + 1, m)))
     got = torch.cat(got, 1)  # (3, 1 + steps, V)
+    built = attention_kernel.library() is not None
+    assert len(calls) == (steps * model.cfg.num_layers if kernel == "1" and built else 0)
     for i in range(3):
         own = torch.cat([prompts[i, : lens[i]], fed[i]])
         full = model(own[None], torch.arange(len(own))[None])[0, lens[i] - 1 :]
