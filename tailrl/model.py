@@ -352,10 +352,11 @@ class Attention(nn.Module):
         cv[view.rows, :, view.write_pos] = v.transpose(1, 2)
         g = self.h // self.k
         n = g * t  # the G query heads of a kv head stacked as rows: K and V are read once per kv head
-        if not exact and t == 1 and view.row_keys is not None and attention_kernel.usable(q.reshape(b, self.k, n, d), ck):
+        qg = q.reshape(b, self.k, n, d)
+        # The usability check first: the key counts cost a device sync where the kernel cannot run.
+        if not exact and t == 1 and attention_kernel.usable(qg, ck) and view.row_keys is not None:
             # One call for the whole batch, each row over its own keys (the kernel's module says why).
-            out = attention_kernel.decode_attention(q.reshape(b, self.k, n, d), ck, cv, view.row_keys)
-            return out.reshape(b, self.h, t, d)
+            return attention_kernel.decode_attention(qg, ck, cv, view.row_keys).reshape(b, self.h, t, d)
         if not exact:
             # SDPA reads the cache's first S keys where they lie: a matmul needs them contiguous,
             # and a row's keys are strided by the cache's capacity, so it would copy K and V on
@@ -363,17 +364,16 @@ class Attention(nn.Module):
             # also skips the fp32 score tensor of a prefill.
             # Rows in groups (CacheView.segments): one attention call over the batch's longest
             # row would read every row's cache up to that length.
-            q = q.reshape(b, self.k, n, d)
             parts = []
             for i, j, s, m in view.segments:
                 if m is not None and t > 1:
                     m = m[:, None].expand(j - i, g, t, -1).reshape(j - i, 1, n, -1)
                 elif m is not None:
                     m = m[:, None]
-                parts.append(F.scaled_dot_product_attention(q[i:j], ck[i:j, :, :s], cv[i:j, :, :s], attn_mask=m))
+                parts.append(F.scaled_dot_product_attention(qg[i:j], ck[i:j, :, :s], cv[i:j, :, :s], attn_mask=m))
             out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, K, G*T, D)
             return out.reshape(b, self.h, t, d)  # CUDA's kernels may return other strides
-        scores = chunked_qk(q.reshape(b, self.k, n, d), ck, view.kv_len) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
+        scores = chunked_qk(qg, ck, view.kv_len) * (1.0 / math.sqrt(d))  # (B, K, G*T, S)
         scores = scores.view(b, self.k, g, t, -1).masked_fill_(view.hidden_keys, float("-inf"))
         # Softmax with the normaliser summed in fp64: a vectorised fp32 sum groups keys by their
         # index, so the same keys at other positions (a tree's accepted path, before compaction)
