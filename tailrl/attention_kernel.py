@@ -96,8 +96,9 @@ def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
     within the C limits, a cache with unit stride along D, the library built, and not switched
     off (SWITCH)."""
     b, k, n, d = q.shape
-    return (os.environ.get(SWITCH) != "0" and q.device.type == "cpu" and keys.dtype in DTYPES and q.dtype == keys.dtype and n <= MAX_ROWS
-            and d <= MAX_DIM and keys.stride(-1) == 1 and keys.stride(-2) == d and library() is not None)
+    return (os.environ.get(SWITCH) != "0" and q.device.type == "cpu" and keys.dtype in DTYPES
+            and q.dtype == keys.dtype and n <= MAX_ROWS and d <= MAX_DIM and keys.stride(-1) == 1
+            and keys.stride(-2) == d and library() is not None)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
