@@ -1,5 +1,6 @@
-"""Decode attention on CPU as one compiled call per layer: each sequence's query rows attend its
-own first L keys where they lie in the slotted cache.
+"""A decode step's attention on CPU as one compiled call per layer: RoPE on the new token's query
+and key, the new key and value into the slotted cache, and each sequence's query heads over its
+own first L keys where they lie in the cache.
 
 Why: torch's CPU SDPA (its flash kernel) computes a decode step's attention as two small GEMMs
 per (sequence, kv head, 512-key block), each a separate library call whose fixed cost is many
@@ -8,6 +9,9 @@ its fp32 one. vLLM's CPU backend has its own kernel for this, and a native step 
 twice vLLM's time in attention (docs/performance.md, "Decode attention"). This one loops over
 each sequence's keys once for scores and once for values, fp32 sums, and splits the (sequence,
 kv head) pairs over threads; it reads bf16 or fp32 caches, so the cache stays in the run's dtype.
+RoPE and the cache write are in the same call because at a few rows a step's time is mostly
+small tensor operations and their Python dispatch (about 40 per layer; RoPE and the write are
+a dozen of them), not arithmetic: docs/performance.md, "Decode attention".
 
 It is C (csrc/decode_attention.c), compiled at first use with the machine's C compiler for the
 machine's own instruction set (`-march=native`) into the cache directory, keyed by the source,
@@ -16,7 +20,8 @@ no compiler or the build fails, `decode_attention` returns None and the model ke
 kernel is a speed-up, never a requirement. It is not row-invariant by design (no exact mode):
 exact mode keeps its own fixed-chunk attention (tailrl.model).
 
-Knows: the KV cache's layout (slot, kv head, position, dim), the C compiler, ctypes.
+Knows: the KV cache's layout (slot, kv head, position, dim), rotate-half RoPE, grouped-query heads,
+the C compiler, ctypes.
 Does not know: the model, masks other than a row's key count, engines.
 """
 
@@ -86,34 +91,49 @@ def library() -> ctypes.CDLL | None:
         return None
     if lib is not None:
         p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.decode_attention.argtypes = [p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-        lib.decode_attention.restype = ctypes.c_int
+        lib.decode_step.argtypes = [p, i, p, i, p, i, p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float,
+                                    ctypes.c_int, ctypes.c_int]
+        lib.decode_step.restype = ctypes.c_int
     return lib
 
 
-def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether `decode_attention` can take this call: CPU tensors of a supported dtype, shapes
-    within the C limits, a cache with unit stride along D, the library built, and not switched
-    off (SWITCH)."""
-    b, k, n, d = q.shape
-    return (os.environ.get(SWITCH) != "0" and q.device.type == "cpu" and keys.dtype in DTYPES
-            and q.dtype == keys.dtype and n <= MAX_ROWS and d <= MAX_DIM and keys.stride(-1) == 1
-            and keys.stride(-2) == d and library() is not None)
+def usable(keys: torch.Tensor, dtype: torch.dtype, group: int) -> bool:
+    """Whether `decode_step` can take a step whose new tokens are of `dtype` over this cache view
+    (B, K, M, D): CPU tensors of one supported dtype, G = `group` query heads per kv head and D
+    within the C limits (D even), a cache with unit stride along D, the library built, and not
+    switched off (SWITCH)."""
+    d = keys.shape[-1]
+    return (os.environ.get(SWITCH) != "0" and keys.device.type == "cpu" and keys.dtype in DTYPES
+            and dtype == keys.dtype and group <= MAX_ROWS and d <= MAX_DIM and d % 2 == 0
+            and keys.stride(-1) == 1 and keys.stride(-2) == d and library() is not None)
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v for each row b over its keys [0, lens[b]); the call must be
-    `usable`.  q (B, K, n, D), keys/values (B, K, M, D) views of the cache (same strides),
-    lens (B,) int32 with 1 <= lens[b] <= M  -> (B, K, n, D) in q's dtype"""
-    b, k, n, d = q.shape
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as (B, width) rows with unit stride along the row (a view where it already is one)."""
+    x = x.reshape(x.shape[0], width)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                pos: torch.Tensor, lens: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One new token per row: writes RoPE(k) and v into keys/values at each row's `pos`, then
+    softmax(RoPE(q) k^T / sqrt(D)) v for each row b over its keys [0, lens[b]); the call must be
+    `usable`.  q (B, ...) of H*D a row, k/v (B, ...) of K*D a row (any row stride), cos/sin (B, ..., D),
+    pos (B, 1) int64 < M, lens (B,) int32 with pos[b] < lens[b] <= M, keys/values (B, K, M, D)
+    views of the cache (same strides)  -> (B, 1, H*D) in q's dtype"""
+    b, kv, _, d = keys.shape
+    heads = q.numel() // (b * d)
     if keys.stride() != values.stride():
         raise ValueError("keys and values must share one layout")
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    lens = lens.to(torch.int32).contiguous()
-    status = library().decode_attention(
-        q.data_ptr(), keys.data_ptr(), values.data_ptr(), lens.data_ptr(), out.data_ptr(), b, k, n, d,
-        keys.stride(0), keys.stride(1), 1.0 / d**0.5, int(keys.dtype == torch.bfloat16), torch.get_num_threads())
+    q, k, v = _rows(q, heads * d), _rows(k, kv * d), _rows(v, kv * d)
+    cos, sin = cos.reshape(b, d).contiguous(), sin.reshape(b, d).contiguous()
+    pos, lens = pos.reshape(b).to(torch.int64).contiguous(), lens.to(torch.int32).contiguous()
+    out = q.new_empty(b, 1, heads * d)
+    status = library().decode_step(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
+        sin.data_ptr(), pos.data_ptr(), lens.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), b, kv,
+        heads // kv, d, keys.stride(0), keys.stride(1), 1.0 / d**0.5, int(keys.dtype == torch.bfloat16),
+        torch.get_num_threads())
     if status:
         raise RuntimeError(f"decode attention kernel failed (status {status})")
     return out

@@ -303,9 +303,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in (at least) fp32 as the reference does; bf16 variance loses too much.
+        # One fused op (equal bits to x * rsqrt(mean(x^2) + eps) in fp32; a decode step's time at a
+        # few rows is mostly small ops like these).
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(xf, (xf.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -332,6 +333,15 @@ class Attention(nn.Module):
         q, k, v = q.view(b, t, self.h, self.d), k.view(b, t, self.k, self.d), v.view(b, t, self.k, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if view is not None and not exact and t == 1:
+            rows = slice(view.first, view.first + b)
+            ck, cv = view.cache.k[layer][rows], view.cache.v[layer][rows]  # (B, K, M, D) views
+            # The usability check first: the key counts cost a device sync where the kernel cannot run.
+            if attention_kernel.usable(ck, q.dtype, self.h // self.k) and view.row_keys is not None:
+                # RoPE, the cache write and each row's attention over its own keys in one call
+                # (the kernel's module says why).
+                out = attention_kernel.decode_step(q, k, v, cos, sin, view.write_pos, view.row_keys, ck, cv)
+                return self.o_proj(out, exact)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)
         v = v.transpose(1, 2)
@@ -353,10 +363,6 @@ class Attention(nn.Module):
         g = self.h // self.k
         n = g * t  # the G query heads of a kv head stacked as rows: K and V are read once per kv head
         qg = q.reshape(b, self.k, n, d)
-        # The usability check first: the key counts cost a device sync where the kernel cannot run.
-        if not exact and t == 1 and attention_kernel.usable(qg, ck) and view.row_keys is not None:
-            # One call for the whole batch, each row over its own keys (the kernel's module says why).
-            return attention_kernel.decode_attention(qg, ck, cv, view.row_keys).reshape(b, self.h, t, d)
         if not exact:
             # SDPA reads the cache's first S keys where they lie: a matmul needs them contiguous,
             # and a row's keys are strided by the cache's capacity, so it would copy K and V on

@@ -1,11 +1,13 @@
-"""The compiled decode attention (tailrl.attention_kernel) against a float64 reference (the
-model's decode steps through it against full forwards: test_model.py).
+"""The compiled decode step (tailrl.attention_kernel) against a float64 reference (the model's
+decode steps through it against full forwards: test_model.py).
 
 Tolerances. fp32 cache: the kernel sums in fp32 what the reference sums in float64, over at
 most a few hundred keys of unit-scale values, so outputs (magnitude <= ~1) differ by ~1e-7; we
 assert 1e-5. bf16 cache: the reference takes the same bf16 inputs, and the kernel's only extra
-rounding past fp32 sums is its bf16 output (round to nearest: at most 2^-9 of the value), so we
-assert |diff| <= 2^-8 |ref| + 1e-5; a wrong key count, stride or softmax is off by far more.
+roundings past fp32 sums are its bf16 outputs (the written key, the attention output; round to
+nearest: at most 2^-9 of the value, where the reference's own rounding of the key in float64
+can land one step (2^-7 of it) away when the two sit on either side of a tie), so we assert
+|diff| <= 2^-8 |ref| + 1e-5; a wrong key count, stride, rotation or softmax is off by far more.
 """
 
 from __future__ import annotations
@@ -19,39 +21,66 @@ from tailrl.model import CacheView, KVCache
 pytestmark = pytest.mark.skipif(attention_kernel.library() is None, reason="no C compiler: the kernel is not built")
 
 
-def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Row by row in float64.  q (B, K, n, D), keys/values (B, K, M, D), lens (B,) -> (B, K, n, D)"""
+def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in float64.  x (B, heads, D), cos/sin (B, D)"""
+    x, cos, sin = x.double(), cos.double()[:, None], sin.double()[:, None]
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+
+def reference(q, k, v, cos, sin, pos, lens, keys, values):
+    """The step in float64 on copies of the cache: RoPE, the new key and value rounded to the
+    cache's dtype at their positions, then each row over its keys.  -> (B, H*D), keys, values"""
+    b, kv, _, d = keys.shape
+    keys, values = keys.clone(), values.clone()
+    rows = torch.arange(b)
+    keys[rows, :, pos] = rope64(k.reshape(b, kv, d), cos, sin).to(keys.dtype)
+    values[rows, :, pos] = v.reshape(b, kv, d)
+    qr = rope64(q.reshape(b, -1, d), cos, sin).view(b, kv, -1, d)  # query head h*G + g reads kv head h
     out = []
-    for b, n in enumerate(lens.tolist()):
-        k, v = keys[b, :, :n].double(), values[b, :, :n].double()
-        scores = q[b].double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-        out.append(scores.softmax(-1) @ v)
-    return torch.stack(out)
+    for i, n in enumerate(lens.tolist()):
+        scores = qr[i] @ keys[i, :, :n].double().transpose(-1, -2) / d**0.5
+        out.append((scores.softmax(-1) @ values[i, :, :n].double()).reshape(-1))
+    return torch.stack(out), keys, values
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("heads,rows,dim", [(3, 3, 64), (2, 1, 16)])
-def test_kernel_equals_reference(dtype, threads, heads, rows, dim):
-    """Rows of 1 to 300 keys in a cache of capacity 320 (strided views, as the engine's are)."""
+@pytest.mark.parametrize("heads,group,dim", [(3, 3, 64), (2, 1, 16)])
+def test_kernel_equals_reference(dtype, threads, heads, group, dim):
+    """Rows of 1 to 300 keys in a cache of capacity 320 (strided views, as the engine's are); q, k
+    and v slices of one fused projection's output, as the model passes them."""
     gen = torch.Generator().manual_seed(0)
     lens = torch.tensor([300, 1, 77, 128, 5, 299, 64])
+    pos = (lens - 1)[:, None]  # (B, 1): the new token is each row's last key
     cache_k = torch.randn(9, heads, 320, dim, generator=gen).to(dtype)
     cache_v = torch.randn(9, heads, 320, dim, generator=gen).to(dtype)
     keys, values = cache_k[2:9], cache_v[2:9]  # rows 2.. of the cache, as a view at `first` = 2 is
-    q = (2 * torch.randn(len(lens), heads, rows, dim, generator=gen)).to(dtype)
+    b, h = len(lens), heads * group
+    qkv = (2 * torch.randn(b, 1, (h + 2 * heads) * dim, generator=gen)).to(dtype)
+    q, k, v = qkv.split([h * dim, heads * dim, heads * dim], -1)
+    angle = torch.rand(b, dim // 2, generator=gen, dtype=torch.float64) * 300
+    cos, sin = torch.cat((angle, angle), -1).cos().to(dtype), torch.cat((angle, angle), -1).sin().to(dtype)
+    want, want_k, want_v = reference(q, k, v, cos, sin, pos[:, 0], lens, keys, values)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = attention_kernel.decode_attention(q, keys, values, lens)
+        got = attention_kernel.decode_step(q, k, v, cos[:, None, None], sin[:, None, None], pos, lens, keys, values)
     finally:
         torch.set_num_threads(before)
-    ref = reference(q, keys, values, lens)
-    assert got.dtype == dtype and got.shape == q.shape
+    assert got.dtype == dtype and got.shape == (b, 1, h * dim)
+    got = got[:, 0].double()
+    # The cache: the new values exactly, the new keys to their rounding, nothing else touched.
+    assert torch.equal(values, want_v)
+    written = torch.zeros_like(keys, dtype=torch.bool)
+    written[torch.arange(b), :, pos[:, 0]] = True
+    assert torch.equal(keys[~written], want_k[~written])
+    diff, ref_k = (keys[written].double() - want_k[written].double()).abs(), want_k[written].double().abs()
     if dtype == torch.float32:
-        assert (got.double() - ref).abs().max().item() <= 1e-5
+        assert diff.max().item() <= 1e-5 and (got - want).abs().max().item() <= 1e-5
     else:
-        assert bool(((got.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all())
+        assert bool((diff <= ref_k * 2**-7 + 1e-6).all())  # one bf16 step at most
+        assert bool(((got - want).abs() <= want.abs() * 2**-8 + 1e-5).all())
 
 
 def test_row_keys_only_for_one_token_over_a_prefix():

@@ -85,13 +85,13 @@ def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkey
     own position: every row's logits are those of a full forward over that row alone. With the
     kernel, each decode step's attention is counted to have gone through it."""
     calls = []
-    real = attention_kernel.decode_attention
+    real = attention_kernel.decode_step
 
     def counted(*args):
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(attention_kernel, "decode_attention", counted)
+    monkeypatch.setattr(attention_kernel, "decode_step", counted)
     monkeypatch.setenv(attention_kernel.SWITCH, kernel)
     monkeypatch.setattr(model_module, "SEGMENT_COST_KEYS", cost)
     model = load_model(tiny_dir, dtype="fp32")

@@ -1,13 +1,17 @@
-/* Decode attention over a slotted KV cache: every query row of a sequence attends its own first
- * L keys, read where they lie in the cache, bf16 or fp32, with fp32 scores and sums.
+/* One decode step's attention over a slotted KV cache, from the QKV projection's output to the
+ * output projection's input: RoPE on the new token's query and key, the new key and value
+ * written into the cache at the row's position, then every query head of a sequence attends its
+ * own first L keys, read where they lie in the cache, bf16 or fp32, with fp32 scores and sums.
  *
  * Built by tailrl/attention_kernel.py with the machine's C compiler for the machine's own
  * instruction set; see that module for why it exists and how it is checked.
  *
  * Layout (tailrl.model.KVCache): keys and values of one layer are (C, K, M, D) with unit stride
  * along D; `slot_stride` and `head_stride` are the element strides of C and K (equal for keys
- * and values). q and out are (B, K, n, D) contiguous, in the cache's dtype: the n query rows of a
- * kv head (its G query heads x T tokens) share that head's keys. Work is split over threads by
+ * and values). The new token's q, k and v are rows of (B, heads x D) with unit stride along the
+ * row and their own row strides (slices of one fused projection's output); cos and sin are (B, D)
+ * contiguous; out is (B, H x D) contiguous. All in the cache's dtype. Query head h*G + g reads
+ * kv head h (grouped-query attention, the Hugging Face order). Work is split over threads by
  * (row, kv head).
  */
 #include <float.h>
@@ -16,13 +20,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_ROWS 64  /* query rows per kv head: the caller checks n <= MAX_ROWS */
+#define MAX_ROWS 64  /* query heads per kv head: the caller checks G <= MAX_ROWS */
 #define MAX_DIM 256  /* head dim: the caller checks D <= MAX_DIM */
 
 typedef struct {
-    const void *q, *k, *v;
+    const void *q, *k_new, *v_new, *cos, *sin;
+    int64_t q_stride, k_stride, v_stride;
+    const int64_t *pos;
     const int32_t *lens;
-    void *out;
+    void *k, *v, *out;
     int64_t batch, heads, rows, dim, slot_stride, head_stride;
     float scale;
     int bf16;
@@ -51,14 +57,40 @@ static inline void load(int bf16, const void *base, int64_t at, int64_t n, float
     }
 }
 
-/* One (row b, kv head h): scores of its n query rows over the row's L keys, softmax, values.
+/* Element `at` of a bf16 or fp32 array set to x (rounded to bf16 to nearest, as torch does). */
+static inline void store(int bf16, void *base, int64_t at, float x) {
+    if (bf16)
+        ((uint16_t *)base)[at] = to_bf16(x);
+    else
+        ((float *)base)[at] = x;
+}
+
+/* Rotate-half RoPE of the D values at `src`[at..] into dst (fp32), with row b's cos and sin
+ * (the Hugging Face layout: x * cos + (-x2, x1) * sin). */
+static void rope(const job_t *j, const void *src, int64_t at, int64_t b, float *dst) {
+    const int64_t D = j->dim, half = D / 2;
+    float x[MAX_DIM], c[MAX_DIM], s[MAX_DIM];
+    load(j->bf16, src, at, D, x);
+    load(j->bf16, j->cos, b * D, D, c);
+    load(j->bf16, j->sin, b * D, D, s);
+    for (int64_t d = 0; d < D; d++) dst[d] = x[d] * c[d] + (d < half ? -x[d + half] : x[d - half]) * s[d];
+}
+
+/* One (row b, kv head h): the new key (rotated) and value into the cache at the row's position,
+ * then the scores of its n query heads (rotated, scaled) over the row's L keys, softmax, values.
  * `scores` holds n x L floats, `q` and `acc` n x D. */
 static void attend(const job_t *j, int64_t b, int64_t h, float *scores, float *q, float *acc) {
     const int64_t D = j->dim, n = j->rows, L = j->lens[b], first = (b * j->heads + h) * n * D;
-    const int64_t base = b * j->slot_stride + h * j->head_stride;
+    const int64_t base = b * j->slot_stride + h * j->head_stride, at = base + j->pos[b] * D;
     float row[MAX_DIM], top[MAX_ROWS], total[MAX_ROWS];
-    load(j->bf16, j->q, first, n * D, q);
-    for (int64_t i = 0; i < n * D; i++) q[i] *= j->scale;
+    rope(j, j->k_new, b * j->k_stride + h * D, b, row);
+    for (int64_t d = 0; d < D; d++) store(j->bf16, j->k, at + d, row[d]);
+    load(j->bf16, j->v_new, b * j->v_stride + h * D, D, row);
+    for (int64_t d = 0; d < D; d++) store(j->bf16, j->v, at + d, row[d]);
+    for (int64_t i = 0; i < n; i++) {
+        rope(j, j->q, b * j->q_stride + (h * n + i) * D, b, q + i * D);
+        for (int64_t d = 0; d < D; d++) q[i * D + d] *= j->scale;
+    }
     for (int64_t i = 0; i < n; i++) top[i] = -FLT_MAX;
     for (int64_t s = 0; s < L; s++) {
         load(j->bf16, j->k, base + s * D, D, row);
@@ -89,13 +121,7 @@ static void attend(const job_t *j, int64_t b, int64_t h, float *scores, float *q
     }
     for (int64_t i = 0; i < n; i++) {
         const float r = 1.f / total[i];
-        for (int64_t d = 0; d < D; d++) {
-            const float o = acc[i * D + d] * r;
-            if (j->bf16)
-                ((uint16_t *)j->out)[first + i * D + d] = to_bf16(o);
-            else
-                ((float *)j->out)[first + i * D + d] = o;
-        }
+        for (int64_t d = 0; d < D; d++) store(j->bf16, j->out, first + i * D + d, acc[i * D + d] * r);
     }
 }
 
@@ -103,11 +129,13 @@ static void attend(const job_t *j, int64_t b, int64_t h, float *scores, float *q
  * buffers (the caller then fails loudly). OpenMP: linked against the libgomp the process already
  * has (torch's), so this runs on torch's own worker threads rather than on threads of its own
  * that would compete with them for the cores. */
-int decode_attention(const void *q, const void *k, const void *v, const int32_t *lens, void *out, int64_t batch,
-                     int64_t heads, int64_t rows, int64_t dim, int64_t slot_stride, int64_t head_stride, float scale,
-                     int bf16, int threads) {
-    if (rows > MAX_ROWS || dim > MAX_DIM) return 1;
-    const job_t job = {q, k, v, lens, out, batch, heads, rows, dim, slot_stride, head_stride, scale, bf16};
+int decode_step(const void *q, int64_t q_stride, const void *k_new, int64_t k_stride, const void *v_new,
+                int64_t v_stride, const void *cos, const void *sin, const int64_t *pos, const int32_t *lens, void *k,
+                void *v, void *out, int64_t batch, int64_t heads, int64_t rows, int64_t dim, int64_t slot_stride,
+                int64_t head_stride, float scale, int bf16, int threads) {
+    if (rows > MAX_ROWS || dim > MAX_DIM || dim % 2) return 1;
+    const job_t job = {q, k_new, v_new, cos, sin, q_stride, k_stride, v_stride, pos, lens, k, v, out,
+                       batch, heads, rows, dim, slot_stride, head_stride, scale, bf16};
     int64_t longest = 1;
     for (int64_t b = 0; b < batch; b++)
         if (lens[b] > longest) longest = lens[b];
