@@ -42,7 +42,7 @@ import torch
 from tailrl.cache_dir import cache_root
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-MAX_ROWS, MAX_DIM = 64, 256  # the C source's fixed limits (MAX_ROWS, MAX_DIM)
+MAX_ROWS, MAX_DIM, MAX_HIDDEN = 64, 256, 8192  # the C source's fixed limits
 DTYPES = (torch.bfloat16, torch.float32)
 # "0" turns the kernel off (SDPA then computes every step), read at each call so that one process
 # can compare the two (scripts/step_cost.py).
@@ -94,16 +94,19 @@ def library() -> ctypes.CDLL | None:
         lib.decode_step.argtypes = [p, i, p, i, p, i, p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float,
                                     ctypes.c_int, ctypes.c_int]
         lib.decode_step.restype = ctypes.c_int
+        lib.add_rms_norm.argtypes = [p, p, p, p, p, i, i, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        lib.add_rms_norm.restype = ctypes.c_int
     return lib
 
 
 def usable(keys: torch.Tensor, dtype: torch.dtype, group: int) -> bool:
     """Whether `decode_step` can take a step whose new tokens are of `dtype` over this cache view
     (B, K, M, D): CPU tensors of one supported dtype, G = `group` query heads per kv head and D
-    within the C limits (D even), a cache with unit stride along D, the library built, and not
-    switched off (SWITCH)."""
+    within the C limits (D even), a cache with unit stride along D, no autograd (the call has no
+    backward), the library built, and not switched off (SWITCH)."""
     d = keys.shape[-1]
     return (os.environ.get(SWITCH) != "0" and keys.device.type == "cpu" and keys.dtype in DTYPES
+            and not torch.is_grad_enabled()
             and dtype == keys.dtype and group <= MAX_ROWS and d <= MAX_DIM and d % 2 == 0
             and keys.stride(-1) == 1 and keys.stride(-2) == d and library() is not None)
 
@@ -137,3 +140,30 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     if status:
         raise RuntimeError(f"decode attention kernel failed (status {status})")
     return out
+
+
+def norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `add_rms_norm` can take x (..., E) with this weight: CPU, one supported dtype, E
+    within the C limit, no autograd (the call has no backward), the library built, and not
+    switched off (SWITCH)."""
+    return (os.environ.get(SWITCH) != "0" and x.device.type == "cpu" and x.dtype in DTYPES
+            and weight.dtype == x.dtype and x.shape[-1] <= MAX_HIDDEN and not torch.is_grad_enabled()
+            and library() is not None)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's residual add and RMSNorm in one call, computed as tailrl.model.RMSNorm
+    computes them (fp32 mean, roundings to x's dtype where torch rounds): x' = x + delta (x where
+    delta is None), h = RMSNorm(x'); the call must be `norm_usable`.  x, delta (..., E),
+    weight (E,)  -> (x', h), both (..., E)"""
+    x = x.contiguous()
+    out = x if delta is None else torch.empty_like(x)
+    delta = None if delta is None else delta.contiguous()
+    h = torch.empty_like(x)
+    status = library().add_rms_norm(
+        x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(), h.data_ptr(),
+        x.numel() // x.shape[-1], x.shape[-1], eps, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"RMSNorm kernel failed (status {status})")
+    return out, h

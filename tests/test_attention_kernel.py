@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tailrl import attention_kernel
-from tailrl.model import CacheView, KVCache
+from tailrl.model import CacheView, KVCache, RMSNorm
 
 pytestmark = pytest.mark.skipif(attention_kernel.library() is None, reason="no C compiler: the kernel is not built")
 
@@ -94,3 +94,28 @@ def test_row_keys_only_for_one_token_over_a_prefix():
     assert CacheView(cache, 0, lens[:, None], 5, holed).row_keys is None
     two = torch.ones(2, 2, 5, dtype=torch.bool)
     assert CacheView(cache, 0, torch.zeros(2, 2, dtype=torch.long), 5, two).row_keys is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: past the row count where the call uses threads
+def test_add_rms_norm_equals_the_models_norm(dtype, rows):
+    """x + delta and RMSNorm in one call against tailrl.model.RMSNorm on the torch sum: the sum
+    bit for bit (an elementwise add rounds once either way); the norm within the dtype's rounding
+    (the two sum the squares in other orders, so the scale may differ in its last fp32 bit, and in
+    bf16 the normalised value and its product with the weight may each then round one step the
+    other way: 2^-6 of the value in bf16; 1e-6 in fp32)."""
+    gen = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(rows, 1, 576, generator=gen)).to(dtype)
+    delta = torch.randn(rows, 1, 576, generator=gen).to(dtype)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(576, generator=gen))
+    norm = norm.to(dtype)
+    with torch.no_grad():
+        summed, h = attention_kernel.add_rms_norm(x, delta, norm.weight, norm.eps)
+        alone, h_alone = attention_kernel.add_rms_norm(x, None, norm.weight, norm.eps)
+        want, want_alone = norm(x + delta), norm(x)
+    assert torch.equal(summed, x + delta) and torch.equal(alone, x)
+    for got, ref in ((h, want), (h_alone, want_alone)):
+        bound = ref.double().abs() * (2**-6 if dtype == torch.bfloat16 else 1e-6) + 1e-6
+        assert got.dtype == dtype and bool(((got.double() - ref.double()).abs() <= bound).all())

@@ -52,6 +52,7 @@ def test_logits_match_transformers(tmp_path, kind, extra):
 
 @pytest.mark.parametrize("kernel", ["1", "0"])  # decode steps in the compiled kernel, or SDPA
 @pytest.mark.parametrize("rows", [3, 1])  # one row: SDPA's decode steps take its unmasked path
+@torch.no_grad()  # as the engine decodes: the kernels have no backward
 def test_cached_decode_equals_full_forward(tiny_dir, monkeypatch, rows, kernel):
     monkeypatch.setenv(attention_kernel.SWITCH, kernel)
     model = load_model(tiny_dir, dtype="fp32")
@@ -80,18 +81,19 @@ def test_row_segments_minimise_keys_read_plus_calls():
 # The decode steps' attention: the compiled kernel (tailrl.attention_kernel), or SDPA over row
 # groups with `cost` (0: a group per distinct length).
 @pytest.mark.parametrize("kernel,cost", [("1", model_module.SEGMENT_COST_KEYS), ("0", 0), ("0", model_module.SEGMENT_COST_KEYS)])
+@torch.no_grad()  # as the engine decodes: the kernels have no backward
 def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkeypatch, kernel, cost):
     """A right-padded prefill of prompts of 7, 30 and 15 tokens, then 5 decode steps each at its
     own position: every row's logits are those of a full forward over that row alone. With the
-    kernel, each decode step's attention is counted to have gone through it."""
+    kernel, each decode step's attention and norms are counted to have gone through it."""
     calls = []
-    real = attention_kernel.decode_step
 
-    def counted(*args):
-        calls.append(1)
-        return real(*args)
+    def counting(name):
+        real = getattr(attention_kernel, name)
+        monkeypatch.setattr(attention_kernel, name, lambda *args: calls.append(name) or real(*args))
 
-    monkeypatch.setattr(attention_kernel, "decode_step", counted)
+    counting("decode_step")
+    counting("add_rms_norm")
     monkeypatch.setenv(attention_kernel.SWITCH, kernel)
     monkeypatch.setattr(model_module, "SEGMENT_COST_KEYS", cost)
     model = load_model(tiny_dir, dtype="fp32")
@@ -108,7 +110,9 @@ def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkey
         got.append(model(fed[:, t : t + 1], at[:, None], CacheView(cache, 0, at[:, None], int(at.max()) + 1, m)))
     got = torch.cat(got, 1)  # (3, 1 + steps, V)
     built = attention_kernel.library() is not None
-    assert len(calls) == (steps * model.cfg.num_layers if kernel == "1" and built else 0)
+    through = kernel == "1" and built
+    assert calls.count("decode_step") == (steps * model.cfg.num_layers if through else 0)
+    assert calls.count("add_rms_norm") == (2 * steps * model.cfg.num_layers if through else 0)
     for i in range(3):
         own = torch.cat([prompts[i, : lens[i]], fed[i]])
         full = model(own[None], torch.arange(len(own))[None])[0, lens[i] - 1 :]

@@ -22,6 +22,7 @@
 
 #define MAX_ROWS 64  /* query heads per kv head: the caller checks G <= MAX_ROWS */
 #define MAX_DIM 256  /* head dim: the caller checks D <= MAX_DIM */
+#define MAX_HIDDEN 8192  /* hidden size of add_rms_norm: the caller checks */
 
 typedef struct {
     const void *q, *k_new, *v_new, *cos, *sin;
@@ -153,4 +154,36 @@ int decode_step(const void *q, int64_t q_stride, const void *k_new, int64_t k_st
         free(buf);
     }
     return status;
+}
+
+/* The residual add and RMSNorm of a decoder layer, as tailrl.model.RMSNorm computes them in the
+ * cache's dtype: x_out = round(x + delta) (delta NULL: x_out = x), then
+ * h = round(w * round(x_out * rsqrt(mean(x_out^2) + eps))) with the mean in fp32. x, delta,
+ * x_out, h: (rows, dim) contiguous; w: (dim,). x_out may be x. Threads only where rows are
+ * many enough to pay for waking them. */
+int add_rms_norm(const void *x, const void *delta, const void *w, void *x_out, void *h, int64_t rows, int64_t dim,
+                 float eps, int bf16, int threads) {
+    if (dim > MAX_HIDDEN) return 1;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        float a[MAX_HIDDEN], b[MAX_HIDDEN], ww[MAX_HIDDEN];
+        load(bf16, x, r * dim, dim, a);
+        if (delta) {
+            load(bf16, delta, r * dim, dim, b);
+            for (int64_t d = 0; d < dim; d++) a[d] += b[d];
+            if (bf16)
+                for (int64_t d = 0; d < dim; d++) a[d] = from_bf16(to_bf16(a[d]));
+        }
+        float squares = 0.f;
+        for (int64_t d = 0; d < dim; d++) squares += a[d] * a[d];
+        const float scale = 1.f / sqrtf(squares / (float)dim + eps);
+        load(bf16, w, 0, dim, ww);
+        for (int64_t d = 0; d < dim; d++) {
+            if (delta) store(bf16, x_out, r * dim + d, a[d]);
+            float y = a[d] * scale;
+            if (bf16) y = from_bf16(to_bf16(y));
+            store(bf16, h, r * dim + d, ww[d] * y);
+        }
+    }
+    return 0;
 }
