@@ -7,7 +7,7 @@ with EOS ignored, so every step advances the whole batch; a case's time is the m
 steps after the first (the prefill is not a decode step). Printed per case: each engine's
 median over the repetitions, ms per step, and native's speed over vLLM's (vLLM's time / native's);
 native runs twice, with its compiled decode attention and with it switched off (SDPA:
-tailrl.attention_kernel.SWITCH), when the kernel is built on this machine.
+tailrl.decode_kernels.SWITCH), when the kernel is built on this machine.
 
     .venv/bin/python scripts/step_cost.py [--model DIR] [--batches 1 4 16 32 64]
         [--contexts 256 1024] [--steps 16] [--reps 3]
@@ -40,7 +40,7 @@ def main() -> None:
     import torch
     from vllm import LLM, SamplingParams as VllmParams, TokensPrompt
 
-    from tailrl import attention_kernel
+    from tailrl import decode_kernels
     from tailrl.engine import Engine, EngineConfig
     from tailrl.loading import load_model, resolve_dtype, resolve_model_dir
     from tailrl.records import Request
@@ -68,12 +68,12 @@ def main() -> None:
         return statistics.median(times[2:]) * 1e3  # times[0] is the prefill
 
     def native_ms(prompts: list[list[int]], kernel: bool) -> float:
-        os.environ[attention_kernel.SWITCH] = "1" if kernel else "0"
+        os.environ[decode_kernels.SWITCH] = "1" if kernel else "0"
         requests = [Request(tuple(p), seed=i, group=i) for i, p in enumerate(prompts)]
         native.generate(requests, SamplingParams(temperature=1.0), args.steps)
         return statistics.median(r.seconds for r in native.stats.timeline[1:]) * 1e3
 
-    kernel = attention_kernel.library() is not None
+    kernel = decode_kernels.library() is not None
     print(f"dtype {dtype}, {torch.get_num_threads()} threads; ms per plain decode step (median); decode kernel "
           f"{'built' if kernel else 'not built: native is SDPA only'}")
     print("| running | context | native ms | native SDPA ms | vLLM ms | native speed / vLLM's | SDPA's / vLLM's |")

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tailrl import attention_kernel
+from tailrl import decode_kernels
 from tailrl.linears import FusedLinears, Head, Linear, blocked, packed_path
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
@@ -250,7 +250,7 @@ class CacheView:
     @cached_property
     def row_keys(self) -> torch.Tensor | None:
         """For one new token per row whose mask is a prefix of the keys: each row's key count, for
-        the decode kernel (tailrl.attention_kernel); else None.  # (B,) int32"""
+        the decode kernel (tailrl.decode_kernels); else None.  # (B,) int32"""
         if self.mask.shape[1] != 1:
             return None
         row = self.mask[:, 0]  # (B, S)
@@ -337,10 +337,10 @@ class Attention(nn.Module):
             rows = slice(view.first, view.first + b)
             ck, cv = view.cache.k[layer][rows], view.cache.v[layer][rows]  # (B, K, M, D) views
             # The usability check first: the key counts cost a device sync where the kernel cannot run.
-            if attention_kernel.usable(ck, q.dtype, self.h // self.k) and view.row_keys is not None:
+            if decode_kernels.usable(ck, q.dtype, self.h // self.k) and view.row_keys is not None:
                 # RoPE, the cache write and each row's attention over its own keys in one call
                 # (the kernel's module says why).
-                out = attention_kernel.decode_step(q, k, v, cos, sin, view.write_pos, view.row_keys, ck, cv)
+                out = decode_kernels.decode_step(q, k, v, cos, sin, view.write_pos, view.row_keys, ck, cv)
                 return self.o_proj(out, exact)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)
@@ -416,11 +416,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None, exact: bool = False):
         one, two = self.input_layernorm, self.post_attention_layernorm
-        if view is not None and not exact and x.shape[1] == 1 and attention_kernel.norm_usable(x, one.weight):
+        if view is not None and not exact and x.shape[1] == 1 and decode_kernels.norm_usable(x, one.weight):
             # A decode step: the norms and the residual add between them in two calls instead of
-            # nine small ops (at a few rows a step is mostly such ops: attention_kernel's module).
-            x, h = attention_kernel.add_rms_norm(x, None, one.weight, one.eps)
-            x, h = attention_kernel.add_rms_norm(x, self.self_attn(h, cos, sin, layer, view, mask), two.weight, two.eps)
+            # nine small ops (at a few rows a step is mostly such ops: decode_kernels's module).
+            x, h = decode_kernels.add_rms_norm(x, None, one.weight, one.eps)
+            x, h = decode_kernels.add_rms_norm(x, self.self_attn(h, cos, sin, layer, view, mask), two.weight, two.eps)
             return x + self.mlp(h)
         x = x + self.self_attn(one(x), cos, sin, layer, view, mask, exact)
         return x + self.mlp(two(x), exact)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build_hf
-from tailrl import attention_kernel
+from tailrl import decode_kernels
 from tailrl.engine import EngineConfig
 from tailrl.loading import ModelError, load_model
 from tailrl.linears import PACKED_DTYPES
@@ -54,7 +54,7 @@ def test_logits_match_transformers(tmp_path, kind, extra):
 @pytest.mark.parametrize("rows", [3, 1])  # one row: SDPA's decode steps take its unmasked path
 @torch.no_grad()  # as the engine decodes: the kernels have no backward
 def test_cached_decode_equals_full_forward(tiny_dir, monkeypatch, rows, kernel):
-    monkeypatch.setenv(attention_kernel.SWITCH, kernel)
+    monkeypatch.setenv(decode_kernels.SWITCH, kernel)
     model = load_model(tiny_dir, dtype="fp32")
     torch.manual_seed(0)
     ids = torch.randint(0, 96, (3, 30))[:rows]
@@ -78,7 +78,7 @@ def test_row_segments_minimise_keys_read_plus_calls():
     assert row_segments([1, 100, 1], 100) == [(0, 3, 100)]  # 400 against 401, 402
 
 
-# The decode steps' attention: the compiled kernel (tailrl.attention_kernel), or SDPA over row
+# The decode steps' attention: the compiled kernel (tailrl.decode_kernels), or SDPA over row
 # groups with `cost` (0: a group per distinct length).
 @pytest.mark.parametrize("kernel,cost", [("1", model_module.SEGMENT_COST_KEYS), ("0", 0), ("0", model_module.SEGMENT_COST_KEYS)])
 @torch.no_grad()  # as the engine decodes: the kernels have no backward
@@ -89,12 +89,12 @@ def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkey
     calls = []
 
     def counting(name):
-        real = getattr(attention_kernel, name)
-        monkeypatch.setattr(attention_kernel, name, lambda *args: calls.append(name) or real(*args))
+        real = getattr(decode_kernels, name)
+        monkeypatch.setattr(decode_kernels, name, lambda *args: calls.append(name) or real(*args))
 
     counting("decode_step")
     counting("add_rms_norm")
-    monkeypatch.setenv(attention_kernel.SWITCH, kernel)
+    monkeypatch.setenv(decode_kernels.SWITCH, kernel)
     monkeypatch.setattr(model_module, "SEGMENT_COST_KEYS", cost)
     model = load_model(tiny_dir, dtype="fp32")
     torch.manual_seed(0)
@@ -109,7 +109,7 @@ def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkey
         m = (torch.arange(int(at.max()) + 1)[None] <= at[:, None])[:, None]
         got.append(model(fed[:, t : t + 1], at[:, None], CacheView(cache, 0, at[:, None], int(at.max()) + 1, m)))
     got = torch.cat(got, 1)  # (3, 1 + steps, V)
-    built = attention_kernel.library() is not None
+    built = decode_kernels.library() is not None
     through = kernel == "1" and built
     assert calls.count("decode_step") == (steps * model.cfg.num_layers if through else 0)
     assert calls.count("add_rms_norm") == (2 * steps * model.cfg.num_layers if through else 0)

@@ -1,9 +1,11 @@
-/* One decode step's attention over a slotted KV cache, from the QKV projection's output to the
+/* A plain decode step's attention and norms (add_rms_norm, at the end).
+ *
+ * The attention over a slotted KV cache, from the QKV projection's output to the
  * output projection's input: RoPE on the new token's query and key, the new key and value
  * written into the cache at the row's position, then every query head of a sequence attends its
  * own first L keys, read where they lie in the cache, bf16 or fp32, with fp32 scores and sums.
  *
- * Built by tailrl/attention_kernel.py with the machine's C compiler for the machine's own
+ * Built by tailrl/decode_kernels.py with the machine's C compiler for the machine's own
  * instruction set; see that module for why it exists and how it is checked.
  *
  * Layout (tailrl.model.KVCache): keys and values of one layer are (C, K, M, D) with unit stride
@@ -156,34 +158,53 @@ int decode_step(const void *q, int64_t q_stride, const void *k_new, int64_t k_st
     return status;
 }
 
+typedef struct {
+    const void *x, *delta, *w;
+    void *x_out, *h;
+    int64_t dim;
+    float eps;
+    int bf16;
+} norm_t;
+
+/* One row of add_rms_norm. */
+static void norm_row(const norm_t *j, int64_t r) {
+    const int64_t dim = j->dim;
+    float a[MAX_HIDDEN], b[MAX_HIDDEN], w[MAX_HIDDEN];
+    load(j->bf16, j->x, r * dim, dim, a);
+    if (j->delta) {
+        load(j->bf16, j->delta, r * dim, dim, b);
+        for (int64_t d = 0; d < dim; d++) a[d] += b[d];
+        if (j->bf16)
+            for (int64_t d = 0; d < dim; d++) a[d] = from_bf16(to_bf16(a[d]));
+    }
+    float squares = 0.f;
+    for (int64_t d = 0; d < dim; d++) squares += a[d] * a[d];
+    const float scale = 1.f / sqrtf(squares / (float)dim + j->eps);
+    load(j->bf16, j->w, 0, dim, w);
+    for (int64_t d = 0; d < dim; d++) {
+        if (j->delta) store(j->bf16, j->x_out, r * dim + d, a[d]);
+        float y = a[d] * scale;
+        if (j->bf16) y = from_bf16(to_bf16(y));
+        store(j->bf16, j->h, r * dim + d, w[d] * y);
+    }
+}
+
 /* The residual add and RMSNorm of a decoder layer, as tailrl.model.RMSNorm computes them in the
  * cache's dtype: x_out = round(x + delta) (delta NULL: x_out = x), then
  * h = round(w * round(x_out * rsqrt(mean(x_out^2) + eps))) with the mean in fp32. x, delta,
- * x_out, h: (rows, dim) contiguous; w: (dim,). x_out may be x. Threads only where rows are
- * many enough to pay for waking them. */
+ * x_out, h: (rows, dim) contiguous; w: (dim,). x_out may be x. Few rows run on the calling
+ * thread without entering an OpenMP region at all (a one-thread region through an `if` clause
+ * still goes through the runtime: with it, steps of 1-4 rows were slower, docs/performance.md,
+ * "Decode attention"). */
 int add_rms_norm(const void *x, const void *delta, const void *w, void *x_out, void *h, int64_t rows, int64_t dim,
                  float eps, int bf16, int threads) {
     if (dim > MAX_HIDDEN) return 1;
-#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) if (rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        float a[MAX_HIDDEN], b[MAX_HIDDEN], ww[MAX_HIDDEN];
-        load(bf16, x, r * dim, dim, a);
-        if (delta) {
-            load(bf16, delta, r * dim, dim, b);
-            for (int64_t d = 0; d < dim; d++) a[d] += b[d];
-            if (bf16)
-                for (int64_t d = 0; d < dim; d++) a[d] = from_bf16(to_bf16(a[d]));
-        }
-        float squares = 0.f;
-        for (int64_t d = 0; d < dim; d++) squares += a[d] * a[d];
-        const float scale = 1.f / sqrtf(squares / (float)dim + eps);
-        load(bf16, w, 0, dim, ww);
-        for (int64_t d = 0; d < dim; d++) {
-            if (delta) store(bf16, x_out, r * dim + d, a[d]);
-            float y = a[d] * scale;
-            if (bf16) y = from_bf16(to_bf16(y));
-            store(bf16, h, r * dim + d, ww[d] * y);
-        }
+    const norm_t job = {x, delta, w, x_out, h, dim, eps, bf16};
+    if (rows < 16 || threads <= 1) {
+        for (int64_t r = 0; r < rows; r++) norm_row(&job, r);
+        return 0;
     }
+#pragma omp parallel for num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) norm_row(&job, r);
     return 0;
 }

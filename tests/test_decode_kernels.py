@@ -1,4 +1,4 @@
-"""The compiled decode step (tailrl.attention_kernel) against a float64 reference (the model's
+"""The compiled decode step (tailrl.decode_kernels) against a float64 reference (the model's
 decode steps through it against full forwards: test_model.py).
 
 Tolerances. fp32 cache: the kernel sums in fp32 what the reference sums in float64, over at
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tailrl import attention_kernel
+from tailrl import decode_kernels
 from tailrl.model import CacheView, KVCache, RMSNorm
 
-pytestmark = pytest.mark.skipif(attention_kernel.library() is None, reason="no C compiler: the kernel is not built")
+pytestmark = pytest.mark.skipif(decode_kernels.library() is None, reason="no C compiler: the kernel is not built")
 
 
 def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ def test_kernel_equals_reference(dtype, threads, heads, group, dim):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = attention_kernel.decode_step(q, k, v, cos[:, None, None], sin[:, None, None], pos, lens, keys, values)
+        got = decode_kernels.decode_step(q, k, v, cos[:, None, None], sin[:, None, None], pos, lens, keys, values)
     finally:
         torch.set_num_threads(before)
     assert got.dtype == dtype and got.shape == (b, 1, h * dim)
@@ -112,8 +112,8 @@ def test_add_rms_norm_equals_the_models_norm(dtype, rows):
         norm.weight.copy_(1 + torch.randn(576, generator=gen))
     norm = norm.to(dtype)
     with torch.no_grad():
-        summed, h = attention_kernel.add_rms_norm(x, delta, norm.weight, norm.eps)
-        alone, h_alone = attention_kernel.add_rms_norm(x, None, norm.weight, norm.eps)
+        summed, h = decode_kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+        alone, h_alone = decode_kernels.add_rms_norm(x, None, norm.weight, norm.eps)
         want, want_alone = norm(x + delta), norm(x)
     assert torch.equal(summed, x + delta) and torch.equal(alone, x)
     for got, ref in ((h, want), (h_alone, want_alone)):

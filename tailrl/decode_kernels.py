@@ -1,28 +1,29 @@
-"""A decode step's attention on CPU as one compiled call per layer: RoPE on the new token's query
-and key, the new key and value into the slotted cache, and each sequence's query heads over its
-own first L keys where they lie in the cache.
+"""A plain decode step's non-matmul work on CPU as three compiled calls per layer: the attention
+(RoPE on the new token's query and key, the new key and value into the slotted cache, each
+sequence's query heads over its own first L keys where they lie in the cache), and the two
+RMSNorms with the residual add between them.
 
-Why: torch's CPU SDPA (its flash kernel) computes a decode step's attention as two small GEMMs
-per (sequence, kv head, 512-key block), each a separate library call whose fixed cost is many
-times its arithmetic when a kv head has only a few query rows; its bf16 path is no faster than
-its fp32 one. vLLM's CPU backend has its own kernel for this, and a native step spent about
-twice vLLM's time in attention (docs/performance.md, "Decode attention"). This one loops over
-each sequence's keys once for scores and once for values, fp32 sums, and splits the (sequence,
-kv head) pairs over threads; it reads bf16 or fp32 caches, so the cache stays in the run's dtype.
-RoPE and the cache write are in the same call because at a few rows a step's time is mostly
-small tensor operations and their Python dispatch (about 40 per layer; RoPE and the write are
-a dozen of them), not arithmetic: docs/performance.md, "Decode attention".
+Why the attention: torch's CPU SDPA (its flash kernel) computes a decode step's attention as two
+small GEMMs per (sequence, kv head, 512-key block), each a separate library call whose fixed
+cost is many times its arithmetic when a kv head has only a few query rows; its bf16 path is no
+faster than its fp32 one. vLLM's CPU backend has its own kernel for this, and a native step
+spent about twice vLLM's time in attention (docs/performance.md, "Decode attention"). This one
+loops over each sequence's keys once for scores and once for values, fp32 sums, and splits the
+(sequence, kv head) pairs over threads; it reads bf16 or fp32 caches, so the cache stays in the
+run's dtype. Why RoPE, the cache write and the norms: at a few rows a step's time is mostly
+small tensor operations and their Python dispatch (about 40 per layer, these two dozen of
+them), not arithmetic (same section).
 
-It is C (csrc/decode_attention.c), compiled at first use with the machine's C compiler for the
+It is C (csrc/decode_kernels.c), compiled at first use with the machine's C compiler for the
 machine's own instruction set (`-march=native`) into the cache directory, keyed by the source,
 the compiler and the CPU, and loaded with ctypes; a ctypes call releases the GIL. Where there is
-no compiler or the build fails, `decode_attention` returns None and the model keeps SDPA: the
-kernel is a speed-up, never a requirement. It is not row-invariant by design (no exact mode):
-exact mode keeps its own fixed-chunk attention (tailrl.model).
+no compiler or the build fails, `library()` is None, the `usable` checks say no and the model
+keeps its torch path: the kernels are a speed-up, never a requirement. They are not
+row-invariant by design (no exact mode): exact mode keeps its own path (tailrl.model).
 
-Knows: the KV cache's layout (slot, kv head, position, dim), rotate-half RoPE, grouped-query heads,
-the C compiler, ctypes.
-Does not know: the model, masks other than a row's key count, engines.
+Knows: the KV cache's layout (slot, kv head, position, dim), rotate-half RoPE, grouped-query
+heads, RMSNorm's roundings, the C compiler, ctypes.
+Does not know: the model's modules, masks other than a row's key count, engines.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 
 from tailrl.cache_dir import cache_root
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+SOURCE = Path(__file__).parent / "csrc" / "decode_kernels.c"
 MAX_ROWS, MAX_DIM, MAX_HIDDEN = 64, 256, 8192  # the C source's fixed limits
 DTYPES = (torch.bfloat16, torch.float32)
 # "0" turns the kernel off (SDPA then computes every step), read at each call so that one process
@@ -63,7 +64,7 @@ def _cpu_key() -> str:
 def _build(compiler: str) -> Path | None:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_key()]).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / key / "decode_attention.so"
+    out = cache_root() / "kernels" / key / "decode_kernels.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
