@@ -1,7 +1,7 @@
-"""A plain decode step's non-matmul work on CPU as three compiled calls per layer: the attention
+"""An engine forward's non-matmul work on CPU as compiled calls: a plain decode step's attention
 (RoPE on the new token's query and key, the new key and value into the slotted cache, each
-sequence's query heads over its own first L keys where they lie in the cache), and the two
-RMSNorms with the residual add between them.
+sequence's query heads over its own first L keys where they lie in the cache) in one call a
+layer, and every cached forward's two RMSNorms with the residual add between them in two.
 
 Why the attention: torch's CPU SDPA (its flash kernel) computes a decode step's attention as two
 small GEMMs per (sequence, kv head, 512-key block), each a separate library call whose fixed

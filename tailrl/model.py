@@ -407,19 +407,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, input_norm: bool = True):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # EAGLE-1 drafters feed their fc's output to the layer without its input norm.
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None, exact: bool = False):
         one, two = self.input_layernorm, self.post_attention_layernorm
-        if view is not None and not exact and x.shape[1] == 1 and decode_kernels.norm_usable(x, one.weight):
-            # A decode step: the norms and the residual add between them in two calls instead of
-            # nine small ops (at a few rows a step is mostly such ops: decode_kernels's module).
-            x, h = decode_kernels.add_rms_norm(x, None, one.weight, one.eps)
+        if view is not None and not exact and decode_kernels.norm_usable(x, two.weight):
+            # An engine's forward: the norms and the residual add between them in two calls
+            # instead of nine small ops (at a few rows a step is mostly such ops: decode_kernels's
+            # module).
+            h = decode_kernels.add_rms_norm(x, None, one.weight, one.eps)[1] if isinstance(one, RMSNorm) else x
             x, h = decode_kernels.add_rms_norm(x, self.self_attn(h, cos, sin, layer, view, mask), two.weight, two.eps)
             return x + self.mlp(h)
         x = x + self.self_attn(one(x), cos, sin, layer, view, mask, exact)

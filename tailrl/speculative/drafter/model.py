@@ -144,9 +144,8 @@ class Drafter(nn.Module):
         self.cfg = cfg
         e = cfg.hidden_size
         self.fc = nn.Linear(2 * e, e, bias=False)
-        self.layer = DecoderLayer(cfg.layer)
         # EAGLE-1 feeds fc's output to the layer without its input norm (serving engines do too).
-        self.layer.input_layernorm = nn.Identity()
+        self.layer = DecoderLayer(cfg.layer, input_norm=False)
         self.head = nn.Linear(e, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.tensor(cfg.draft_vocab, dtype=torch.long), persistent=False)
         # Plain attributes, not parameters/buffers: never saved, never trained, not cast by .to().
