@@ -29,17 +29,18 @@ def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def reference(q, k, v, cos, sin, pos, lens, keys, values):
-    """The step in float64 on copies of the cache: RoPE, the new key and value rounded to the
-    cache's dtype at their positions, then each row over its keys.  -> (B, H*D), keys, values"""
+    """The step in float64 on copies of the cache: RoPE, the new key and value and the scaled
+    query rounded to the cache's dtype, then each row over its keys.  -> (B, H*D), keys, values"""
     b, kv, _, d = keys.shape
     keys, values = keys.clone(), values.clone()
     rows = torch.arange(b)
     keys[rows, :, pos] = rope64(k.reshape(b, kv, d), cos, sin).to(keys.dtype)
     values[rows, :, pos] = v.reshape(b, kv, d)
-    qr = rope64(q.reshape(b, -1, d), cos, sin).view(b, kv, -1, d)  # query head h*G + g reads kv head h
+    # The scaled query in the cache's dtype, as the torch path holds it (query head h*G + g reads kv head h).
+    qr = (rope64(q.reshape(b, -1, d), cos, sin) / d**0.5).to(keys.dtype).double().view(b, kv, -1, d)
     out = []
     for i, n in enumerate(lens.tolist()):
-        scores = qr[i] @ keys[i, :, :n].double().transpose(-1, -2) / d**0.5
+        scores = qr[i] @ keys[i, :, :n].double().transpose(-1, -2)
         out.append((scores.softmax(-1) @ values[i, :, :n].double()).reshape(-1))
     return torch.stack(out), keys, values
 

@@ -16,6 +16,10 @@
  * kv head h (grouped-query attention, the Hugging Face order). Work is split over threads by
  * (row, kv head).
  */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define DPBF16 1 /* the CPU's bf16 dot products (Zen 4/5, Intel from Cooper Lake): scores of a bf16 cache */
+#endif
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -79,6 +83,30 @@ static void rope(const job_t *j, const void *src, int64_t at, int64_t b, float *
     for (int64_t d = 0; d < D; d++) dst[d] = x[d] * c[d] + (d < half ? -x[d + half] : x[d - half]) * s[d];
 }
 
+#ifdef DPBF16
+/* The n query rows' scores over L bf16 keys at `base`, 32 dimensions a dot-product instruction
+ * (pairs of bf16 products summed into fp32 lanes); q holds bf16 values as fp32. */
+static void scores_bf16(const job_t *j, int64_t base, int64_t L, const float *q, float *scores, float *top) {
+    const int64_t D = j->dim, n = j->rows, chunks = D / 32;
+    __m512bh qb[MAX_ROWS][MAX_DIM / 32];
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < chunks; c++)
+            qb[i][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i * D + c * 32 + 16), _mm512_loadu_ps(q + i * D + c * 32));
+    const uint16_t *keys = (const uint16_t *)j->k + base;
+    for (int64_t s = 0; s < L; s++) {
+        __m512bh kc[MAX_DIM / 32];
+        for (int64_t c = 0; c < chunks; c++) kc[c] = (__m512bh)_mm512_loadu_si512(keys + s * D + c * 32);
+        for (int64_t i = 0; i < n; i++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks; c++) acc = _mm512_dpbf16_ps(acc, qb[i][c], kc[c]);
+            const float dot = _mm512_reduce_add_ps(acc);
+            scores[i * L + s] = dot;
+            top[i] = dot > top[i] ? dot : top[i];
+        }
+    }
+}
+#endif
+
 /* One (row b, kv head h): the new key (rotated) and value into the cache at the row's position,
  * then the scores of its n query heads (rotated, scaled) over the row's L keys, softmax, values.
  * `scores` holds n x L floats, `q` and `acc` n x D. */
@@ -90,11 +118,20 @@ static void attend(const job_t *j, int64_t b, int64_t h, float *scores, float *q
     for (int64_t d = 0; d < D; d++) store(j->bf16, j->k, at + d, row[d]);
     load(j->bf16, j->v_new, b * j->v_stride + h * D, D, row);
     for (int64_t d = 0; d < D; d++) store(j->bf16, j->v, at + d, row[d]);
+    /* The scaled query in the cache's dtype, as the torch path holds it: in bf16 the scores are
+     * then exact products of bf16 values summed in fp32, whichever loop below computes them. */
     for (int64_t i = 0; i < n; i++) {
         rope(j, j->q, b * j->q_stride + (h * n + i) * D, b, q + i * D);
         for (int64_t d = 0; d < D; d++) q[i * D + d] *= j->scale;
+        if (j->bf16)
+            for (int64_t d = 0; d < D; d++) q[i * D + d] = from_bf16(to_bf16(q[i * D + d]));
     }
     for (int64_t i = 0; i < n; i++) top[i] = -FLT_MAX;
+#ifdef DPBF16
+    if (j->bf16 && D % 32 == 0) {
+        scores_bf16(j, base, L, q, scores, top);
+    } else
+#endif
     for (int64_t s = 0; s < L; s++) {
         load(j->bf16, j->k, base + s * D, D, row);
         for (int64_t i = 0; i < n; i++) {
