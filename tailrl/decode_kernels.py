@@ -8,9 +8,9 @@ small GEMMs per (sequence, kv head, 512-key block), each a separate library call
 cost is many times its arithmetic when a kv head has only a few query rows; its bf16 path is no
 faster than its fp32 one. vLLM's CPU backend has its own kernel for this, and a native step
 spent about twice vLLM's time in attention (docs/performance.md, "Decode attention"). This one
-loops over each sequence's keys once for scores and once for values, fp32 sums, and splits the
-(sequence, kv head) pairs over threads; it reads bf16 or fp32 caches, so the cache stays in the
-run's dtype. Why RoPE, the cache write and the norms: at a few rows a step's time is mostly
+loops over each sequence's keys once for scores and once for values, fp32 sums (bf16 scores from
+the CPU's bf16 dot products where it has them), and splits the (sequence, kv head) pairs over
+threads; it reads bf16 or fp32 caches, so the cache stays in the run's dtype. Why RoPE, the cache write and the norms: at a few rows a step's time is mostly
 small tensor operations and their Python dispatch (about 40 per layer, these two dozen of
 them), not arithmetic (same section).
 

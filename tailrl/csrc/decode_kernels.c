@@ -3,7 +3,8 @@
  * The attention over a slotted KV cache, from the QKV projection's output to the
  * output projection's input: RoPE on the new token's query and key, the new key and value
  * written into the cache at the row's position, then every query head of a sequence attends its
- * own first L keys, read where they lie in the cache, bf16 or fp32, with fp32 scores and sums.
+ * own first L keys, read where they lie in the cache, bf16 or fp32, with fp32 sums (the scaled
+ * query rounded to the cache's dtype; bf16 scores by the CPU's bf16 dot products where it has them).
  *
  * Built by tailrl/decode_kernels.py with the machine's C compiler for the machine's own
  * instruction set; see that module for why it exists and how it is checked.
