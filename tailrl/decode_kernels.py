@@ -100,16 +100,20 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def _enabled(x: torch.Tensor) -> bool:
+    """What every kernel needs of a call: a CPU tensor of a supported dtype, no autograd (the calls
+    have no backward), the library built, and not switched off (SWITCH)."""
+    return (os.environ.get(SWITCH) != "0" and x.device.type == "cpu" and x.dtype in DTYPES
+            and not torch.is_grad_enabled() and library() is not None)
+
+
 def usable(keys: torch.Tensor, dtype: torch.dtype, group: int) -> bool:
     """Whether `decode_step` can take a step whose new tokens are of `dtype` over this cache view
-    (B, K, M, D): CPU tensors of one supported dtype, G = `group` query heads per kv head and D
-    within the C limits (D even), a cache with unit stride along D, no autograd (the call has no
-    backward), the library built, and not switched off (SWITCH)."""
+    (B, K, M, D): `_enabled`, the new tokens in the cache's dtype, G = `group` query heads per kv
+    head and D within the C limits (D even), a cache with unit stride along D."""
     d = keys.shape[-1]
-    return (os.environ.get(SWITCH) != "0" and keys.device.type == "cpu" and keys.dtype in DTYPES
-            and not torch.is_grad_enabled()
-            and dtype == keys.dtype and group <= MAX_ROWS and d <= MAX_DIM and d % 2 == 0
-            and keys.stride(-1) == 1 and keys.stride(-2) == d and library() is not None)
+    return (dtype == keys.dtype and group <= MAX_ROWS and d <= MAX_DIM and d % 2 == 0
+            and keys.stride(-1) == 1 and keys.stride(-2) == d and _enabled(keys))
 
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -144,12 +148,9 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
 
 
 def norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `add_rms_norm` can take x (..., E) with this weight: CPU, one supported dtype, E
-    within the C limit, no autograd (the call has no backward), the library built, and not
-    switched off (SWITCH)."""
-    return (os.environ.get(SWITCH) != "0" and x.device.type == "cpu" and x.dtype in DTYPES
-            and weight.dtype == x.dtype and x.shape[-1] <= MAX_HIDDEN and not torch.is_grad_enabled()
-            and library() is not None)
+    """Whether `add_rms_norm` can take x (..., E) with this weight: `_enabled`, the weight in x's
+    dtype, E within the C limit."""
+    return weight.dtype == x.dtype and x.shape[-1] <= MAX_HIDDEN and _enabled(x)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
