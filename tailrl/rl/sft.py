@@ -63,7 +63,7 @@ class SFTConfig:
     model: str | None = field(default=None, metadata={"help": "base model directory (None = SmolLM2-135M-Instruct)"})
     task: str = field(default=DEFAULT_TASK, metadata={"help": "task with worked solutions ('sums', "
                                                            "'rg:gsm_symbolic', a .jsonl with 'solution')"})
-    steps: int = field(default=24, metadata={"help": "optimizer steps"})
+    steps: int = field(default=40, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "examples per optimizer step"})
     micro_batch: int = field(default=4, metadata={"help": "examples per packed forward/backward"})
     lr: float = field(default=3e-4, metadata={"help": "peak AdamW learning rate"})
@@ -73,7 +73,7 @@ class SFTConfig:
     autocast: str = field(default="auto", metadata={"help": "forward/backward compute dtype (auto: bf16 where "
                                                     "it is fast; master weights stay fp32)", "choices": ("auto", "bf16", "fp32")})
     seed: int = field(default=0, metadata={"help": "data order and evaluation sampling"})
-    eval_every: int = field(default=12, metadata={"help": "evaluate every N steps (0 = only at the end)"})
+    eval_every: int = field(default=20, metadata={"help": "evaluate every N steps (0 = only at the end)"})
     eval_problems: int = field(default=24, metadata={"help": "held-out problems per evaluation"})
     eval_max_new_tokens: int = field(default=512, metadata={"help": "longest sampled answer in evaluation"})
     eval_temperature: float = field(default=1.0, metadata={"help": "rollout temperature evaluated beside greedy"})
