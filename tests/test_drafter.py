@@ -29,6 +29,7 @@ from tailrl.speculative.drafter.training import (
     pack,
     simulate_accept,
     train_drafter,
+    windows,
 )
 from tailrl.speculative.drafter.export import export, load_exported
 from tailrl.tuner import Arm
@@ -142,6 +143,27 @@ def test_packing_pairs_h_i_and_x_i_plus_1_with_h_i_plus_1_by_hand():
     assert row.mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
     (c,) = pack([TrainSeq(torch.tensor([10, 11, 12, 13, 14]), h, prompt_len=4)], 16)
     assert c.loss_mask.tolist() == [[False, False, True]]  # only x_{i+2} = x_4, a response token
+
+
+def test_a_sequence_longer_than_a_row_trains_every_entry_once_in_windows_with_context():
+    """12 tokens (10 entries) in rows of 4: windows 0..3, then 3..6 and 6..9, each starting with
+    one entry of context (a quarter of a row) that carries no loss; every entry is trained once, at
+    its own position, paired with its own h_i and h_{i+1}."""
+    assert windows(10, 4) == [(0, 4, 0), (3, 7, 4), (6, 10, 7)]
+    assert windows(3, 4) == [(0, 3, 0)]
+    h = torch.arange(11.0)[:, None].expand(11, 3)  # h_q = q
+    seq = TrainSeq(torch.arange(100, 112), h, prompt_len=2, offset=50)
+    rows = pack([seq], 4)
+    assert [r.positions.tolist() for r in rows] == [[[50, 51, 52, 53]], [[53, 54, 55, 56]], [[56, 57, 58, 59]]]
+    assert [r.loss_mask.tolist() for r in rows] == [[[True] * 4], [[False, True, True, True]], [[False, True, True, True]]]
+    trained = torch.cat([r.positions[r.loss_mask] for r in rows])
+    assert trained.tolist() == list(range(50, 60))
+    for r in rows:
+        i = int(r.positions[0, 0]) - 50
+        assert r.hidden[0, :, 0].tolist() == (i + torch.arange(r.ids.shape[1])).float().tolist()  # h_i
+        assert r.target[0, :, 0].tolist() == (i + 1 + torch.arange(r.ids.shape[1])).float().tolist()  # h_{i+1}
+        assert r.ids[0].tolist() == (101 + i + torch.arange(r.ids.shape[1])).tolist()  # x_{i+1}
+        assert r.mask[0, 0].equal(torch.ones(4, 4, dtype=torch.bool).tril())
 
 
 def test_siblings_share_their_prompt_entries_and_see_what_they_would_alone(target, seqs):

@@ -16,7 +16,8 @@ T-2 would have no target and is not made. Optionally (unroll) the same loss one 
 tree's second layer does (the idea of EAGLE-3's training-time test, one step of it).
 
 Packing. Several sequences share a row of at most max_tokens entries; each keeps its own positions
-(from its first position) and a block-diagonal causal mask, so none attends to another. Siblings
+(from its first position) and a block-diagonal causal mask, so none attends to another; a sequence
+longer than a row is cut into windows of a row, each with some context before it. Siblings
 (sequences from position 0 with the same prompt: a GRPO group) share one copy of their prompt's
 entries in a row: entries 0..P-3 (no loss: they predict prompt tokens) come once, and each
 sibling's entries from P-2 on attend to them and to their own, so every entry sees what it would
@@ -71,44 +72,65 @@ class Packed:
     loss_mask: torch.Tensor  # (1, T) entries in the loss
 
 
-def entries(seq: TrainSeq, limit: int) -> dict[str, torch.Tensor]:
-    """The entries of one sequence (at most `limit`), before packing: see the module doc."""
-    n = min(seq.tokens.shape[0] - 2, limit)
-    pos = seq.offset + torch.arange(n)
+def entries(seq: TrainSeq, lo: int, hi: int, trained_from: int = 0) -> dict[str, torch.Tensor]:
+    """Entries lo..hi-1 of one sequence, before packing (module doc); those before `trained_from`
+    are context only, without loss."""
+    idx = torch.arange(lo, hi)
+    pos = seq.offset + idx
     return dict(
-        ids=seq.tokens[1 : n + 1],
-        hidden=seq.hidden[:n],
-        target=seq.hidden[1 : n + 1],
-        next_ids=seq.tokens[2 : n + 2],
+        ids=seq.tokens[lo + 1 : hi + 1],
+        hidden=seq.hidden[lo:hi],
+        target=seq.hidden[lo + 1 : hi + 1],
+        next_ids=seq.tokens[lo + 2 : hi + 2],
         positions=pos,
-        loss=pos >= seq.prompt_len - 2,
+        loss=(pos >= seq.prompt_len - 2) & (idx >= trained_from),
     )
+
+
+def windows(n: int, max_tokens: int) -> list[tuple[int, int, int]]:
+    """(lo, hi, trained_from) spans of a row each that train every one of n entries once.
+
+    A response longer than a row is where drafting gets hard (acceptance falls with position), so
+    its late entries are trained, not cut: after the first, a window starts with a quarter of a
+    row of the entries before it as context without loss, so that its first trained entries attend
+    to context as they do when drafting (the rest of the context reaches them through h_i).
+    """
+    spans = [(0, min(n, max_tokens), 0)]
+    context = max_tokens // 4
+    while spans[-1][1] < n:
+        done = spans[-1][1]
+        lo = done - context
+        spans.append((lo, min(n, lo + max_tokens), done))
+    return spans
 
 
 def pack(seqs: list[TrainSeq], max_tokens: int) -> list[Packed]:
     """Greedy packing in the given order, siblings grouped at their first sequence's place and
-    sharing their prompt's entries (module doc); a sequence longer than max_tokens is truncated."""
+    sharing their prompt's entries (module doc); a sequence longer than max_tokens is cut into
+    windows (`windows`), each placed as a sequence of its own."""
     rows: list[list[dict]] = [[]]
     used = 0
     for group in _siblings(seqs):
         first = group[0]
         shared = first.prompt_len - 2 if len(group) > 1 and first.prompt_len - 2 < max_tokens else 0  # entries 0..P-3
-        context = entries(first, shared) if shared > 0 else None
+        context = entries(first, 0, shared) if shared > 0 else None
         in_row, at = False, -1  # whether the group's context is in the current row, and its part index
         for s in group:
-            e = entries(s, max_tokens)
-            if context is not None:
-                e = {k: v[shared:] for k, v in e.items()}
-            n = e["ids"].shape[0] + (shared if context is not None and not in_row else 0)
-            if used + n > max_tokens and rows[-1]:
-                rows.append([])
-                used, in_row = 0, False
-            if context is not None and not in_row:
-                rows[-1].append(dict(context, ctx=-1))
-                used += shared
-                in_row, at = True, len(rows[-1]) - 1
-            rows[-1].append(dict(e, ctx=at))
-            used += e["ids"].shape[0]
+            for k, span in enumerate(windows(s.tokens.shape[0] - 2, max_tokens)):
+                e = entries(s, *span)
+                with_context = k == 0 and context is not None
+                if with_context:
+                    e = {key: v[shared:] for key, v in e.items()}
+                n = e["ids"].shape[0] + (shared if with_context and not in_row else 0)
+                if used + n > max_tokens and rows[-1]:
+                    rows.append([])
+                    used, in_row = 0, False
+                if with_context and not in_row:
+                    rows[-1].append(dict(context, ctx=-1))
+                    used += shared
+                    in_row, at = True, len(rows[-1]) - 1
+                rows[-1].append(dict(e, ctx=at if with_context else -1))
+                used += e["ids"].shape[0]
     return [_pack_row(r) for r in rows if r]
 
 
