@@ -62,7 +62,7 @@ class SFTConfig:
 
     model: str | None = field(default=None, metadata={"help": "base model directory (None = SmolLM2-135M-Instruct)"})
     task: str = field(default=DEFAULT_TASK, metadata={"help": "task with worked solutions ('sums', "
-                                                           "'rg:gsm_symbolic', a .jsonl with 'solution')"})
+                                                           "'collatz', 'rg:gsm_symbolic', a .jsonl with 'solution')"})
     steps: int = field(default=40, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "examples per optimizer step"})
     micro_batch: int = field(default=4, metadata={"help": "examples per packed forward/backward"})

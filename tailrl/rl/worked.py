@@ -1,10 +1,12 @@
-"""Tasks with worked solutions: the cold-start target, and a procedural family with a long tail.
+"""Tasks with worked solutions: the cold-start target, and procedural families with a long tail.
 
 A worked task renders a correct step-by-step solution for any of its problems, ending in the
 answer format the verifier reads (tailrl.rl.problems.extract_answer). `tailrl sft` trains on these
 solutions; RL then samples the policy's own and the verifier scores only the final answer.
 
-`RunningSumTask` ("sums") is the procedural family: add n whole numbers, one line per addition
+`CollatzTask` ("collatz") is a second family, also long-tailed (its class says how).
+
+`RunningSumTask` ("sums") is the default family: add n whole numbers, one line per addition
 with the running total ("30 + 58 = 88"), so a solution has n - 1 lines and its length grows
 linearly with n. The number of terms n is drawn from a truncated discrete Pareto law:
 
@@ -30,7 +32,7 @@ import numpy as np
 from tailrl.rl.problems import Problem, Task, extract_answer
 from tailrl.sampling import derive_seed
 
-__all__ = ["PROCEDURAL", "RunningSumTask", "WorkedTask", "answer_line", "jsonl_solution", "rg_solution", "size_pmf"]
+__all__ = ["PROCEDURAL", "CollatzTask", "RunningSumTask", "WorkedTask", "answer_line", "jsonl_solution", "rg_solution", "size_pmf"]
 
 
 @runtime_checkable
@@ -96,8 +98,55 @@ class RunningSumTask:
         return float(_INT.fullmatch(answer_text.strip()) is not None and int(answer_text) == int(problem.answer))
 
 
+class CollatzTask:
+    """Steps of the Collatz map from a start n to 1: halve an even number, take 3n + 1 of an odd one.
+
+    A second long-tail family unlike the sums: each line decides parity, then multiplies or
+    halves, and the length (the start's stopping time) is not chosen but follows from n. Starts are
+    drawn log-uniformly from [min_start, max_start], so most are small and quick: for the defaults
+    the stopping time's median is 18 lines, its 90th percentile 106 and its maximum 143 (n = 327);
+    a solution's median is ~210 SmolLM2 tokens, its 90th percentile ~1,500 and its longest ~1,950
+    (numbers are a token per digit). The numbered lines make the answer the last line's number.
+    """
+
+    def __init__(self, min_start: int = 3, max_start: int = 500) -> None:
+        if not 2 <= min_start <= max_start:
+            raise ValueError(f"need 2 <= min_start <= max_start, got {min_start} and {max_start}")
+        self.min_start, self.max_start = min_start, max_start
+        self.name = f"collatz(min_start={min_start}, max_start={max_start})"
+
+    def sample(self, rng_seed: int, index: int) -> Problem:
+        if index < 0 or rng_seed < 0:
+            raise ValueError(f"rng_seed and index must be >= 0, got {rng_seed} and {index}")
+        rng = np.random.default_rng(derive_seed(rng_seed, index))
+        n = math.floor(math.exp(rng.uniform(math.log(self.min_start), math.log(self.max_start + 1))))
+        return self.problem(min(self.max_start, n))
+
+    def problem(self, start: int) -> Problem:
+        question = (f"Start from {start}. If the number is even, halve it; if it is odd, multiply it by 3 and "
+                    f"add 1. How many steps does it take to reach 1?")
+        return Problem(question=question, answer=str(len(collatz_path(start)) - 1), meta={"start": start})
+
+    def solution(self, problem: Problem) -> str:
+        path = collatz_path(problem.meta["start"])
+        lines = [f"{i}: {n} {'even' if n % 2 == 0 else 'odd'}, {m}" for i, (n, m) in enumerate(zip(path, path[1:]), start=1)]
+        return "\n".join([*lines, answer_line(str(len(path) - 1))])
+
+    def score(self, problem: Problem, answer_text: str) -> float:
+        return float(_INT.fullmatch(answer_text.strip()) is not None and int(answer_text) == int(problem.answer))
+
+
+def collatz_path(n: int) -> list[int]:
+    """n, its Collatz successors, ..., 1."""
+    path = [n]
+    while path[-1] != 1:
+        m = path[-1]
+        path.append(m // 2 if m % 2 == 0 else 3 * m + 1)
+    return path
+
+
 # Procedural families by name, for tailrl.rl.tasks.make_task ("sums" or "sums(max_terms=20)").
-PROCEDURAL: dict[str, type] = {"sums": RunningSumTask}
+PROCEDURAL: dict[str, type] = {"sums": RunningSumTask, "collatz": CollatzTask}
 
 
 def rg_solution(entry: dict[str, Any]) -> str:
