@@ -70,6 +70,21 @@ def test_bench_train_runs_tlt_and_baseline_on_identical_tokens(char_model_dir, t
     assert (out / "bench-train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_train_runs_only_the_runs_asked_and_refuses_a_comparison_without_baseline(char_model_dir, task_file,
+                                                                                         tmp_path, capsys):
+    target = load_model(char_model_dir, dtype="fp32")
+    drafter = save_drafter(Drafter.from_target(target, list(range(1, 128, 2)) + [2, 4], "char", seed=0), tmp_path / "d")
+    out = tmp_path / "bench"
+    args = ["bench", "train", "--model", str(char_model_dir), "--task", str(task_file), "--reward", REWARD,
+            "--drafter", str(drafter), "--out", str(out), "--steps", "1", "--num-prompts", "2", "--group-size", "2",
+            "--max-new-tokens", "8", "--json"]
+    assert main([*args, "--runs", "baseline,tlt"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["runs"]) == {"tlt"} and sorted(p.name for p in out.iterdir() if p.is_dir()) == ["baseline", "tlt"]
+    assert report["identical_tokens"] and len([line for line in _train(report) if line.startswith("| 1 |")]) == 1
+    assert main([*args, "--runs", "sd_only,tlt"]) == 2
+
+
 def test_bench_drafter_compares_adaptive_and_frozen_drafters_step_by_step(char_model_dir, task_file, tmp_path,
                                                                           capsys):
     target = load_model(char_model_dir, dtype="fp32")

@@ -116,9 +116,16 @@ class BenchTrainConfig(TwoRunsConfig):
     baseline_engine: str | None = field(default=None, metadata={
         "help": "the baseline's engine, when not --engine's: vllm compares tailrl with TLT against what users run "
                 "(vLLM, speculation off, the update after the rollout)", "choices": registry.NAMES})
+    # Long responses make every step minutes long, and the parts' runs are there to explain TLT's.
+    runs: tuple[str, ...] = field(default=RUNS, metadata={
+        "help": "comma-separated runs: baseline (always), sd_only, overlap_only, tlt"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        object.__setattr__(self, "runs", tuple(self.runs))
+        if "baseline" not in self.runs or len(self.runs) < 2 or set(self.runs) - set(RUNS):
+            raise ValueError(f"runs must include baseline, another run, and be among {', '.join(RUNS)}, got "
+                             f"{', '.join(self.runs)}")
         if self.baseline_engine not in (None, *registry.NAMES):
             raise ValueError(f"baseline_engine must be one of {', '.join(registry.NAMES)}, got "
                              f"{self.baseline_engine!r}")
@@ -234,7 +241,7 @@ def interleaved(out: Path, runs: dict[str, Callable[[int], RunConfig]], steps: i
 def run(cfg: BenchTrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     out = Path(cfg.out or f"runs/bench-train-{time.strftime('%Y%m%d-%H%M%S')}")
     drafter = warm_drafter(cfg, out, log)
-    runs = {name: (lambda step, name=name: configs(cfg, name, drafter, step)) for name in RUNS}
+    runs = {name: (lambda step, name=name: configs(cfg, name, drafter, step)) for name in RUNS if name in cfg.runs}
     records = interleaved(out, runs, cfg.steps, lambda m: (
         f"step {m['step_s']:6.1f} s (rollout {m['rollout_s']:6.1f} s, train {m['train_s']:5.1f} s), "
         f"{m['tokens_generated']} tokens, reward {m['reward_mean']:.3f}"
