@@ -1,7 +1,8 @@
-"""An engine forward's non-matmul work on CPU as compiled calls: a plain decode step's attention
-(RoPE on the new token's query and key, the new key and value into the slotted cache, each
-sequence's query heads over its own first L keys where they lie in the cache) in one call a
-layer, and every cached forward's two RMSNorms with the residual add between them in two.
+"""An engine forward's non-matmul work on CPU as compiled calls: a decode step's attention (RoPE
+on the new tokens' queries and keys, the new keys and values into the slotted cache, each token's
+query heads over its own first L keys where they lie in the cache; one token a row in a plain
+step, a chain of them in a verify) in one call a layer, and every cached forward's two RMSNorms
+with the residual add between them in two.
 
 Why the attention: torch's CPU SDPA (its flash kernel) computes a decode step's attention as two
 small GEMMs per (sequence, kv head, 512-key block), each a separate library call whose fixed
@@ -92,7 +93,7 @@ def library() -> ctypes.CDLL | None:
         return None
     if lib is not None:
         p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.decode_step.argtypes = [p, i, p, i, p, i, p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float,
+        lib.decode_step.argtypes = [p, i, p, i, p, i, p, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float,
                                     ctypes.c_int, ctypes.c_int]
         lib.decode_step.restype = ctypes.c_int
         lib.add_rms_norm.argtypes = [p, p, p, p, p, i, i, ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -107,39 +108,42 @@ def _enabled(x: torch.Tensor) -> bool:
             and not torch.is_grad_enabled() and library() is not None)
 
 
-def usable(keys: torch.Tensor, dtype: torch.dtype, group: int) -> bool:
-    """Whether `decode_step` can take a step whose new tokens are of `dtype` over this cache view
-    (B, K, M, D): `_enabled`, the new tokens in the cache's dtype, G = `group` query heads per kv
-    head and D within the C limits (D even), a cache with unit stride along D."""
+def usable(keys: torch.Tensor, dtype: torch.dtype, group: int, tokens: int = 1) -> bool:
+    """Whether `decode_step` can take a step of `tokens` new tokens a row, of `dtype`, over this
+    cache view (B, K, M, D): `_enabled`, the new tokens in the cache's dtype, tokens x G (`group`
+    query heads per kv head) and D within the C limits (D even), a cache with unit stride along D."""
     d = keys.shape[-1]
-    return (dtype == keys.dtype and group <= MAX_ROWS and d <= MAX_DIM and d % 2 == 0
+    return (dtype == keys.dtype and tokens * group <= MAX_ROWS and d <= MAX_DIM and d % 2 == 0
             and keys.stride(-1) == 1 and keys.stride(-2) == d and _enabled(keys))
 
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x as (B, width) rows with unit stride along the row (a view where it already is one)."""
-    x = x.reshape(x.shape[0], width)
+    """x as rows of `width` (one per token) with unit stride along the row (a view where it already is one)."""
+    x = x.reshape(-1, width)
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pos: torch.Tensor, lens: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One new token per row: writes RoPE(k) and v into keys/values at each row's `pos`, then
-    softmax(RoPE(q) k^T / sqrt(D)) v for each row b over its keys [0, lens[b]); the call must be
-    `usable`.  q (B, ...) of H*D a row, k/v (B, ...) of K*D a row (any row stride), cos/sin (B, ..., D),
-    pos (B, 1) int64 < M, lens (B,) int32 with pos[b] < lens[b] <= M, keys/values (B, K, M, D)
-    views of the cache (same strides)  -> (B, 1, H*D) in q's dtype"""
+    """T new tokens per row (a plain step: 1; a chain's verify: its tokens): writes RoPE(k) and v
+    into keys/values at each token's `pos`, then softmax(RoPE(q) k^T / sqrt(D)) v for token t of
+    row b over the row's keys [0, lens[b, t]), which may hold the tokens written before it; the call
+    must be `usable`.  q (B, T, ...) of H*D a token, k/v (B, T, ...) of K*D a token (any stride
+    between tokens that flattens (B, T)), cos/sin (B, ..., T, D), pos (B, T) int64 < M, lens (B, T)
+    int32 with pos[b, t] < lens[b, t] <= M, keys/values (B, K, M, D) views of the cache (same
+    strides)  -> (B, T, H*D) in q's dtype"""
     b, kv, _, d = keys.shape
-    heads = q.numel() // (b * d)
+    t = pos.shape[-1]
+    heads = q.numel() // (b * t * d)
     if keys.stride() != values.stride():
         raise ValueError("keys and values must share one layout")
     q, k, v = _rows(q, heads * d), _rows(k, kv * d), _rows(v, kv * d)
-    cos, sin = cos.reshape(b, d).contiguous(), sin.reshape(b, d).contiguous()
-    pos, lens = pos.reshape(b).to(torch.int64).contiguous(), lens.to(torch.int32).contiguous()
-    out = q.new_empty(b, 1, heads * d)
+    cos, sin = cos.reshape(b * t, d).contiguous(), sin.reshape(b * t, d).contiguous()
+    pos, lens = pos.reshape(b * t).to(torch.int64).contiguous(), lens.reshape(b * t).to(torch.int32).contiguous()
+    out = q.new_empty(b, t, heads * d)
     status = library().decode_step(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
-        sin.data_ptr(), pos.data_ptr(), lens.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), b, kv,
+        sin.data_ptr(), pos.data_ptr(), lens.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), b, t, kv,
         heads // kv, d, keys.stride(0), keys.stride(1), 1.0 / d**0.5, int(keys.dtype == torch.bfloat16),
         torch.get_num_threads())
     if status:

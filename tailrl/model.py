@@ -55,6 +55,9 @@ KV_CHUNK = 128  # keys per attention matmul in exact mode, see chunked_qk and ch
 # What one more attention call costs, in key rows read (one row's keys for every kv head): an
 # SDPA call's fixed cost over its cost per key row, measured in docs/performance.md.
 SEGMENT_COST_KEYS = 160
+# New tokens a row up to which a cached forward's attention may go through the decode kernel: a
+# plain step (1) and a chain's verify (the longest chain, 8 drafts, is 9); prefills stay on SDPA.
+DECODE_KERNEL_TOKENS = 16
 
 
 def chunked_qk(q: torch.Tensor, keys: torch.Tensor, s: int) -> torch.Tensor:
@@ -248,14 +251,12 @@ class CacheView:
         return out
 
     @cached_property
-    def row_keys(self) -> torch.Tensor | None:
-        """For one new token per row whose mask is a prefix of the keys: each row's key count, for
-        the decode kernel (tailrl.decode_kernels); else None.  # (B,) int32"""
-        if self.mask.shape[1] != 1:
-            return None
-        row = self.mask[:, 0]  # (B, S)
-        count = row.sum(-1)
-        last = self.kv_len - row.flip(-1).int().argmax(-1)  # last attended key + 1
+    def token_keys(self) -> torch.Tensor | None:
+        """Where every new token's mask is a prefix of the keys (a plain step's, a chain verify's):
+        each token's key count, for the decode kernel (tailrl.decode_kernels); else None (a
+        tree's verify, a padded prefill).  # (B, T) int32"""
+        count = self.mask.sum(-1)  # (B, T)
+        last = self.kv_len - self.mask.flip(-1).int().argmax(-1)  # last attended key + 1
         return count.to(torch.int32) if bool((count == last).all()) else None
 
     @cached_property
@@ -333,14 +334,14 @@ class Attention(nn.Module):
         q, k, v = q.view(b, t, self.h, self.d), k.view(b, t, self.k, self.d), v.view(b, t, self.k, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if view is not None and not exact and t == 1:
+        if view is not None and not exact and t <= DECODE_KERNEL_TOKENS:
             rows = slice(view.first, view.first + b)
             ck, cv = view.cache.k[layer][rows], view.cache.v[layer][rows]  # (B, K, M, D) views
             # The usability check first: the key counts cost a device sync where the kernel cannot run.
-            if decode_kernels.usable(ck, q.dtype, self.h // self.k) and view.row_keys is not None:
-                # RoPE, the cache write and each row's attention over its own keys in one call
+            if decode_kernels.usable(ck, q.dtype, self.h // self.k, t) and view.token_keys is not None:
+                # RoPE, the cache write and each token's attention over its own keys in one call
                 # (the kernel's module says why).
-                out = decode_kernels.decode_step(q, k, v, cos, sin, view.write_pos, view.row_keys, ck, cv)
+                out = decode_kernels.decode_step(q, k, v, cos, sin, view.write_pos, view.token_keys, ck, cv)
                 return self.o_proj(out, exact)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)

@@ -29,52 +29,63 @@ def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def reference(q, k, v, cos, sin, pos, lens, keys, values):
-    """The step in float64 on copies of the cache: RoPE, the new key and value and the scaled
-    query rounded to the cache's dtype, then each row over its keys.  -> (B, H*D), keys, values"""
+    """The step in float64 on copies of the cache: RoPE, every new key and value and the scaled
+    queries rounded to the cache's dtype, then each token over its row's first lens[b, t] keys.
+    q, k, v (B, T, ...), cos/sin (B, T, D), pos/lens (B, T)  -> (B, T, H*D), keys, values"""
     b, kv, _, d = keys.shape
+    t = pos.shape[1]
     keys, values = keys.clone(), values.clone()
-    rows = torch.arange(b)
-    keys[rows, :, pos] = rope64(k.reshape(b, kv, d), cos, sin).to(keys.dtype)
-    values[rows, :, pos] = v.reshape(b, kv, d)
-    # The scaled query in the cache's dtype, as the torch path holds it (query head h*G + g reads kv head h).
-    qr = (rope64(q.reshape(b, -1, d), cos, sin) / d**0.5).to(keys.dtype).double().view(b, kv, -1, d)
-    out = []
-    for i, n in enumerate(lens.tolist()):
-        scores = qr[i] @ keys[i, :, :n].double().transpose(-1, -2)
-        out.append((scores.softmax(-1) @ values[i, :, :n].double()).reshape(-1))
-    return torch.stack(out), keys, values
+    for j in range(t):
+        rows = torch.arange(b)
+        keys[rows, :, pos[:, j]] = rope64(k[:, j].reshape(b, kv, d), cos[:, j], sin[:, j]).to(keys.dtype)
+        values[rows, :, pos[:, j]] = v[:, j].reshape(b, kv, d)
+    out = torch.empty(b, t, q.shape[-1], dtype=torch.float64)
+    for j in range(t):
+        # The scaled query in the cache's dtype, as the torch path holds it (query head h*G + g reads kv head h).
+        qr = (rope64(q[:, j].reshape(b, -1, d), cos[:, j], sin[:, j]) / d**0.5).to(keys.dtype).double().view(b, kv, -1, d)
+        for i in range(b):
+            n = int(lens[i, j])
+            scores = qr[i] @ keys[i, :, :n].double().transpose(-1, -2)
+            out[i, j] = (scores.softmax(-1) @ values[i, :, :n].double()).reshape(-1)
+    return out, keys, values
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("heads,group,dim", [(3, 3, 64), (2, 1, 16)])
-def test_kernel_equals_reference(dtype, threads, heads, group, dim):
+@pytest.mark.parametrize("heads,group,dim,tokens", [(3, 3, 64, 1), (2, 1, 16, 1), (3, 3, 64, 5), (2, 2, 32, 9)])
+def test_kernel_equals_reference(dtype, threads, heads, group, dim, tokens):
     """Rows of 1 to 300 keys in a cache of capacity 320 (strided views, as the engine's are); q, k
-    and v slices of one fused projection's output, as the model passes them."""
+    and v slices of one fused projection's output, as the model passes them. With T tokens a row
+    (a chain's verify), token t is written at the row's position L + t and attends keys
+    [0, L + t + 1): the tokens before it, written in the same call, and itself."""
     gen = torch.Generator().manual_seed(0)
-    lens = torch.tensor([300, 1, 77, 128, 5, 299, 64])
-    pos = (lens - 1)[:, None]  # (B, 1): the new token is each row's last key
+    lens = torch.tensor([300, 1, 77, 128, 5, 299, 64]) - (tokens - 1)
+    lens = lens.clamp(min=1)[:, None] + torch.arange(tokens)  # (B, T)
+    pos = lens - 1  # each new token is its own last key
     cache_k = torch.randn(9, heads, 320, dim, generator=gen).to(dtype)
     cache_v = torch.randn(9, heads, 320, dim, generator=gen).to(dtype)
     keys, values = cache_k[2:9], cache_v[2:9]  # rows 2.. of the cache, as a view at `first` = 2 is
     b, h = len(lens), heads * group
-    qkv = (2 * torch.randn(b, 1, (h + 2 * heads) * dim, generator=gen)).to(dtype)
+    qkv = (2 * torch.randn(b, tokens, (h + 2 * heads) * dim, generator=gen)).to(dtype)
     q, k, v = qkv.split([h * dim, heads * dim, heads * dim], -1)
-    angle = torch.rand(b, dim // 2, generator=gen, dtype=torch.float64) * 300
+    angle = torch.rand(b, tokens, dim // 2, generator=gen, dtype=torch.float64) * 300
     cos, sin = torch.cat((angle, angle), -1).cos().to(dtype), torch.cat((angle, angle), -1).sin().to(dtype)
-    want, want_k, want_v = reference(q, k, v, cos, sin, pos[:, 0], lens, keys, values)
+    want, want_k, want_v = reference(q, k, v, cos, sin, pos, lens, keys, values)
+    with torch.no_grad():  # the kernel has no backward
+        assert decode_kernels.usable(keys, dtype, group, tokens)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = decode_kernels.decode_step(q, k, v, cos[:, None, None], sin[:, None, None], pos, lens, keys, values)
+        got = decode_kernels.decode_step(q, k, v, cos[:, None], sin[:, None], pos, lens, keys, values)
     finally:
         torch.set_num_threads(before)
-    assert got.dtype == dtype and got.shape == (b, 1, h * dim)
-    got = got[:, 0].double()
+    assert got.dtype == dtype and got.shape == (b, tokens, h * dim)
+    got = got.double()
     # The cache: the new values exactly, the new keys to their rounding, nothing else touched.
     assert torch.equal(values, want_v)
     written = torch.zeros_like(keys, dtype=torch.bool)
-    written[torch.arange(b), :, pos[:, 0]] = True
+    for j in range(tokens):
+        written[torch.arange(b), :, pos[:, j]] = True
     assert torch.equal(keys[~written], want_k[~written])
     diff, ref_k = (keys[written].double() - want_k[written].double()).abs(), want_k[written].double().abs()
     if dtype == torch.float32:
@@ -84,17 +95,23 @@ def test_kernel_equals_reference(dtype, threads, heads, group, dim):
         assert bool(((got - want).abs() <= want.abs() * 2**-8 + 1e-5).all())
 
 
-def test_row_keys_only_for_one_token_over_a_prefix():
-    """The kernel takes a step only where each row attends a prefix of the keys."""
+def test_token_keys_only_where_every_token_attends_a_prefix():
+    """The kernel takes a forward only where each new token attends a prefix of the keys: a plain
+    step's, a chain verify's (token t over the row's keys and the chain's first t + 1), not a
+    tree's (a second child does not attend its sibling) nor one with a hole."""
     cache = KVCache.__new__(KVCache)  # the view's key counts do not read the cache
     lens = torch.tensor([4, 2])
     prefix = (torch.arange(5)[None] <= lens[:, None])[:, None]  # (2, 1, 5)
-    assert CacheView(cache, 0, lens[:, None], 5, prefix).row_keys.tolist() == [5, 3]
+    assert CacheView(cache, 0, lens[:, None], 5, prefix).token_keys.tolist() == [[5], [3]]
     holed = prefix.clone()
     holed[0, 0, 1] = False
-    assert CacheView(cache, 0, lens[:, None], 5, holed).row_keys is None
-    two = torch.ones(2, 2, 5, dtype=torch.bool)
-    assert CacheView(cache, 0, torch.zeros(2, 2, dtype=torch.long), 5, two).row_keys is None
+    assert CacheView(cache, 0, lens[:, None], 5, holed).token_keys is None
+    at = lens[:, None] + torch.arange(3)  # a chain of 3 from each row's end
+    chain = torch.arange(8)[None, None] <= at[:, :, None]  # (2, 3, 8)
+    assert CacheView(cache, 0, at, 8, chain).token_keys.tolist() == [[5, 6, 7], [3, 4, 5]]
+    tree = chain.clone()
+    tree[:, 2, at[:, 1]] = False  # the third node is the second's sibling, not its child
+    assert CacheView(cache, 0, at, 8, tree).token_keys is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -119,6 +119,42 @@ def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkey
         assert (got[i] - full).abs().max().item() <= ATOL
 
 
+@pytest.mark.parametrize("kernel", ["1", "0"])
+@torch.no_grad()
+def test_a_chain_verify_equals_the_full_forward(tiny_dir, monkeypatch, kernel):
+    """After a right-padded prefill of 7, 30 and 15 tokens, one forward of 4 tokens a row, token t
+    at the row's position L + t over its prefix (a chain's verify): every row's logits are those
+    of a full forward over that row alone, and with the kernel each layer's attention went
+    through it once. The verify's cache writes are then what a full forward computes: a plain step
+    after it agrees too. (fp32; the kernel's bf16 arithmetic: test_decode_kernels.py.)"""
+    calls = []
+    real = decode_kernels.decode_step
+    monkeypatch.setattr(decode_kernels, "decode_step", lambda *args: calls.append(args[5].shape) or real(*args))
+    monkeypatch.setenv(decode_kernels.SWITCH, kernel)
+    model = load_model(tiny_dir, dtype="fp32")
+    torch.manual_seed(0)
+    lens, t = torch.tensor([7, 30, 15]), 4
+    prompts, fed = torch.randint(0, 96, (3, 30)), torch.randint(0, 96, (3, t + 1))
+    cache = KVCache(model.cfg, slots=3, capacity=64, dtype=torch.float32, device="cpu")
+    pos = torch.arange(30).expand(3, 30)
+    mask = torch.ones(30, 30).tril().bool()[None] & (pos < lens[:, None])[:, None]
+    model(prompts, pos, CacheView(cache, 0, pos, 30, mask))
+    calls.clear()
+    at = lens[:, None] + torch.arange(t)  # (3, 4)
+    chain = torch.arange(int(at.max()) + 1)[None, None] <= at[:, :, None]  # (3, 4, S)
+    got = model(fed[:, :t], at, CacheView(cache, 0, at, int(at.max()) + 1, chain))
+    nxt = (lens + t)[:, None]
+    step = torch.arange(int(nxt.max()) + 1)[None, None] <= nxt[:, :, None]
+    got = torch.cat([got, model(fed[:, t:], nxt, CacheView(cache, 0, nxt, int(nxt.max()) + 1, step))], 1)
+    through = kernel == "1" and decode_kernels.library() is not None
+    assert calls == ([torch.Size([3, t])] * model.cfg.num_layers + [torch.Size([3, 1])] * model.cfg.num_layers
+                     if through else [])
+    for i in range(3):
+        own = torch.cat([prompts[i, : lens[i]], fed[i]])
+        full = model(own[None], torch.arange(len(own))[None])[0, lens[i] :]
+        assert (got[i] - full).abs().max().item() <= ATOL
+
+
 def test_one_row_with_a_hidden_key_is_masked(tiny_dir):
     """The unmasked shortcut is only for a row that sees every key: hiding key 5 from a
     one-row decode step must give what the same row gets beside a second, unmasked row."""

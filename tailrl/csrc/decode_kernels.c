@@ -1,21 +1,24 @@
-/* A plain decode step's attention and norms (add_rms_norm, at the end).
+/* A decode step's attention and norms (add_rms_norm, at the end).
  *
  * The attention over a slotted KV cache, from the QKV projection's output to the
- * output projection's input: RoPE on the new token's query and key, the new key and value
- * written into the cache at the row's position, then every query head of a sequence attends its
- * own first L keys, read where they lie in the cache, bf16 or fp32, with fp32 sums (the scaled
- * query rounded to the cache's dtype; bf16 scores by the CPU's bf16 dot products where it has them).
+ * output projection's input: RoPE on the new tokens' queries and keys, the new keys and values
+ * written into the cache at their positions, then every query head of each new token attends its
+ * own first L keys (a plain step: one token a row; a chain's verify: T tokens a row, token t over
+ * its prefix, which holds the tokens before it), read where they lie in the cache, bf16 or fp32,
+ * with fp32 sums (the scaled query rounded to the cache's dtype; bf16 scores by the CPU's bf16
+ * dot products where it has them).
  *
  * Built by tailrl/decode_kernels.py with the machine's C compiler for the machine's own
  * instruction set; see that module for why it exists and how it is checked.
  *
  * Layout (tailrl.model.KVCache): keys and values of one layer are (C, K, M, D) with unit stride
  * along D; `slot_stride` and `head_stride` are the element strides of C and K (equal for keys
- * and values). The new token's q, k and v are rows of (B, heads x D) with unit stride along the
- * row and their own row strides (slices of one fused projection's output); cos and sin are (B, D)
- * contiguous; out is (B, H x D) contiguous. All in the cache's dtype. Query head h*G + g reads
- * kv head h (grouped-query attention, the Hugging Face order). Work is split over threads by
- * (row, kv head).
+ * and values). The new tokens' q, k and v are rows of (B x T, heads x D), token t of row b at
+ * b x T + t, with unit stride along the row and their own row strides (slices of one fused
+ * projection's output); cos, sin (B x T, D), pos and lens (B x T) and out (B x T, H x D) are
+ * contiguous. All in the cache's dtype. Query head h*G + g reads kv head h (grouped-query
+ * attention, the Hugging Face order). Work is split over threads by (row, kv head): a row's
+ * tokens write their keys before any of them reads, within the one work item that owns them.
  */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -27,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_ROWS 64  /* query heads per kv head: the caller checks G <= MAX_ROWS */
+#define MAX_ROWS 64  /* query rows per kv head, tokens x G: the caller checks */
 #define MAX_DIM 256  /* head dim: the caller checks D <= MAX_DIM */
 #define MAX_HIDDEN 8192  /* hidden size of add_rms_norm: the caller checks */
 
@@ -37,7 +40,7 @@ typedef struct {
     const int64_t *pos;
     const int32_t *lens;
     void *k, *v, *out;
-    int64_t batch, heads, rows, dim, slot_stride, head_stride;
+    int64_t batch, tokens, heads, rows, dim, slot_stride, head_stride;
     float scale;
     int bf16;
 } job_t;
@@ -73,7 +76,7 @@ static inline void store(int bf16, void *base, int64_t at, float x) {
         ((float *)base)[at] = x;
 }
 
-/* Rotate-half RoPE of the D values at `src`[at..] into dst (fp32), with row b's cos and sin
+/* Rotate-half RoPE of the D values at `src`[at..] into dst (fp32), with token row b's cos and sin
  * (the Hugging Face layout: x * cos + (-x2, x1) * sin). */
 static void rope(const job_t *j, const void *src, int64_t at, int64_t b, float *dst) {
     const int64_t D = j->dim, half = D / 2;
@@ -87,8 +90,8 @@ static void rope(const job_t *j, const void *src, int64_t at, int64_t b, float *
 #ifdef DPBF16
 /* The n query rows' scores over L bf16 keys at `base`, 32 dimensions a dot-product instruction
  * (pairs of bf16 products summed into fp32 lanes); q holds bf16 values as fp32. */
-static void scores_bf16(const job_t *j, int64_t base, int64_t L, const float *q, float *scores, float *top) {
-    const int64_t D = j->dim, n = j->rows, chunks = D / 32;
+static void scores_bf16(const job_t *j, int64_t base, int64_t n, int64_t L, const float *q, float *scores) {
+    const int64_t D = j->dim, chunks = D / 32;
     __m512bh qb[MAX_ROWS][MAX_DIM / 32];
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = 0; c < chunks; c++)
@@ -100,37 +103,42 @@ static void scores_bf16(const job_t *j, int64_t base, int64_t L, const float *q,
         for (int64_t i = 0; i < n; i++) {
             __m512 acc = _mm512_setzero_ps();
             for (int64_t c = 0; c < chunks; c++) acc = _mm512_dpbf16_ps(acc, qb[i][c], kc[c]);
-            const float dot = _mm512_reduce_add_ps(acc);
-            scores[i * L + s] = dot;
-            top[i] = dot > top[i] ? dot : top[i];
+            scores[i * L + s] = _mm512_reduce_add_ps(acc);
         }
     }
 }
 #endif
 
-/* One (row b, kv head h): the new key (rotated) and value into the cache at the row's position,
- * then the scores of its n query heads (rotated, scaled) over the row's L keys, softmax, values.
- * `scores` holds n x L floats, `q` and `acc` n x D. */
+/* One (row b, kv head h): its T new keys (rotated) and values into the cache at their positions,
+ * then the scores of the T x G query rows (token t's G heads, rotated, scaled) over the row's keys,
+ * each row's softmax over its token's L_t keys, values. `scores` holds T x G x max_t L_t floats,
+ * `q` and `acc` T x G x D. */
 static void attend(const job_t *j, int64_t b, int64_t h, float *scores, float *q, float *acc) {
-    const int64_t D = j->dim, n = j->rows, L = j->lens[b], first = (b * j->heads + h) * n * D;
-    const int64_t base = b * j->slot_stride + h * j->head_stride, at = base + j->pos[b] * D;
-    float row[MAX_DIM], top[MAX_ROWS], total[MAX_ROWS];
-    rope(j, j->k_new, b * j->k_stride + h * D, b, row);
-    for (int64_t d = 0; d < D; d++) store(j->bf16, j->k, at + d, row[d]);
-    load(j->bf16, j->v_new, b * j->v_stride + h * D, D, row);
-    for (int64_t d = 0; d < D; d++) store(j->bf16, j->v, at + d, row[d]);
+    const int64_t D = j->dim, G = j->rows, T = j->tokens, n = T * G, base = b * j->slot_stride + h * j->head_stride;
+    const int32_t *lens = j->lens + b * T;
+    float row[MAX_DIM], total[MAX_ROWS];
+    int64_t L = 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t bt = b * T + t, at = base + j->pos[bt] * D;
+        rope(j, j->k_new, bt * j->k_stride + h * D, bt, row);
+        for (int64_t d = 0; d < D; d++) store(j->bf16, j->k, at + d, row[d]);
+        load(j->bf16, j->v_new, bt * j->v_stride + h * D, D, row);
+        for (int64_t d = 0; d < D; d++) store(j->bf16, j->v, at + d, row[d]);
+        if (lens[t] > L) L = lens[t];
+    }
     /* The scaled query in the cache's dtype, as the torch path holds it: in bf16 the scores are
-     * then exact products of bf16 values summed in fp32, whichever loop below computes them. */
+     * then exact products of bf16 values summed in fp32, whichever loop below computes them.
+     * Query row i = t x G + g. */
     for (int64_t i = 0; i < n; i++) {
-        rope(j, j->q, b * j->q_stride + (h * n + i) * D, b, q + i * D);
+        const int64_t bt = b * T + i / G;
+        rope(j, j->q, bt * j->q_stride + (h * G + i % G) * D, bt, q + i * D);
         for (int64_t d = 0; d < D; d++) q[i * D + d] *= j->scale;
         if (j->bf16)
             for (int64_t d = 0; d < D; d++) q[i * D + d] = from_bf16(to_bf16(q[i * D + d]));
     }
-    for (int64_t i = 0; i < n; i++) top[i] = -FLT_MAX;
 #ifdef DPBF16
     if (j->bf16 && D % 32 == 0) {
-        scores_bf16(j, base, L, q, scores, top);
+        scores_bf16(j, base, n, L, q, scores);
     } else
 #endif
     for (int64_t s = 0; s < L; s++) {
@@ -140,15 +148,17 @@ static void attend(const job_t *j, int64_t b, int64_t h, float *scores, float *q
             float dot = 0.f;
             for (int64_t d = 0; d < D; d++) dot += qi[d] * row[d];
             scores[i * L + s] = dot;
-            top[i] = dot > top[i] ? dot : top[i];
         }
     }
     for (int64_t i = 0; i < n; i++) {
-        float *sc = scores + i * L, sum = 0.f;
-        for (int64_t s = 0; s < L; s++) {
-            sc[s] = expf(sc[s] - top[i]);
+        float *sc = scores + i * L, sum = 0.f, best = -FLT_MAX;
+        const int64_t own = lens[i / G];
+        for (int64_t s = 0; s < own; s++) best = sc[s] > best ? sc[s] : best;
+        for (int64_t s = 0; s < own; s++) {
+            sc[s] = expf(sc[s] - best);
             sum += sc[s];
         }
+        for (int64_t s = own; s < L; s++) sc[s] = 0.f; /* keys after the token's own: masked */
         total[i] = sum;
     }
     memset(acc, 0, (size_t)(n * D) * sizeof(float));
@@ -161,8 +171,9 @@ static void attend(const job_t *j, int64_t b, int64_t h, float *scores, float *q
         }
     }
     for (int64_t i = 0; i < n; i++) {
+        const int64_t first = ((b * T + i / G) * j->heads + h) * G * D + (i % G) * D;
         const float r = 1.f / total[i];
-        for (int64_t d = 0; d < D; d++) store(j->bf16, j->out, first + i * D + d, acc[i * D + d] * r);
+        for (int64_t d = 0; d < D; d++) store(j->bf16, j->out, first + d, acc[i * D + d] * r);
     }
 }
 
@@ -172,25 +183,26 @@ static void attend(const job_t *j, int64_t b, int64_t h, float *scores, float *q
  * that would compete with them for the cores. */
 int decode_step(const void *q, int64_t q_stride, const void *k_new, int64_t k_stride, const void *v_new,
                 int64_t v_stride, const void *cos, const void *sin, const int64_t *pos, const int32_t *lens, void *k,
-                void *v, void *out, int64_t batch, int64_t heads, int64_t rows, int64_t dim, int64_t slot_stride,
-                int64_t head_stride, float scale, int bf16, int threads) {
-    if (rows > MAX_ROWS || dim > MAX_DIM || dim % 2) return 1;
+                void *v, void *out, int64_t batch, int64_t tokens, int64_t heads, int64_t rows, int64_t dim,
+                int64_t slot_stride, int64_t head_stride, float scale, int bf16, int threads) {
+    if (tokens * rows > MAX_ROWS || dim > MAX_DIM || dim % 2) return 1;
     const job_t job = {q, k_new, v_new, cos, sin, q_stride, k_stride, v_stride, pos, lens, k, v, out,
-                       batch, heads, rows, dim, slot_stride, head_stride, scale, bf16};
+                       batch, tokens, heads, rows, dim, slot_stride, head_stride, scale, bf16};
+    const int64_t n = tokens * rows;
     int64_t longest = 1;
-    for (int64_t b = 0; b < batch; b++)
-        if (lens[b] > longest) longest = lens[b];
+    for (int64_t r = 0; r < batch * tokens; r++)
+        if (lens[r] > longest) longest = lens[r];
     int status = 0;
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads)
     {
-        float *buf = malloc(sizeof(float) * (size_t)(rows * longest + 2 * rows * dim));
+        float *buf = malloc(sizeof(float) * (size_t)(n * longest + 2 * n * dim));
         if (!buf) {
 #pragma omp atomic write
             status = 2;
         }
 #pragma omp for schedule(static, 1)
         for (int64_t w = 0; w < batch * heads; w++)
-            if (buf) attend(&job, w / heads, w % heads, buf, buf + rows * longest, buf + rows * longest + rows * dim);
+            if (buf) attend(&job, w / heads, w % heads, buf, buf + n * longest, buf + n * longest + n * dim);
         free(buf);
     }
     return status;
