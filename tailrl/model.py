@@ -55,8 +55,7 @@ KV_CHUNK = 128  # keys per attention matmul in exact mode, see chunked_qk and ch
 # What one more attention call costs, in key rows read (one row's keys for every kv head): an
 # SDPA call's fixed cost over its cost per key row, measured in docs/performance.md.
 SEGMENT_COST_KEYS = 160
-# New tokens a row up to which a cached forward's attention may go through the decode kernel: a
-# plain step (1) and a chain's verify (the longest chain, 8 drafts, is 9); prefills stay on SDPA.
+# New tokens a row up to which attention may take the decode kernel: plain steps, chain verifies (<= 9).
 DECODE_KERNEL_TOKENS = 16
 
 
