@@ -263,6 +263,8 @@ def warmup_printer() -> Callable[[WarmupProgress], None]:
     def show(p: WarmupProgress) -> None:
         total = f"/{p.total}" if p.total else ""
         loss = f" loss {p.loss:.4f}" if p.loss is not None else ""
+        if p.accept_len is not None:
+            loss += f", held-out accept {p.accept_len:.2f}" + (f" of {p.ceiling:.2f}" if p.ceiling is not None else "")
         left = p.seconds_left
         eta = f", ~{left:.0f} s left" if left is not None else ""
         print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s{eta}){loss}   ", end="", file=sys.stderr, flush=True)

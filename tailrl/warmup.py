@@ -11,11 +11,16 @@ TLT trains its drafter offline before RL starts; this is that step, sized for mi
    sampled one wherever the policy writes like its solutions.
 2. Draft vocabulary: the draft_vocab_size most frequent response tokens (EOS always in), topped
    up with the lowest unused ids (BPE ids roughly follow corpus frequency).
-3. Training (tailrl.speculative.drafter.training) for a number of optimiser steps (and, if asked,
-   at most a time budget); held-out loss is measured as it goes.
+3. Training (tailrl.speculative.drafter.training) until held-out acceptance stops rising: every
+   `eval_every` steps the accept_len of a `stop_depth` chain is replayed on the held-out
+   responses; when it stalls the learning rate drops, and after the last drop training stops
+   (tailrl.speculative.drafter.plateau), keeping the best measurement's weights. `steps` (and,
+   if asked, a time budget) caps it. Held-out loss is measured as it goes.
 4. Report on the held-out prompts: loss, top-1 agreement, vocabulary coverage, and accept_len
    of speculative decoding replayed with the real proposer (drafter_train.simulate_accept) on
-   their sampled responses and on greedy ones (the walk accepts exactly the sampled tokens).
+   their sampled responses and on greedy ones (the walk accepts exactly the sampled tokens):
+   chains of several depths, each beside its ceiling (the target itself as a chain drafter of
+   that depth on the same responses), and the configured tree.
 Writes the drafter directory plus loss.png and losses.json (curves and the report).
 
 Knows: prompts, the chat template, the engine's generate call, the training loop's budget.
@@ -41,6 +46,7 @@ from tailrl.rl.sft import example, stop_token, worked_task
 from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
 from tailrl.speculative.drafter.model import Drafter, load_drafter, save_drafter
+from tailrl.speculative.drafter.plateau import Plateau
 from tailrl.speculative.drafter.training import (
     AcceptStats,
     LossStats,
@@ -49,9 +55,14 @@ from tailrl.speculative.drafter.training import (
     evaluate_loss,
     pack,
     simulate_accept,
+    top1_flags,
     train_drafter,
 )
+from tailrl.speculative.report import chain_ceiling
 from tailrl.tuner import Arm
+
+# Chain depths the report replays, each beside its ceiling (the run's own depths are added).
+REPORT_DEPTHS = (2, 4, 6)
 
 
 @dataclass
@@ -71,10 +82,19 @@ class WarmupConfig:
                                                    "further problems (teacher-forced; 0 = none)"})
     holdout_prompts: int = field(default=8, metadata={"help": "prompts whose responses are held out for evaluation"})
     # Steps, not seconds, by default: the same command trains the same drafter on any machine.
-    steps: int = field(default=600, metadata={"help": "optimiser steps of training (0 = no step limit)"})
+    steps: int = field(default=3000, metadata={"help": "most optimiser steps of training (the stopping rule usually "
+                                                "ends it first; 0 = no step limit)"})
     seconds: float = field(default=0.0, metadata={"help": "training time budget, seconds, if asked for (a "
                                                   "machine-dependent amount of training; 0 = no time limit)"})
-    lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate"})
+    lr: float = field(default=2e-3, metadata={"help": "AdamW learning rate (before the stopping rule's drops)"})
+    eval_every: int = field(default=100, metadata={"help": "optimiser steps between held-out replays of the stopping "
+                                                   "rule (0 = none: a constant rate for `steps` steps)"})
+    stop_depth: int = field(default=6, metadata={"help": "chain depth of the stopping rule's held-out replay"})
+    patience: int = field(default=2, metadata={"help": "replays without progress before the rate drops (after the "
+                                               "last drop: training stops)"})
+    lr_drops: int = field(default=2, metadata={"help": "learning-rate drops before training may stop"})
+    lr_drop_factor: float = field(default=0.25, metadata={"help": "the rate is multiplied by this at each drop"})
+    min_gain: float = field(default=0.01, metadata={"help": "replayed accept_len gain that counts as progress"})
     batch_tokens: int = field(default=1024, metadata={"help": "drafter entries per optimiser step"})
     draft_vocab_size: int = field(default=4096, metadata={"help": "tokens the drafter can propose"})
     ce_weight: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term (TLT: 0.1)"})
@@ -96,6 +116,13 @@ class WarmupConfig:
             raise ValueError("group_size, max_new_tokens and draft_vocab_size must be >= 1")
         if self.solutions < 0 or (self.solutions and self.prompts):
             raise ValueError("solutions must be >= 0 and come from the task, not a prompts file")
+        if self.eval_every < 0 or self.stop_depth < 1:
+            raise ValueError(f"need eval_every >= 0 and stop_depth >= 1, got {self.eval_every} and {self.stop_depth}")
+        self.plateau()  # its own checks
+
+    def plateau(self) -> Plateau:
+        """The stopping rule's state at the start of training."""
+        return Plateau(self.patience, self.lr_drops, self.lr_drop_factor, self.min_gain)
 
 
 @dataclass
@@ -106,6 +133,8 @@ class WarmupProgress:
     seconds: float
     loss: float | None = None
     budget_s: float = 0.0  # the phase's time budget (0: none)
+    accept_len: float | None = None  # the last held-out replay of the stopping rule's chain
+    ceiling: float | None = None  # the target's own chain of that depth on the same responses
 
     @property
     def seconds_left(self) -> float | None:
@@ -127,7 +156,9 @@ class WarmupReport:
     heldout_responses: int
     vocab_coverage: float  # held-out response tokens inside the draft vocabulary
     heldout: dict  # LossStats of the held-out responses, before and after training
-    accept: dict  # "temperature T" / "greedy" -> arm label -> accept_len and histogram, held-out prompts
+    accept: dict  # "temperature T" / "greedy" -> arm label -> accept_len, histogram (chains: ceiling), held-out
+    best_step: int = 0  # the step whose weights were kept (the stopping rule's best replay)
+    replays: list = field(default_factory=list)  # [step, seconds, accept_len, rate scale] of each held-out replay
 
 
 def prompt_ids(cfg: WarmupConfig, tokenizer) -> list[tuple[int, ...]]:
@@ -217,7 +248,7 @@ def warmup(cfg: WarmupConfig, out: Path, on_progress: Callable[[WarmupProgress],
     vocab = build_draft_vocab(train_seqs, cfg.draft_vocab_size, target.cfg.vocab_size, target.cfg.eos_token_ids)
     drafter = Drafter.from_target(target, vocab, resolve_model_dir(cfg.model).name, seed=cfg.seed)
     t1 = time.perf_counter()
-    history, curve, losses = _train(drafter, target, train_seqs, held, cfg, on_progress)
+    run = _train(drafter, target, train_seqs, held, cfg, on_progress)
     train_seconds = time.perf_counter() - t1
 
     if on_progress is not None:
@@ -225,55 +256,99 @@ def warmup(cfg: WarmupConfig, out: Path, on_progress: Callable[[WarmupProgress],
     save_drafter(drafter, out)
     # Measured on the saved drafter as the engine loads it: in the target's dtype, sharing its embedding.
     loaded = load_drafter(out, target)
-    accept = {f"temperature {cfg.temperature:g}": evaluate_accept(loaded, held, cfg)}
+    head = target.lm_head.weight.detach()
+    accept = {f"temperature {cfg.temperature:g}": evaluate_accept(loaded, held, cfg, top1_flags(held, head))}
     if cfg.eval_greedy and cfg.temperature > 0:
         one_greedy = dataclasses.replace(cfg, temperature=0.0, group_size=1)
-        greedy = sample_data(target, prompts[-cfg.holdout_prompts :], one_greedy)
-        accept["greedy"] = evaluate_accept(loaded, [g[0] for g in greedy], cfg)
+        greedy = [g[0] for g in sample_data(target, prompts[-cfg.holdout_prompts :], one_greedy)]
+        accept["greedy"] = evaluate_accept(loaded, greedy, cfg, top1_flags(greedy, head))
     entries = sum(s.tokens.shape[0] - s.prompt_len for s in train_seqs)
     report = WarmupReport(
-        sample_seconds, train_seconds, len(history), len(train_seqs), entries, len(held), coverage(held, vocab),
-        losses, accept,
+        sample_seconds, train_seconds, len(run.history), len(train_seqs), entries, len(held), coverage(held, vocab),
+        run.losses, accept, run.best_step, run.replays,
     )
-    write_curves(Path(out), history, curve, report, cfg.ce_weight)
+    write_curves(Path(out), run.history, run.curve, report, cfg.ce_weight)
     return report
 
 
-def _train(drafter: Drafter, target, train_seqs: list[TrainSeq], held: list[TrainSeq], cfg: WarmupConfig, on_progress):
-    """Train under the budget; per-step stats, the held-out loss curve, held-out stats before/after."""
+@dataclass
+class TrainRun:
+    history: list[LossStats]  # per optimiser step
+    curve: list[tuple[int, float]]  # (step, held-out loss)
+    losses: dict  # held-out LossStats before and after
+    best_step: int
+    replays: list[list[float]]  # [step, seconds, accept_len, rate scale]
+
+
+def _train(drafter: Drafter, target, train_seqs: list[TrainSeq], held: list[TrainSeq], cfg: WarmupConfig,
+           on_progress) -> TrainRun:
+    """Train under the stopping rule and the caps (module doc), ending with the best replay's weights."""
     target_head = target.lm_head.weight.detach()[drafter.d2t].float()  # (K, E)
     order = torch.randperm(len(train_seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     batches = pack([train_seqs[i] for i in order], cfg.batch_tokens)
     held_batches = pack(held, cfg.batch_tokens)
     before = evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight)
     curve: list[tuple[int, float]] = [(0, before.loss)]
+    stop_arm = Arm("drafter", cfg.stop_depth, 1, cfg.stop_depth)
+    ceiling = chain_ceiling(top1_flags(held, target.lm_head.weight.detach()), cfg.stop_depth)
+    plateau = cfg.plateau()
+    replays: list[list[float]] = []
+    best_state: dict[str, torch.Tensor] | None = None
     t1 = time.perf_counter()
+    accept: float | None = None  # the last replay's
+
+    def replay(step: int) -> None:
+        nonlocal best_state, accept
+        drafter.eval()
+        accept = simulate_accept(drafter, held, stop_arm).accept_len
+        drafter.train()
+        replays.append([step, round(time.perf_counter() - t1, 2), round(accept, 4), plateau.scale])
+        if plateau.observe(step, accept):
+            best_state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
 
     def stop(step: int) -> bool:
         over_time = cfg.seconds > 0 and time.perf_counter() - t1 >= cfg.seconds
-        return over_time or (cfg.steps > 0 and step >= cfg.steps)
+        return over_time or (cfg.steps > 0 and step >= cfg.steps) or plateau.done
 
     def on_step(step: int, s: LossStats) -> None:
         if step % 25 == 0:
             curve.append((step, evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight).loss))
+        if cfg.eval_every and step % cfg.eval_every == 0:
+            replay(step)
         if on_progress is not None:
-            on_progress(WarmupProgress("train", step, cfg.steps, time.perf_counter() - t1, s.loss, cfg.seconds))
+            on_progress(WarmupProgress("train", step, cfg.steps, time.perf_counter() - t1, s.loss, cfg.seconds,
+                                       accept, ceiling))
 
     tc = DrafterTrainConfig(cfg.lr, ce_weight=cfg.ce_weight, noise=cfg.noise, train_head=cfg.train_head, unroll=cfg.unroll)
-    history = train_drafter(drafter, batches, target_head, tc, stop, on_step, seed=cfg.seed)
+    history = train_drafter(drafter, batches, target_head, tc, stop, on_step, seed=cfg.seed, lr_scale=lambda: plateau.scale)
+    if cfg.eval_every and (not replays or replays[-1][0] != len(history)):
+        replay(len(history))
+        drafter.eval()
+    if best_state is not None:
+        drafter.load_state_dict(best_state)
     after = evaluate_loss(drafter, held_batches, target_head, cfg.ce_weight)
     curve.append((len(history), after.loss))
-    return history, curve, {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after)}
+    best_step = plateau.best_step if best_state is not None else len(history)
+    return TrainRun(history, curve, {"before": dataclasses.asdict(before), "after": dataclasses.asdict(after)},
+                    best_step, replays)
 
 
-def evaluate_accept(drafter: Drafter, held: list[TrainSeq], cfg: WarmupConfig) -> dict:
-    """accept_len on the held-out responses for a chain and for the configured tree."""
-    arms = [Arm("drafter", cfg.eval_draft_depth, 1, cfg.eval_draft_depth)]
+def evaluate_accept(drafter: Drafter, held: list[TrainSeq], cfg: WarmupConfig, top1: list[list[bool]]) -> dict:
+    """accept_len on the held-out responses: chains of several depths, each with its ceiling (the
+    target's own chain of that depth, from the responses' top-1 flags) and its share of it, and
+    the configured tree."""
+    depths = sorted({*REPORT_DEPTHS, cfg.eval_draft_depth, cfg.stop_depth})
+    arms = [Arm("drafter", d, 1, d) for d in depths]
     arms.append(Arm("drafter", cfg.eval_draft_depth, cfg.eval_topk, cfg.eval_num_draft_tokens))
     result = {}
     for arm in arms:
         s: AcceptStats = simulate_accept(drafter, held, arm)
-        result[arm.label] = dict(accept_len=round(s.accept_len, 3), verify_steps=s.verify_steps, accept_hist=s.accept_hist)
+        entry = dict(accept_len=round(s.accept_len, 3), verify_steps=s.verify_steps, accept_hist=s.accept_hist)
+        if arm.topk == 1:
+            ceiling = chain_ceiling(top1, arm.draft_depth)
+            if ceiling is not None:
+                entry.update(ceiling=round(ceiling, 3), of_ceiling=round(s.accept_len / ceiling, 3))
+        result[arm.label] = entry
     return result
 
 

@@ -312,14 +312,18 @@ def train_drafter(
     should_stop: Callable[[int], bool],
     on_step: Callable[[int, LossStats], None] | None = None,
     seed: int = 0,
+    lr_scale: Callable[[], float] = lambda: 1.0,
 ) -> list[LossStats]:
-    """AdamW over the batches (shuffled each epoch) until should_stop(step) is True."""
+    """AdamW over the batches (shuffled each epoch) until should_stop(step) is True. The rate
+    of each step is cfg.lr times the ramp times lr_scale() (a schedule the caller steers from
+    what it measures between steps, e.g. tailrl.speculative.drafter.plateau)."""
     if not batches:
         raise ValueError("no training entries: every sequence is shorter than 3 tokens")
     drafter.train()
     drafter.head.requires_grad_(cfg.train_head)
     params, opt = drafter_optimizer(drafter, cfg.lr, cfg.weight_decay)
-    ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
+    ramp = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)) * lr_scale())
     gen = torch.Generator().manual_seed(seed)
     history: list[LossStats] = []
     step = 0
@@ -349,6 +353,21 @@ class AcceptStats:
     @property
     def accept_len(self) -> float:
         return self.emitted / max(self.verify_steps, 1)
+
+
+@torch.no_grad()
+def top1_flags(seqs: list[TrainSeq], head: torch.Tensor, chunk: int = 1024) -> list[list[bool]]:
+    """Per response token of each sequence (offset 0): was it the target's most likely one, from
+    the target's LM head (V, E) on the hidden state that produced it: the Completion.top1 of a
+    replay (up to float near-ties), from which tailrl.speculative.report.chain_ceiling gives the
+    accept_len the target itself would reach as a chain drafter on these responses."""
+    out = []
+    for s in seqs:
+        p = s.prompt_len
+        h, nxt = s.hidden[p - 1 :], s.tokens[p:]  # h_{p-1+k} produced x_{p+k}
+        best = torch.cat([(h[i : i + chunk].float() @ head.T.float()).argmax(-1) for i in range(0, h.shape[0], chunk)])
+        out.append((best == nxt).tolist())
+    return out
 
 
 def _walk(tokens: list[int], parents: list[int], actual: list[int]) -> int:
