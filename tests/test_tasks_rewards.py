@@ -158,26 +158,32 @@ def test_load_reward_and_its_errors():
 
 
 def test_crashing_and_hanging_rewards_score_zero_and_are_counted(caplog):
+    """Two batches, so that no call's outcome depends on the machine's speed: the quick calls
+    under a timeout that only guards against a hang, and calls that block until the test
+    releases them, which time out however short the timeout is."""
     release = threading.Event()
 
     def flaky(x):
         if x == 1:
             raise RuntimeError("boom")
         if x == 2:
-            release.wait(30)  # hangs until the test releases it
+            release.wait(60)  # until the test is done with the batch (60 s: only a guard against a hang)
         if x == 3:
             return float("nan")
         return x / 10
 
     with caplog.at_level(logging.WARNING, logger="tailrl.rl.rewards"):
-        # The hanging call costs the whole timeout; 3 s is far more than a loaded machine takes to
-        # run the quick calls, so only the hanging one can time out.
-        batch = safe_rewards(flaky, [(0,), (1,), (2,), (3,), (5,)], timeout_s=3)
-    release.set()
-    assert batch.rewards == [0.0, 0.0, 0.0, 0.0, 0.5]
-    assert (batch.failures, batch.timeouts) == (2, 1)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "boom" in warnings[0].getMessage()
+        batch = safe_rewards(flaky, [(0,), (1,), (3,), (5,)], timeout_s=600)
+        try:
+            hung = safe_rewards(flaky, [(2,), (2,)], timeout_s=0.01)
+        finally:
+            release.set()
+    assert batch.rewards == [0.0, 0.0, 0.0, 0.5] and (batch.failures, batch.timeouts) == (2, 0)
+    assert hung.rewards == [0.0, 0.0] and (hung.failures, hung.timeouts) == (0, 2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2  # one per batch
+    assert "boom" in warnings[0] and "2 of 4 rewards failed and 0 timed out" in warnings[0]
+    assert "0 of 2 rewards failed and 2 timed out" in warnings[1]
 
 
 def test_safe_rewards_all_good_logs_nothing(caplog):
