@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.records import Request
+from tailrl.records import Completion, Request
 from tailrl.stats import EngineStats, SpecStats
 from tailrl.rl.progress import RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir
@@ -32,10 +33,11 @@ from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rollout.native.pool import NativeRolloutState, WorkerPool
 from tailrl.rollout.workers import WorkerConfig, shard_indices
 from tailrl.stats import merge_stats
-from tailrl.rollout.protocol import WorkerError
+from tailrl.rollout.protocol import RolloutReport, WorkerError
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.rollout.native.spot import DrafterState, SpotJob, run_spot
-from tailrl.rollout.native.worker import RolloutWorker, SpotBeat, WorkerSetup
+from tailrl.rollout.native import pool as pool_module
+from tailrl.rollout.native.worker import RolloutWorker, ShardResult, SpotBeat, WorkerSetup
 from test_train import comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
 
 VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in
@@ -60,6 +62,13 @@ def requests(step: int = 1, prompts: int = 3, group: int = 4) -> list[Request]:
 
 def reference(target, reqs, max_new_tokens=20):
     return Engine(target, EngineConfig()).generate(reqs, PARAMS, max_new_tokens)
+
+
+def emitted_per_verify(completions: list[Completion], report: RolloutReport) -> float:
+    """The drafter's accept_len as the completions count it where every decode step verified a
+    draft (--spec on): each response's tokens but its first (sampled at its prefill) came from a
+    verify."""
+    return (sum(len(c.token_ids) for c in completions) - len(completions)) / report.spec_verify_steps
 
 
 def start_pool(workers: WorkerConfig, adapt: AdaptConfig, target: Transformer,
@@ -250,7 +259,7 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
         reqs2 = requests(step=2, prompts=2)
         out2 = pool.generate(2, reqs2, PARAMS, 20)
         assert pool.report().drafter_version == 1 and pool.published == 1
-        assert pool.report().drafter_accept_len >= 1.0
+        assert pool.report().drafter_accept_len == emitted_per_verify(out2, pool.report())
         assert [c.token_ids for c in out2] == [c.token_ids for c in reference(target, reqs2)]
         state = pool.state_dict()
         # The second rollout may have had an idle worker too (timing), training version 2.
@@ -274,7 +283,8 @@ def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, draft
         try:
             assert pool.drafter.version == 3 and pool.buffer.tokens == 14
             out = pool.generate(1, reqs, PARAMS, 20)
-            assert pool.report().drafter_version == 3 and pool.report().drafter_accept_len >= 1
+            assert pool.report().drafter_version == 3
+            assert pool.report().drafter_accept_len == emitted_per_verify(out, pool.report())
             assert [c.token_ids for c in out] == [c.token_ids for c in reference(target, reqs)]
             if workers == 1:
                 in_use = pool.runtime.worker.in_use.state_dict()
@@ -313,15 +323,33 @@ def test_a_killed_worker_is_reported_with_rank_and_step(target):
         pool.close()
 
 
-def test_a_hung_worker_is_detected_by_timeout(target):
-    # The live worker must beat within the timeout even on a loaded machine (a decode step of the
-    # tiny model takes milliseconds), so 10 s leaves a wide margin; the stopped one never beats.
+def test_a_hung_worker_is_detected_by_timeout(target, monkeypatch):
+    """Worker 0 is stopped (SIGSTOP) before the call and never beats; worker 1 decodes its shard.
+    The pool's clock stands still until worker 1's shard is back, then jumps past the timeout, so
+    only the stopped worker can be the one that sent nothing, however slow the machine."""
     pool = start_pool(WorkerConfig(workers=2, worker_timeout_s=10), AdaptConfig(), target)
+    clock = [0.0]
+    wait = pool.runtime.wait
+
+    def wait_then_move_the_clock(timeout: float):
+        replies = wait(timeout)
+        if any(rank == 1 and isinstance(reply, ShardResult) for rank, reply in replies):
+            clock[0] = 1000.0
+        return replies
+
+    pool.runtime.wait = wait_then_move_the_clock
+    monkeypatch.setattr(pool_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    stopped = pool.runtime.pids[0]
+    # Only a guard against a hang: were the stopped worker never called hung, it is resumed
+    # after 2 minutes and the call returns instead of raising.
+    guard = threading.Timer(120, lambda: os.kill(stopped, signal.SIGCONT))
     try:
-        os.kill(pool.runtime.pids[0], signal.SIGSTOP)
+        os.kill(stopped, signal.SIGSTOP)
+        guard.start()
         with pytest.raises(WorkerError, match=r"^worker 0 sent nothing for 10 s \(hung\) in step 3$"):
             pool.generate(3, requests(), PARAMS, 20)
     finally:
+        guard.cancel()
         pool.close()  # kills the stopped process
 
 
