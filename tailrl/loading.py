@@ -106,8 +106,13 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
         cfg.pop("quantization_config", None)  # the weights are dequantised now
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tok.save_pretrained(tmp)
-        # Rename is atomic: an interrupted conversion leaves no half-written model behind.
-        os.replace(tmp, out)
+        # Rename is atomic: an interrupted conversion leaves no half-written model behind. Another
+        # process converting at the same time may have renamed its copy first: the same bytes.
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -37,6 +37,7 @@ class SpecStats:
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens emitted by speculative steps (accepted + bonus)
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[d]: verifies accepting exactly d drafts
+    depth_verifies: list[int] = field(default_factory=list)  # depth_verifies[d]: verifies of drafts d tokens deep
     spec_steps: int = 0  # batched speculative steps (each verifies every running row)
     draft_seconds: float = 0.0  # proposing trees
     verify_seconds: float = 0.0  # target forward, acceptance walk, cache compaction, emission
@@ -51,6 +52,10 @@ class SpecStats:
     @property
     def accept_len(self) -> float:
         return self.emitted / self.verify_steps if self.verify_steps else 0.0
+
+    def count_depth(self, depth: int, verifies: int) -> None:
+        self.depth_verifies.extend([0] * (depth + 1 - len(self.depth_verifies)))
+        self.depth_verifies[depth] += verifies
 
     def accept_len_by_position(self) -> dict[str, float]:
         """accept_len per response-position bucket that saw a verify."""

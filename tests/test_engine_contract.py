@@ -194,6 +194,7 @@ class TestPlainDecoding:
         # Plain decoding: no speculation, no drafter.
         assert (report.spec_verify_steps, report.spec_proposed, report.spec_accepted, report.sd_fraction) == (0, 0, 0, 0)
         assert (report.draft_s, report.verify_s, sum(report.accept_hist)) == (0, 0, 0)
+        assert (report.spec_accept_ceiling, report.spec_draft_depth) == (None, 0.0)
         assert (report.drafter_version, report.drafter_published, report.drafter_accept_len) == (0, 0, None)
         assert report.drafter_rollback is None and report.kv_preempted == 0
         # With at most 8 sequences running every decode step is the tail, and plain.
@@ -258,6 +259,10 @@ def drafting(rollout: Rollout, reqs: list[Request], step: int, observed_by: Tran
     version), and its completions; observed_by: the policy whose forwards of these responses the
     rollout is then handed, as the loop hands them."""
     out, report = rollout.generate(step, reqs, GREEDY, 24), rollout.report()
+    # Every verify drafted a 3-chain (the tests' fixed shape), so the ceiling beside its accept_len
+    # is the target's own 3-chain on these responses.
+    assert report.spec_draft_depth == 3.0
+    assert report.spec_accept_ceiling == pytest.approx(chain_ceiling([c.top1 for c in out], 3), rel=1e-12)
     if observed_by is not None:
         observe(rollout, observed_by, out)
     return ([c.token_ids for c in out], report.spec_verify_steps, report.accept_hist, report.drafter_version), out

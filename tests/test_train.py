@@ -48,7 +48,7 @@ MEMORY = {"peak_rss_gb", "update_peak_rss_gb"}
 # How the rollout decoded: with --spec auto (the default) the tuner picks arms by measured
 # speed, so these differ between runs that emit the same tokens.
 DECODE_PATH = {"decode_steps", "spec_verify_steps", "spec_proposed", "spec_accepted", "spec_accept_len", "sd_fraction",
-               "accept_hist", "accept_len_by_position", "arm_by_bucket"}
+               "accept_hist", "accept_len_by_position", "arm_by_bucket", "spec_accept_ceiling", "spec_draft_depth"}
 REQUIRED = {
     "step", "reward_mean", "reward_std", "response_len_mean", "response_len_max", "rollout_s", "reward_s",
     "train_s", "step_s", "tokens_generated", "loss", "pg_loss", "kl", "reward_failures", "reward_timeouts",

@@ -91,6 +91,7 @@ def summary_line(m: dict[str, Any], steps: int) -> str:
            if "rollout_share" in m and "tail_share" in m else "")
         + (f" ceiling {m['accept_len_ceiling']:.2f}" if m.get("accept_len_ceiling") is not None else "")
         + _drafter_part(m)
+        + _spec_part(m)
         + (f" | peak {m['peak_rss_gb']:.1f} GB (update {m['update_peak_rss_gb']:.1f})"
            if m.get("peak_rss_gb") is not None and m.get("update_peak_rss_gb") is not None else "")
         + (f", {m['kv_preempted']} sequences preempted for KV room" if m.get("kv_preempted") else "")
@@ -105,6 +106,15 @@ def _drafter_part(m: dict[str, Any]) -> str:
     if m.get("drafter_accept_len") is not None:
         return f" | drafter v{m['drafter_version']} accept_len {m['drafter_accept_len']:.2f}"
     return f" | drafter v{m['drafter_version']}" if m.get("drafter_version") or m.get("drafter_published") else ""
+
+
+def _spec_part(m: dict[str, Any]) -> str:
+    """Speculation's accept_len beside its ceiling at the depths it drafted (how much of the
+    possible speed-up the drafts delivered), when the rollout speculated."""
+    if not m.get("spec_verify_steps") or m.get("spec_accept_ceiling") is None:
+        return ""
+    return (f" | accept {m['spec_accept_len']:.2f} of {m['spec_accept_ceiling']:.2f} at depth "
+            f"{m['spec_draft_depth']:.3g}")
 
 
 def rollback_line(m: dict[str, Any]) -> str | None:

@@ -126,6 +126,10 @@ class RolloutReport(Decoding):
     spec_proposed: int  # draft tokens proposed
     spec_accepted: int  # draft tokens accepted
     accept_len_ceiling: float | None
+    # The same headroom at the depths speculation drafted: each verify's ceiling is the target's
+    # own chain of that verify's draft depth, averaged over the verifies (spec_accept_len's peer).
+    spec_accept_ceiling: float | None
+    spec_draft_depth: float  # the verifies' mean draft depth (0: none)
     drafter_version: int
     drafter_accept_len: float | None
     drafter_published: int = 0
@@ -151,15 +155,26 @@ def decoding_report(stats: EngineStats, completions: Sequence[Completion], ceili
     version it drafted with and that drafter's accept_len. The fields of what the rollout
     trained and published are left at their defaults for the engine to fill in."""
     decoding = rollout_report(stats, bucket_edges)
+    top1, depths = [c.top1 for c in completions], stats.spec.depth_verifies
     return RolloutReport(
         # The decoding fields are RolloutReport's own by inheritance: the same names, typed once.
         **{f.name: getattr(decoding, f.name) for f in dataclasses.fields(Decoding)},
         rollout_tok_s=stats.tokens_per_s, prefill_s=stats.prefill_seconds, decode_steps=stats.steps,
         spec_verify_steps=stats.spec.verify_steps, spec_accept_len=stats.spec.accept_len,
         spec_proposed=stats.spec.proposed, spec_accepted=stats.spec.accepted,
-        accept_len_ceiling=chain_ceiling([c.top1 for c in completions], ceiling_depth),
+        accept_len_ceiling=chain_ceiling(top1, ceiling_depth),
+        spec_accept_ceiling=_mean_over(depths, lambda d: chain_ceiling(top1, d)),
+        spec_draft_depth=_mean_over(depths, float) or 0.0,
         drafter_version=drafter_version, drafter_accept_len=drafter_accept_len,
     )
+
+
+def _mean_over(counts: Sequence[int], value: Callable[[int], float | None]) -> float | None:
+    """The mean of value(d) weighted by counts[d]; None without counts or where a value is None."""
+    pairs = [(n, value(d)) for d, n in enumerate(counts) if n]
+    if not pairs or any(v is None for _, v in pairs):
+        return None
+    return sum(n * v for n, v in pairs) / sum(n for n, _ in pairs)
 
 
 @dataclass

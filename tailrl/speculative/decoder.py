@@ -202,6 +202,7 @@ def spec_step(engine: Engine, running: list[Seq], tree: DraftTree, call: Generat
         stats.position_verifies[at] += 1
         stats.position_emitted[at] += len(seq.tokens) - emitted_before
     stats.spec_steps += 1
+    stats.count_depth(int(tree.depths.max()), len(running))
     return sum(1 for path in result.path if path)
 
 

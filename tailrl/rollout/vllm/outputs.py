@@ -86,6 +86,7 @@ def add_spec(stats: EngineStats, spec: SpecDecodingStats, seconds: float) -> Non
     s.spec_steps += 1
     s.verify_seconds += seconds
     s.verify_steps += spec.num_drafts
+    s.count_depth(len(spec.num_accepted_tokens_per_pos), spec.num_drafts)
     s.proposed += spec.num_draft_tokens
     s.accepted += spec.num_accepted_tokens
     s.emitted += spec.num_accepted_tokens + spec.num_drafts  # each verify adds one token of its own
