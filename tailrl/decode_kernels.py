@@ -18,9 +18,10 @@ them), not arithmetic (same section).
 It is C (csrc/decode_kernels.c), compiled at first use with the machine's C compiler for the
 machine's own instruction set (`-march=native`) into the cache directory, keyed by the source,
 the compiler and the CPU, and loaded with ctypes; a ctypes call releases the GIL. Where there is
-no compiler or the build fails, `library()` is None, the `usable` checks say no and the model
-keeps its torch path: the kernels are a speed-up, never a requirement. They are not
-row-invariant by design (no exact mode): exact mode keeps its own path (tailrl.model).
+no compiler or the build fails, `library()` is None (said once, in one line, on the log), the
+`usable` checks say no and the model keeps its torch path: the kernels are a speed-up, never a
+requirement. They are not row-invariant by design (no exact mode): exact mode keeps its own path
+(tailrl.model).
 
 Knows: the KV cache's layout (slot, kv head, position, dim), rotate-half RoPE, grouped-query
 heads, RMSNorm's roundings, the C compiler, ctypes.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -43,6 +45,7 @@ import torch
 
 from tailrl.cache_dir import cache_root
 
+logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode_kernels.c"
 MAX_ROWS, MAX_DIM, MAX_HIDDEN = 64, 256, 8192  # the C source's fixed limits
 DTYPES = (torch.bfloat16, torch.float32)
@@ -62,7 +65,9 @@ def _cpu_key() -> str:
     return platform.machine() + "\n" + "\n".join(wanted)
 
 
-def _build(compiler: str) -> Path | None:
+def _build(compiler: str) -> Path:
+    """The compiled library's path, built unless cached; OSError with the compiler's first error
+    line where the build fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_key()]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / key / "decode_kernels.so"
@@ -74,7 +79,8 @@ def _build(compiler: str) -> Path | None:
     done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
     if done.returncode != 0:
         built.unlink(missing_ok=True)
-        return None
+        first = next((line.strip() for line in done.stderr.splitlines() if line.strip()), f"exit code {done.returncode}")
+        raise OSError(f"{compiler} failed: {first}")
     os.replace(built, out)  # atomic: a concurrent process sees the whole library or none
     return out
 
@@ -82,22 +88,23 @@ def _build(compiler: str) -> Path | None:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where it cannot be (no C compiler, a failed
-    build, not Linux-like)."""
+    build, not Linux-like), which is said once, in one line: decoding then takes torch's slower
+    path, and a user comparing speeds should know."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not SOURCE.exists():
-        return None
     try:
-        path = _build(compiler)
-        lib = ctypes.CDLL(str(path)) if path else None
-    except OSError:
+        if compiler is None or not SOURCE.exists():
+            raise OSError("no C compiler (cc, gcc or $CC)" if compiler is None else f"{SOURCE} is missing")
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except OSError as e:
+        reason = " ".join(str(e).split())  # one line, whatever the compiler or loader wrote
+        logger.warning("the C decode kernels are not built (%s): decoding takes torch's path", reason)
         return None
-    if lib is not None:
-        p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.decode_step.argtypes = [p, i, p, i, p, i, p, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float,
-                                    ctypes.c_int, ctypes.c_int]
-        lib.decode_step.restype = ctypes.c_int
-        lib.add_rms_norm.argtypes = [p, p, p, p, p, i, i, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-        lib.add_rms_norm.restype = ctypes.c_int
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.decode_step.argtypes = [p, i, p, i, p, i, p, p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float,
+                                ctypes.c_int, ctypes.c_int]
+    lib.decode_step.restype = ctypes.c_int
+    lib.add_rms_norm.argtypes = [p, p, p, p, p, i, i, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.add_rms_norm.restype = ctypes.c_int
     return lib
 
 

@@ -9,6 +9,7 @@ position) exceeds by orders of magnitude.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -153,6 +154,25 @@ def test_a_chain_verify_equals_the_full_forward(tiny_dir, monkeypatch, kernel):
         own = torch.cat([prompts[i, : lens[i]], fed[i]])
         full = model(own[None], torch.arange(len(own))[None])[0, lens[i] :]
         assert (got[i] - full).abs().max().item() <= ATOL
+
+
+def test_a_kernel_that_cannot_be_built_is_said_once_in_one_line(tmp_path, monkeypatch, caplog):
+    """A compiler that fails (here a script that writes an error and exits 1): library() is None,
+    the model keeps torch's path, and the log says so once, in one line, with the compiler's
+    error; asked again, the process does not try (or say it) again."""
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho 'cc: error: unrecognized command-line option' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("TAILRL_CACHE", str(tmp_path / "cache"))  # no library built before for this compiler
+    decode_kernels.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=decode_kernels.__name__):
+            assert decode_kernels.library() is None and decode_kernels.library() is None
+    finally:
+        decode_kernels.library.cache_clear()  # the next caller builds (or loads) the real one
+    said = [r.getMessage() for r in caplog.records if r.name == decode_kernels.__name__]
+    assert len(said) == 1 and "\n" not in said[0] and "unrecognized command-line option" in said[0], said
 
 
 def test_one_row_with_a_hidden_key_is_masked(tiny_dir):
