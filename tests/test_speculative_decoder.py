@@ -20,6 +20,7 @@ import random
 import pytest
 import torch
 
+from tailrl import decode_kernels
 from tailrl.engine import Engine, EngineConfig, Seq
 from tailrl.records import Request
 from tailrl.loading import load_model, resolve_dtype
@@ -207,6 +208,65 @@ def test_max_new_tokens_one_and_two(model):
         assert_same(plain, spec)
         assert all(len(c.token_ids) <= max_new for c in spec)
         assert_stats_consistent(stats, spec, ARM)
+
+
+class ChainOracle(Oracle):
+    """Proposes plain decoding's continuation as a chain (every node the child of the one before):
+    each verify accepts the whole draft, and its mask is a prefix of the keys a token."""
+
+    def _row(self, seq: Seq, arm: Arm) -> tuple[list[int], list[int]]:
+        done, n = len(seq.tokens), arm.num_draft_tokens
+        truth = self.reference[seq.req_index][done : done + n]
+        return truth + [self.rng.randrange(96) for _ in range(n - len(truth))], list(range(-1, n - 1))
+
+
+CHAIN = Arm("drafter", draft_depth=5, topk=1, num_draft_tokens=5)
+
+
+def test_a_stop_inside_a_speculative_step_ends_the_response_where_plain_decoding_does(model):
+    """Every verify accepts 5 drafts and emits 6 tokens (response positions 1-6, 7-12, ...); the
+    stop is a token whose first place in request 0's response falls inside a verify's tokens, so
+    the step is cut there: the tokens, log-probs and finish reasons of plain decoding with the same
+    stop. EOS is off, so the stop is the only cut."""
+    params, reqs = PARAMS["t07"], requests(5)
+    ref = reference(model, reqs, params, CHAIN)
+    at = next(i for i, t in enumerate(ref[0]) if i >= 2 and i % 6 != 0 and t not in ref[0][:i])
+    stop = lambda tokens: tokens[-1] == ref[0][at]  # noqa: E731
+
+    def generate(decoder=None):
+        engine = Engine(model, EngineConfig(max_batch=3))
+        engine.eos = set()
+        if decoder is not None:
+            engine.decoder = decoder
+        return engine.generate(reqs, params, MAX_NEW, stop=stop), engine.stats
+
+    plain, _ = generate()
+    spec, stats = generate(fixed(CHAIN, ChainOracle(ref)))
+    assert_same(plain, spec)
+    assert spec[0].token_ids == ref[0][: at + 1] and spec[0].finish_reason == "stop"
+    assert stats.spec.emitted < stats.spec.verify_steps + stats.spec.accepted  # accepted tokens dropped at the stop
+
+
+def test_a_chain_verify_takes_the_decode_kernel_when_it_is_built(model, monkeypatch):
+    """Where the C decode kernel is built (tailrl.decode_kernels), a chain's verify forward runs
+    its attention there: one call of CHAIN's 6 tokens a row per layer and verify, counted; and the
+    tokens stay plain decoding's."""
+    if decode_kernels.library() is None:
+        pytest.skip("no C compiler: the kernel is not built")
+    monkeypatch.setenv(decode_kernels.SWITCH, "1")
+    calls = []
+    real = decode_kernels.decode_step
+    # args[5]: each new token's cache position (B, T); a verify's first is past the prompt.
+    monkeypatch.setattr(decode_kernels, "decode_step",
+                        lambda *args: calls.append((args[5].shape[1], int(args[5][:, 0].min()))) or real(*args))
+    params, reqs = PARAMS["greedy"], requests(6)
+    plain, _ = run(model, reqs, params)
+    oracle = ChainOracle(reference(model, reqs, params, CHAIN))
+    calls.clear()
+    spec, stats = run(model, reqs, params, fixed(CHAIN, oracle))
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    verifies = [c for c in calls if c[0] == CHAIN.num_draft_tokens + 1 and c[1] > 0]
+    assert stats.spec.spec_steps > 0 and len(verifies) == stats.spec.spec_steps * model.cfg.num_layers
 
 
 def test_ngram_proposer_and_tuner_equal_plain(model):
