@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import weakref
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from tailrl.records import Completion, Request
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig, chunked_logprobs, sequence_logprobs
 from tailrl.rl.packing import ON_POLICY, Sample, pack_tokens, packed_logprobs, packs
-from tailrl.rl.update import GroupGradients, BackgroundUpdate, accumulate_gradients, by_prompt
+from tailrl.rl.update import GroupGradients, BackgroundUpdate, accumulate_gradients, by_prompt, group_share
 from tailrl.sampling import SamplingParams
 
 
@@ -333,3 +334,63 @@ def test_a_chunked_and_checkpointed_update_is_the_ordinary_one(tiny_dir):
     checkpointed = GRPOConfig(micro_batch=3, micro_batch_tokens=24, checkpoint_tokens=1, autocast="fp32")
     want, got = (_in_order(policy, groups, cfg, range(len(groups))) for cfg in (plain, checkpointed))
     assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+class SavedForBackward:
+    """Bytes of the tensors autograd keeps for the backward (saved_tensors_hooks), the peak of
+    those alive at once: each storage counted once, the parameters left out (held anyway)."""
+
+    def __init__(self, params) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.holders: dict[int, int] = {}  # storage -> saved tensors holding it
+        self.live = self.peak = 0
+
+    def pack(self, t: torch.Tensor):
+        key = t.untyped_storage().data_ptr()
+        if key in self.params:
+            return t
+        if not self.holders.get(key):
+            self.live += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.live)
+        self.holders[key] = self.holders.get(key, 0) + 1
+        # Released when the graph drops it: the finalizer runs as the backward frees the graph.
+        held = _Held(t)
+        weakref.finalize(held, self._release, key, t.untyped_storage().nbytes())
+        return held
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.holders[key] -= 1
+        if not self.holders[key]:
+            self.live -= nbytes
+
+    def unpack(self, saved):
+        return saved if isinstance(saved, torch.Tensor) else saved.tensor
+
+
+class _Held:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_chunking_and_checkpointing_lower_what_the_update_keeps_for_its_backward(policy):
+    """One group of 4 responses (115 tokens) in one pack, its update's peak of saved tensors:
+    chunked log-probs keep no (tokens, vocabulary) tensor, of which the whole-logits path keeps one
+    (its log-softmax); checkpointed layers keep only their inputs, which autograd does not save,
+    where the plain layers' saved activations are most of the update's. Exact byte counts: the
+    shapes alone decide them, so a skipped chunk or checkpoint fails whatever the machine."""
+    rng = random.Random(0)
+    prompt = tuple(rng.randrange(3, 96) for _ in range(6))
+    group = [Sample(prompt, [rng.randrange(3, 96) for _ in range(k)], rng.uniform(-1, 1), ON_POLICY)
+             for k in (30, 25, 40, 20)]
+    tokens = sum(len(s.token_ids) for s in group)
+
+    def peak(**memory) -> int:
+        saved = SavedForBackward(policy.parameters())
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            group_share(policy, group, GRPOConfig(micro_batch=4, autocast="fp32", **memory), 1.0)
+        assert saved.live == 0  # everything released with the graph: the peak is the update's
+        return saved.peak
+
+    plain = peak()
+    assert plain - peak(logprob_chunk=8) >= tokens * policy.cfg.vocab_size * 4  # one fp32 (N, V) fewer
+    assert peak(checkpoint_tokens=1) < plain / 4
