@@ -43,6 +43,30 @@ def _prompts(n: int) -> list[tuple[int, ...]]:
     return [tuple(torch.randint(3, 98, (6,), generator=g).tolist()) for _ in range(n)]
 
 
+def spec_counters(llm) -> tuple[int, int]:
+    """vLLM's own Prometheus counters of the engine's drafts and accepted draft tokens so far."""
+    metrics = llm.get_metrics()
+    return tuple(sum(m.value for m in metrics if m.name == name)
+                 for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"))
+
+
+def count_generate_calls(gen) -> list[tuple[int, int]]:
+    """Each of the trainer's generate calls from now on, as vLLM's own counters (not tailrl's
+    stat logger) count its drafts and accepted tokens: the list the calls fill."""
+    counted: list[tuple[int, int]] = []
+    own = gen.generate
+
+    def generate(*args, **kwargs):
+        before = spec_counters(gen.llm)
+        out = own(*args, **kwargs)
+        after = spec_counters(gen.llm)
+        counted.append((after[0] - before[0], after[1] - before[1]))
+        return out
+
+    gen.generate = generate
+    return counted
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Train STEPS GRPO steps with TLT; then, with the trained policy and the adapted drafter:
@@ -83,6 +107,7 @@ def run(tmp_path_factory):
                     adapt=AdaptConfig(drafter_min_steps=MIN_STEPS, drafter_batch_tokens=64),
                     tuner=TunerConfig(epsilon=1.0, loser_margin=1.0, switch_patience=1))
     trainer = TLTGRPOTrainer(model=hf, reward_funcs=reward, args=args, train_dataset=data, tlt=tlt)
+    counted = count_generate_calls(trainer.vllm_generation)
     trainer.train()
     gen = trainer.vllm_generation
     gen.sync_weights()  # the last step's weights, as the next generation would
@@ -118,7 +143,7 @@ def run(tmp_path_factory):
         hist = rollout.report().accept_hist
     finally:
         rollout.close()
-    return dict(logs=trainer.state.log_history, version=version, shapes=shapes, greedy=[list(o.outputs[0].token_ids) for o in greedy],
+    return dict(logs=trainer.state.log_history, counted=counted, version=version, shapes=shapes, greedy=[list(o.outputs[0].token_ids) for o in greedy],
                 greedy_counts=greedy_counts, sampled=sampled, hf_greedy=hf_greedy, policy=policy,
                 fresh=[c.token_ids for c in fresh], fresh_counts=(sum(hist), sum(i * h for i, h in enumerate(hist))))
 
@@ -126,7 +151,9 @@ def run(tmp_path_factory):
 def test_the_drafter_adapts_and_trls_metrics_say_so(run):
     steps = [h for h in run["logs"] if "loss" in h]
     assert len(steps) == STEPS
-    assert all(h["tlt/accept_len"] >= 1.0 for h in steps)
+    # One generate call a step; its logged accept_len is tokens per verify as vLLM's own counters
+    # give it (float32 in TRL's logs).
+    assert [h["tlt/accept_len"] for h in steps] == pytest.approx([1 + a / d for d, a in run["counted"]], rel=1e-6)
     # Training lags a step (the first step's data trains at the third sync): version 1 drafts at step 3.
     assert [h["tlt/drafter_version"] for h in steps] == [0.0, 0.0, 1.0]
     assert [h["tlt/drafter_micro_steps"] for h in steps] == [0.0, 0.0, float(MIN_STEPS)]
