@@ -143,3 +143,26 @@ def test_generate_with_the_vllm_engine_prints_the_native_engines_fields(tmp_path
         assert main(["generate", "--model", str(model), "--prompt", "ab", *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("tailrl: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_stop_inside_a_multi_token_step_cuts_the_step_there():
+    """A speculative step reaches the rollout as one output delta of several tokens (the accepted
+    drafts, then the target's own); a stop at its second token ends the sequence there and drops
+    the tokens after it, as the native engine cuts a verify (test_speculative_decoder.py). An EOS
+    is not asked: vLLM ends the request at it, as the native engine does before its stop."""
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput
+
+    from tailrl.rollout.vllm.outputs import SequenceOutput
+
+    def step(tokens: list[int], rival: list[float]) -> CompletionOutput:
+        """A delta of `tokens`, each at log-prob -0.5 beside token 90 at `rival`."""
+        return CompletionOutput(0, "", tokens, None, [{t: Logprob(-0.5), 90: Logprob(r)} for t, r in zip(tokens, rival)])
+
+    seq = SequenceOutput()
+    ends_at_7 = lambda tokens: tokens[-1] == 7  # noqa: E731
+    assert not seq.extend(step([5, 6], [-3.0, -3.0]), ends_at_7, eos={1})
+    assert seq.extend(step([8, 7, 9, 10], [-3.0, -0.2, -3.0, -3.0]), ends_at_7, eos={1})
+    assert (seq.tokens, seq.logprobs, seq.top1) == ([5, 6, 8, 7], [-0.5] * 4, [True, True, True, False])
+    at_eos = SequenceOutput()
+    assert not at_eos.extend(step([1], [-3.0]), lambda tokens: True, eos={1}) and at_eos.tokens == [1]
