@@ -2,12 +2,14 @@
 results page's generated section (text around it stays), refusing a page without markers."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tailrl.bench.suite import END, START, BenchAllConfig, update_results_md
 from tailrl.cli import main
 from tailrl.cache_dir import shown_path
+from tailrl.config import read_toml
 
 
 def test_bench_all_writes_json_and_rewrites_only_the_results_section(smollm2_shallow_dir, tmp_path, capsys):
@@ -43,8 +45,11 @@ def test_bench_all_refuses_a_page_without_markers_and_unknown_benches(tmp_path, 
     assert page.read_text() == "# no markers\n"
 
 
-def test_bench_all_writes_docs_results_md_by_default_and_refuses_the_old_flag(capsys):
-    assert BenchAllConfig().results_md == "docs/results.md"
+def test_bench_all_writes_into_a_run_directory_by_default_and_refuses_the_old_flag(capsys):
+    # Never into the checkout unless named (docs/results/bench.toml names the repository's page).
+    assert (BenchAllConfig().results, BenchAllConfig().results_md) == (None, None)
+    assert read_toml(Path(__file__).parent.parent / "docs/results/bench.toml")["all"] == {
+        "results": "docs/results", "results_md": "docs/results.md"}
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "all", "--readme", "README.md"])
     assert exit_info.value.code == 2 and "--readme was renamed --results-md" in capsys.readouterr().err

@@ -100,7 +100,8 @@ class BenchRolloutConfig:
     kv_cache_gb: float = field(default=2.0, metadata={"help": "the other engines' modes (vllm-*): KV cache, GiB"})
     exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (slower steps, see tailrl.model)"})
     cold_tuner: bool = field(default=False, metadata={"help": "the auto modes start with an empty tuner (default: warmed on one other batch)"})
-    plot: str | None = field(default="bench-rollout.png", metadata={"help": "PNG of the running batch over time and the times (empty: none)"})
+    plot: str | None = field(default=None, metadata={
+        "help": "PNG of the running batch over time and the times (default: runs/bench-rollout-<time>/rollout.png; empty: none)"})
 
     def __post_init__(self) -> None:
         self.modes = tuple(self.modes)
@@ -290,9 +291,11 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
                 f"{tokens / seconds:6.1f} tok/s{detail}")
     report = _report(cfg, results, ideal, len(batches[0]))
     log_summary(report, log)
-    if cfg.plot:
-        plot(results, report, Path(cfg.plot))
-        log(f"plot: {cfg.plot}")
+    path = cfg.plot if cfg.plot is not None else f"runs/bench-rollout-{time.strftime('%Y%m%d-%H%M%S')}/rollout.png"
+    if path:  # a run directory unless the user names a file: never the checkout
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        plot(results, report, Path(path))
+        log(f"plot: {path}")
     return report
 
 

@@ -62,8 +62,11 @@ BENCHES: dict[str, Bench] = {
 
 @dataclass(frozen=True)
 class BenchAllConfig:
-    results: str = field(default="docs/results", metadata={"help": "directory of the JSON files and PNGs"})
-    results_md: str | None = field(default="docs/results.md", metadata={"help": "Markdown page whose results section is rewritten (empty: none)"})
+    # Outputs go to a run directory unless named: docs/results/bench.toml names the repository's.
+    results: str | None = field(default=None, metadata={
+        "help": "directory of the JSON files and PNGs (default: runs/bench-all-<time>)"})
+    results_md: str | None = field(default=None, metadata={
+        "help": "Markdown page whose results section is rewritten (default: none; the repository's is docs/results.md)"})
     drafter: str | None = field(default=None, metadata={"help": "warmed-up drafter for every bench that drafts (default: warm one up)"})
     only: tuple[str, ...] = field(default=(), metadata={"help": "comma-separated benches to run (default: all)"})
 
@@ -107,8 +110,9 @@ def machine() -> dict[str, Any]:
 def run(cfg: BenchAllConfig, configs: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the selected benches with `configs` (name -> its config); returns name -> result file
     or the reason it was skipped."""
-    out = Path(cfg.results)
+    out = Path(cfg.results or f"runs/bench-all-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
+    log(f"results: {out}")
     names = list(cfg.only or BENCHES)
     drafter = cfg.drafter
     if drafter is None and any("drafter" in _field_names(configs[n]) for n in names):
