@@ -6,14 +6,16 @@ drafter`: adaptive and frozen drafter, interleaved, same tokens, accept_len per 
 import json
 import sys
 
+import pytest
+
 from tailrl.bench.suite import _drafter, _train
 from tailrl.bench.train import compare
 from tailrl.cli import main
 from tailrl.loading import load_model
 from tailrl.speculative.drafter.model import Drafter, save_drafter
-from test_train import no_plots, task_file  # noqa: F401 - fixtures
+pytestmark = pytest.mark.usefixtures("no_plots")
 
-REWARD = "test_train:high_chars_reward"
+REWARD = "conftest:high_chars_reward"
 
 
 def record(step: int, digest: str, rewards: list[float], step_s: float, rollout_s: float | None = None,

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from conftest import VLLM_TINY, write_char_model
-from test_train import task_file  # noqa: F401 (a fixture)
 
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig

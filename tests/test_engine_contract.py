@@ -31,8 +31,7 @@ from typing import Iterator, Mapping
 import pytest
 import torch
 
-from conftest import VLLM_TINY, write_char_model, write_sharp_llama
-from test_train import comparable, comparable_evals, final_state, no_plots, task_file  # noqa: F401 (fixtures)
+from conftest import VLLM_TINY, comparable, comparable_evals, final_state, write_char_model, write_sharp_llama
 
 from tailrl.engine import EngineConfig
 from tailrl.loading import load_model
@@ -52,6 +51,8 @@ from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import Drafter, save_drafter
 from tailrl.speculative.modes import RolloutSpeculationConfig
 from tailrl.speculative.report import chain_ceiling
+
+pytestmark = pytest.mark.usefixtures("no_plots")
 
 GREEDY = SamplingParams(temperature=0.0)
 MAX_NEW = 16

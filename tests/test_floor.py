@@ -8,7 +8,8 @@ from tailrl.rl import train as train_mod
 from tailrl.rl.floor import update_gb
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.train import train
-from test_train import run_config, task_file, tiny_configs  # noqa: F401 - fixtures
+from conftest import tiny_configs
+from tailrl.pipeline import run_config
 
 
 def test_the_update_floor_is_the_kept_tensors_and_one_logits_chunk(tiny_dir):

@@ -26,9 +26,11 @@ from tailrl.speculative.modes import RolloutSpeculationConfig
 from test_engine_contract import (  # noqa: F401 - model is a fixture
     GREEDY, drafting, is_greedy_chain, model, opened, perturbed, requests as contract_requests,
 )
-from test_workers import (  # noqa: F401 - target, straight_fp32, task_file, no_plots are fixtures
-    PARAMS, exact_fp32_configs, no_plots, reference, requests, same_run, start_pool, straight_fp32, target, task_file,
+from test_workers import (  # noqa: F401 - target and straight_fp32 are fixtures
+    PARAMS, exact_fp32_configs, reference, requests, same_run, start_pool, straight_fp32, target,
 )
+
+pytestmark = pytest.mark.usefixtures("no_plots")
 
 ray = pytest.importorskip("ray")
 

@@ -11,7 +11,6 @@ import pytest
 
 from tailrl.cli import main
 from tailrl.tracking import TensorBoardReporter, split_record
-from test_train import task_file  # noqa: F401 (a fixture; char_model_dir is conftest's)
 
 
 def test_a_record_splits_into_scalars_nested_scalars_and_histograms():
@@ -38,7 +37,7 @@ def test_train_report_to_tensorboard_has_the_metrics_jsonl_scalars(tmp_path, cha
     monkeypatch.setattr("tailrl.rl.train.write_plots", lambda *args: [])
     out = tmp_path / "run"
     rc = main(["train", "--out", str(out), "--report-to", "tensorboard", "--model", str(char_model_dir),
-               "--dtype", "fp32", "--task", str(task_file), "--reward", "test_train:high_chars_reward",
+               "--dtype", "fp32", "--task", str(task_file), "--reward", "conftest:high_chars_reward",
                "--num-prompts", "2", "--group-size", "3", "--max-new-tokens", "8", "--steps", "2", "--seed", "5",
                "--spec", "off", "--eval-problems", "4"])
     assert rc == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
 import signal
 import subprocess
@@ -15,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from conftest import comparable, comparable_evals, final_state, high_chars_reward, tiny_configs
 from tailrl.config import ConfigError, read_toml, resolve
-from tailrl.engine import EngineConfig
 from tailrl.loading import load_model, load_tokenizer
 from tailrl.rl import heldout
 from tailrl.rl.grpo import GRPOConfig
@@ -33,22 +31,13 @@ from tailrl.pipeline import TRAIN_SECTIONS, run_config
 from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rl.run_dir import policy_weights
 from tailrl.rl.tasks import encode_question
-from tailrl.rl.train import TrainConfig, train
+from tailrl.rl.train import train
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig
 from tailrl.tuner import TunerConfig
 
-# Metrics that are wall-clock measurements, so differ between runs of the same computation.
-TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_tok_s",
-          "plain_s", "draft_s", "verify_s", "by_bucket", "batch_timeline", "update_in_rollout_s", "groups_in_rollout",
-          "rollout_share", "tail_s", "tail_share", "drafter_after_s", "idle_seconds_harvested", "idle_seconds_left",
-          "preempt_latency_s"}
-# Resident memory: what the allocator and the kernel did, not what the run computed.
-MEMORY = {"peak_rss_gb", "update_peak_rss_gb"}
-# How the rollout decoded: with --spec auto (the default) the tuner picks arms by measured
-# speed, so these differ between runs that emit the same tokens.
-DECODE_PATH = {"decode_steps", "spec_verify_steps", "spec_proposed", "spec_accepted", "spec_accept_len", "sd_fraction",
-               "accept_hist", "accept_len_by_position", "arm_by_bucket", "spec_accept_ceiling", "spec_draft_depth"}
+pytestmark = pytest.mark.usefixtures("no_plots")
+
 REQUIRED = {
     "step", "reward_mean", "reward_std", "response_len_mean", "response_len_max", "rollout_s", "reward_s",
     "train_s", "step_s", "tokens_generated", "loss", "pg_loss", "kl", "reward_failures", "reward_timeouts",
@@ -58,65 +47,8 @@ REQUIRED = {
 }
 
 
-def high_chars_reward(prompt: str, completion: str, answer: str) -> float:
-    """Mean character code of the completion: varies between random responses, so every group
-    has spread and the update is never empty."""
-    return sum(map(ord, completion)) / (126.0 * len(completion)) if completion else 0.0
-
-
 def failing_reward(prompt: str, completion: str, answer: str) -> float:
     raise RuntimeError("reward bug")
-
-
-@pytest.fixture(scope="module")
-def task_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("task") / "sums.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"{a}+{a % 4}=", "answer": a + a % 4}) + "\n" for a in range(10)))
-    return path
-
-
-def tiny_configs(model_dir: Path, task: Path, **train_overrides) -> dict:
-    train_kw = dict(
-        # bf16 rollouts on an fp32 policy: the engine runs on a copy that each update refreshes.
-        model=str(model_dir), dtype="bf16", task=str(task), reward=f"{__name__}:high_chars_reward",
-        num_prompts=3, group_size=4, max_new_tokens=12, steps=3, seed=5,
-        eval_every=2, eval_problems=4,  # held-out evaluations after steps 0, 2 and 3 (the last)
-    )
-    train_kw.update(train_overrides)
-    return {
-        "train": TrainConfig(**train_kw),
-        # lr large enough that a tiny model's rollouts change from step to step; kl and
-        # clip-higher on so that the resume test covers the reference model too, and a warm-up
-        # that the resumed step must pick up from the step number.
-        "grpo": GRPOConfig(lr=3e-2, lr_warmup_steps=1, micro_batch=5, kl_coef=0.05, clip_high=0.28),
-        # max_batch below num_prompts * group_size: requests queue and slots are refilled. Exact
-        # mode because these runs are compared with each other: the tuner (--spec auto) picks each
-        # decode step's arm by measured speed, and in ordinary mode the arm moves the low bits of
-        # the log-probs the engine records, which the update reads, so two runs of one seed
-        # differed whenever their timing did (docs/lossless.md, "Same seed, same run").
-        "engine": EngineConfig(max_batch=8, exact=True),
-    }
-
-
-def comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING | DECODE_PATH | MEMORY} for r in records]
-
-
-def comparable_evals(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "heldout_s"} for r in RunDir(run_dir).read_evals()]
-
-
-def final_state(run_dir: Path) -> tuple[dict, dict]:
-    ckpt = RunDir(run_dir).latest_checkpoint()
-    optimizer_state, _ = RunDir.load_checkpoint(ckpt)
-    return load_file(ckpt / "model.safetensors"), optimizer_state
-
-
-@pytest.fixture(autouse=True)
-def no_plots(request, monkeypatch):
-    """Plots cost ~1 s per step here; only the tests that inspect them draw them."""
-    if "straight_run" not in request.fixturenames:
-        monkeypatch.setattr("tailrl.rl.train.write_plots", lambda *args: [])
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +290,7 @@ def test_ctrl_c_in_an_evaluation_then_resume_evaluates_the_checkpoint(straight_r
 _KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    from test_train import tiny_configs
+    from conftest import tiny_configs
     import tailrl.rl.train
     from tailrl.pipeline import run_config
     from tailrl.rl.progress import RolloutProgress

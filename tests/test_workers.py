@@ -38,7 +38,9 @@ from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.rollout.native.spot import DrafterState, SpotJob, run_spot
 from tailrl.rollout.native import pool as pool_module
 from tailrl.rollout.native.worker import RolloutWorker, ShardResult, SpotBeat, WorkerSetup
-from test_train import comparable, no_plots, task_file, tiny_configs  # noqa: F401 - fixtures
+from conftest import comparable, tiny_configs
+
+pytestmark = pytest.mark.usefixtures("no_plots")
 
 VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in
 PARAMS = SamplingParams(temperature=1.0)
