@@ -1,5 +1,6 @@
 """tailrl's layering (scripts/check_layers.py): no module imports a layer above its own and no
-imports run in a loop; and the check finds both where they are."""
+imports run in a loop; and the check finds both where they are. The module-size check
+(scripts/check_sizes.py) names what is over its budget."""
 
 import importlib.util
 import sys
@@ -35,3 +36,14 @@ def test_an_upward_import_and_loops_are_found(tmp_path, monkeypatch):
         "cycle (top-level): tailrl.rl.a, tailrl.rl.b",
         "cycle (through function-level imports): tailrl.rollout.vllm.config, tailrl.rollout.vllm.rollout",
     ]
+
+
+def test_the_size_check_names_each_module_over_its_budget(tmp_path):
+    spec = importlib.util.spec_from_file_location("check_sizes", SCRIPT.parent / "check_sizes.py")
+    check_sizes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_sizes)
+    for name, lines in {"tailrl/a.py": 500, "tailrl/x/b.py": 501, "tests/test_c.py": 600, "tests/test_d.py": 601}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n" * lines)
+    assert check_sizes.over_budget(tmp_path) == ["tests/test_d.py: 601 lines, over the tests/ budget of 600",
+                                                 "tailrl/x/b.py: 501 lines, over the tailrl/ budget of 500"]
