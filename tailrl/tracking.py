@@ -178,7 +178,8 @@ class TrainTracking:
 
 class WarmupTracking:
     """Consumes drafter warm-up progress: each optimiser step's loss (tag train/loss); `finish`
-    logs the report (held-out losses, accept lengths, coverage) at the last step."""
+    logs the held-out replays' curve and the report (held-out losses, accept lengths beside their
+    ceilings, coverage) at the last step."""
 
     def __init__(self, reporter: Reporter):
         self.reporter = reporter
@@ -190,4 +191,9 @@ class WarmupTracking:
             self.reporter.log(event.done, {"train/loss": event.loss}, {})
 
     def finish(self, report: Any) -> None:
-        log_record(self.reporter, max(report.steps, 1), dataclasses.asdict(report), prefix="report/")
+        """The stopping rule's held-out replays as a curve (heldout/accept_len at each replay's
+        step), then the rest of the report at the last step."""
+        for step, _, accept_len, _ in report.replays:
+            self.reporter.log(int(step), {"heldout/accept_len": accept_len}, {})
+        record = {k: v for k, v in dataclasses.asdict(report).items() if k != "replays"}
+        log_record(self.reporter, max(report.steps, 1), record, prefix="report/")

@@ -7,6 +7,7 @@ and publishes new versions. A resumed run's drafter: tests/test_engine_contract.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import random
@@ -279,3 +280,41 @@ def test_train_with_the_vllm_engine_trains_and_publishes_the_learned_drafter(tmp
     assert second["drafter_micro_steps"] >= 8 and second["drafter_loss"] > 0
     assert (second["drafter_version"], second["drafter_published"]) == (0, 1)
     assert all(r["spec_verify_steps"] > 0 and r["drafter_after_s"] >= 0 for r in (first, second))
+
+
+def test_the_native_rollout_hands_its_learner_every_response_it_sampled_longest_first(policy, drafter_dir):
+    """One in-process native worker adapting its drafter keeps the hidden states it sampled with
+    and hands every response to the learner at the end of its rollout, the groups the update
+    will skip included (the trainer's forwards are not taken), longest first; the states are the
+    target's own final-norm states on those tokens (a full no-cache forward, fp32: to rounding)."""
+    from tailrl.engine import EngineConfig
+    from tailrl.records import Request
+    from tailrl.rollout.native.config import NativeRolloutConfig, RolloutSpeculationConfig
+    from tailrl.sampling import SamplingParams
+
+    cfg = NativeRolloutConfig(engine=EngineConfig(max_batch=4), adapt=AdaptConfig(drafter_min_steps=0),
+                              speculation=RolloutSpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=2,
+                                                                   num_draft_tokens=2))
+    model = copy.deepcopy(policy)  # an in-process engine decodes with the model it is given
+    rollout = cfg.open(model, seed=0)
+    try:
+        g = torch.Generator().manual_seed(5)
+        reqs = [Request(tuple(torch.randint(2, 96, (5 + i,), generator=g).tolist()), seed=i, group=i // 2)
+                for i in range(8)]
+        out = rollout.generate(1, reqs, SamplingParams(temperature=1.0), 40)
+        feed = rollout.feed()
+        feed.observe([])  # the trainer's forwards: not taken (the rollout has every response already)
+        rollout.publish(model)
+        incoming = [TrainSeq(*x) for x in rollout.adapt.learner.state_dict()["incoming"]]
+    finally:
+        rollout.close()
+    assert len(incoming) == len(reqs)
+    sampled = [len(c.token_ids) for c in out]
+    assert sampled != sorted(sampled, reverse=True)  # some responses ended early (EOS), out of order
+    assert [s.tokens.shape[0] - s.prompt_len for s in incoming] == sorted(sampled, reverse=True)
+    by_tokens = {tuple(s.tokens.tolist()): s for s in incoming}
+    with torch.no_grad():
+        for r, c in zip(reqs, out):
+            s = by_tokens[(*r.prompt_ids, *c.token_ids)]
+            full = policy.hidden(s.tokens[None, :-1], torch.arange(s.tokens.shape[0] - 1)[None])[0]
+            torch.testing.assert_close(s.hidden, full, rtol=1e-4, atol=1e-4)

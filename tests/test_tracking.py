@@ -115,10 +115,13 @@ def test_warmup_tracking_logs_each_step_loss_then_the_report():
                   WarmupProgress("train", 2, 0, 3.0, 0.5), WarmupProgress("eval", 0, 1, 4.0)):
         tracking(event)
     report = WarmupReport(1.0, 2.0, 2, 10, 300, 4, 0.9, {"after": {"loss": 0.4}},
-                          {"greedy": {"drafter(4,1,4)": {"accept_len": 2.5, "verify_steps": 8, "accept_hist": [1, 3]}}})
+                          {"greedy": {"drafter(4,1,4)": {"accept_len": 2.5, "verify_steps": 8, "accept_hist": [1, 3]}}},
+                          best_step=1, replays=[[1, 0.5, 2.25, 1.0], [2, 1.0, 2.125, 0.25]])
     tracking.finish(report)
     assert rec.logged[:2] == [(1, {"train/loss": 0.75}, {}), (2, {"train/loss": 0.5}, {})]
-    step, scalars, hists = rec.logged[2]
+    assert rec.logged[2:4] == [(1, {"heldout/accept_len": 2.25}, {}), (2, {"heldout/accept_len": 2.125}, {})]
+    step, scalars, hists = rec.logged[4]
     assert step == 2 and scalars["report/heldout/after/loss"] == 0.4 and scalars["report/vocab_coverage"] == 0.9
+    assert scalars["report/best_step"] == 1 and not any("replays" in k for k in [*scalars, *hists])
     assert scalars["report/accept/greedy/drafter(4,1,4)/accept_len"] == 2.5
     assert hists == {"report/accept/greedy/drafter(4,1,4)/accept_hist": [0.0, 1.0, 1.0, 1.0]}

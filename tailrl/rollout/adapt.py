@@ -6,7 +6,10 @@ without (one in-process native engine, vLLM engines) trains it here instead: it 
 rollout's DrafterFeed (Rollout.feed), and the rollout closes its step at publish:
 
 - observe: the trainer's forwards of this step's responses (their policy hidden states, which
-  the rollout need not compute again) are kept as the next step's training data;
+  the rollout need not compute again) are kept as the next step's training data; a rollout
+  whose engine keeps the hidden states it sampled with hands every response over itself
+  (`add_own`: the groups the update skips too, in the dtype the drafter drafts from) and the
+  trainer's forwards are not needed;
 - work_idle: micro-steps on the core the update lends while it has no group queued, in the
   rollout's tail (tailrl.rl.update, "Idle work");
 - publish (end_step here): a step whose idle time ran fewer than `drafter_min_steps`
@@ -64,8 +67,9 @@ class AdaptiveDrafter:
     drafts."""
 
     def __init__(self, learner: DrafterLearner, min_steps: int, rollback: WatchConfig | None = None,
-                 state: dict[str, Any] | None = None):
+                 state: dict[str, Any] | None = None, own_data: bool = False):
         self.learner, self.min_steps, self.rollback = learner, min_steps, rollback
+        self.own_data = own_data  # the rollout hands over its own responses (add_own), not the trainer
         if state is not None and "learner" not in state:  # a checkpoint from before the watch: the learner's alone
             state = {"learner": state, "watch": None, "reference_weights": None}
         if state is not None:
@@ -83,10 +87,11 @@ class AdaptiveDrafter:
 
     @classmethod
     def open(cls, drafter: Path, target: Transformer, cfg: AdaptConfig,
-             state: dict[str, Any] | None) -> AdaptiveDrafter:
-        """The drafter in `drafter` (tailrl's drafter files) for `target`, resuming `state`."""
+             state: dict[str, Any] | None, own_data: bool = False) -> AdaptiveDrafter:
+        """The drafter in `drafter` (tailrl's drafter files) for `target`, resuming `state`;
+        own_data: the rollout hands over its responses itself (add_own)."""
         rollback = WatchConfig(ratio=cfg.drafter_rollback_ratio) if cfg.drafter_rollback else None
-        return cls(DrafterLearner.load(drafter, target, cfg), cfg.drafter_min_steps, rollback, state)
+        return cls(DrafterLearner.load(drafter, target, cfg), cfg.drafter_min_steps, rollback, state, own_data)
 
     @property
     def version(self) -> int:
@@ -94,7 +99,14 @@ class AdaptiveDrafter:
         return self.drafting
 
     def observe(self, forwards: Sequence[PolicyForward]) -> None:
-        self.learner.add([TrainSeq(f.tokens, f.hidden, f.prompt_len) for f in forwards])
+        if not self.own_data:
+            self.learner.add([TrainSeq(f.tokens, f.hidden, f.prompt_len) for f in forwards])
+
+    def add_own(self, seqs: Sequence[TrainSeq]) -> None:
+        """Every response the rollout sampled this step, with the hidden states it sampled with,
+        longest first: a step's micro-steps cover the start of its data, and the long responses
+        hold the late positions where drafting is hardest."""
+        self.learner.add(sorted(seqs, key=lambda s: s.prompt_len - s.tokens.shape[0]))
 
     def has_idle_work(self) -> bool:
         return self.learner.pending()

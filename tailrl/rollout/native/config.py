@@ -112,14 +112,15 @@ class NativeRolloutConfig:
         tuners = state.tuners if state is not None else None
         if tuners is not None and len(tuners) != workers.workers:
             raise ValueError(f"the checkpoint holds {len(tuners)} workers' state; resume with --workers {len(tuners)}")
-        # With two workers or more an idle one spot-trains on the hidden states its engine captured;
-        # with one, the drafter adapts on the trainer's forwards (tailrl.rollout.adapt).
-        setup = WorkerSetup(self.engine, speculation, self.tuner, seed, collect=adapting and workers.workers >= 2)
+        # The engine keeps the hidden states it sampled with: with two workers or more an idle one
+        # spot-trains on them; with one, the drafter adapts on the trainer's side on them
+        # (tailrl.rollout.adapt), every response of a step, the groups the update skips too.
+        setup = WorkerSetup(self.engine, speculation, self.tuner, seed, collect=adapting)
         runtime = _runtime(workers, model, setup, tuners)
         adapt = None
         if adapting and workers.workers == 1:
             adapt = AdaptiveDrafter.open(Path(speculation.drafter).expanduser(), model, self.adapt,
-                                         state.adapt if state is not None else None)
+                                         state.adapt if state is not None else None, own_data=True)
         pool = WorkerPool(runtime, self.spot, self.adapt, drafter, workers.worker_timeout_s, speculation.draft_depth,
                           self.tuner.bucket_edges, tuners, state.tuner_pending if state is not None else None, adapt)
         if state is not None:

@@ -13,8 +13,8 @@ opened by tailrl.rollout.native.config). Its `generate`:
    returns the trained state, which becomes the next drafter version.
 With one worker (the engine in the trainer's process, the default) no worker is ever idle while
 another decodes, so the drafter adapts on the trainer's side instead (tailrl.rollout.adapt): on
-the hidden states the update's forwards hand over (`observe`), on the core the update lends in
-the tail (`work_idle`), a new version at `publish`.
+the hidden states the engine sampled every response with (`add_own`), on the core the update
+lends in the tail (`work_idle`), a new version at `publish`.
 A worker that dies, raises, or sends nothing for `worker_timeout_s` ends the call with a
 WorkerError naming its rank and the step; the RL loop applies nothing of that step.
 
@@ -199,7 +199,10 @@ class WorkerPool(AdaptingRollout):
                     for other in range(self.runtime.size):
                         if other != rank:
                             self.tuner_pending[other].extend(reply.tuner_new)
-                    self.buffer.add(reply.train_seqs)
+                    if self.adapt is not None:
+                        self.adapt.add_own(reply.train_seqs)
+                    else:
+                        self.buffer.add(reply.train_seqs)
                     for i, c in zip(shards[rank], reply.completions):
                         self._report_finished(i, c)
                 else:
