@@ -7,6 +7,8 @@ data, in one process, one after another, and replays each on the same held-out r
 chains of depth 2, 4 and 6 beside the ceiling at that depth (the target itself as the chain
 drafter), the seconds of training, the step whose weights were kept, and the curve of the
 stopping rule's replays (accept_len over training seconds: what a minute of warm-up buys).
+Each recipe's drafter is saved beside the JSON (OUT without .json / RECIPE), for `bench rollout
+--drafter`; the sampled data too (OUT.data.pt), so a rerun with the same settings samples nothing.
 
     .venv/bin/python scripts/warmup_recipes.py --model COLD_START_DIR [--task sums]
         [--max-new-tokens 512] [--prompts 48] [--holdout 4] [--solutions 512]
@@ -52,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
-    from tailrl.speculative.drafter.model import Drafter
+    from tailrl.speculative.drafter.model import Drafter, save_drafter
     from tailrl.speculative.drafter.training import top1_flags
     from tailrl.warmup import WarmupConfig, _train, build_draft_vocab, evaluate_accept, prompt_ids, sample_data
     from tailrl.warmup import solution_data
@@ -63,12 +65,19 @@ def main() -> None:
     torch.manual_seed(base.seed)
     target = load_model(args.model, dtype=base.dtype)
     tokenizer = load_tokenizer(args.model)
-    t0 = time.perf_counter()
-    groups = sample_data(target, prompt_ids(base, tokenizer), base)
-    sample_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    solutions = solution_data(target, tokenizer, base)
-    solution_s = time.perf_counter() - t0
+    data = Path(args.out).with_suffix(".data.pt")  # the sampled data, reused by a rerun with the same settings
+    key = [args.model, args.task, args.max_new_tokens, args.prompts, args.group, args.solutions]
+    cached = torch.load(data, weights_only=False) if data.is_file() else None
+    if cached is not None and cached["key"] == key:
+        groups, solutions, sample_s, solution_s = cached["groups"], cached["solutions"], cached["sample_s"], cached["solution_s"]
+    else:
+        t0 = time.perf_counter()
+        groups = sample_data(target, prompt_ids(base, tokenizer), base)
+        sample_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        solutions = solution_data(target, tokenizer, base)
+        solution_s = time.perf_counter() - t0
+        torch.save(dict(key=key, groups=groups, solutions=solutions, sample_s=sample_s, solution_s=solution_s), data)
     train_groups, held = groups[: -args.holdout], [s for g in groups[-args.holdout :] for s in g]
     flags = top1_flags(held, target.lm_head.weight.detach())
     out = {"model": args.model, "task": args.task, "max_new_tokens": args.max_new_tokens, "dtype": str(target.lm_head.weight.dtype),
@@ -88,6 +97,7 @@ def main() -> None:
         run = _train(drafter, target, train, held, cfg, on_progress=None)
         train_s = time.perf_counter() - t0
         accept = evaluate_accept(drafter, held, cfg, flags)
+        save_drafter(drafter, Path(args.out).with_suffix("") / name)
         out["recipes"][name] = {"train_sequences": len(train), "steps": len(run.history), "best_step": run.best_step,
                                 "train_s": round(train_s, 1), "accept": accept, "replays": run.replays}
         chains = ", ".join(f"{k} {v['accept_len']:.2f} of {v['ceiling']:.2f}" for k, v in accept.items() if "ceiling" in v)
