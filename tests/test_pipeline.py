@@ -150,10 +150,12 @@ def test_the_default_warmup_adds_worked_solutions_only_where_the_task_has_them(t
 
 def test_the_default_warmup_is_a_number_of_steps_not_seconds(tmp_path):
     """The same command trains the same drafter on any machine: the default run's warm-up and
-    `tailrl drafter warmup` stop at a number of optimiser steps, never at a time budget."""
+    `tailrl drafter warmup` stop at a number of optimiser steps, never at a time budget: a cap,
+    or earlier where the held-out replays (a function of the weights, every eval_every steps)
+    stop rising (tests/test_warmup.py)."""
     cfg = pipeline.warmup_config(TrainConfig())
-    assert (cfg.steps, cfg.seconds) == (pipeline.WARMUP_STEPS, 0.0)
-    assert (WarmupConfig().steps, WarmupConfig().seconds) == (600, 0.0)
+    assert (cfg.steps, cfg.seconds) == (pipeline.WARMUP_STEPS, 0.0) and cfg.eval_every > 0
+    assert WarmupConfig().seconds == 0.0 and WarmupConfig().steps > 0 and WarmupConfig().eval_every > 0
 
 
 def test_warmup_progress_estimates_the_time_left(capsys):
