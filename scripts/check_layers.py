@@ -1,15 +1,14 @@
 """Check tailrl's layering: no module imports one from a layer above its own, and no cycle among
-the imports that run when a module is imported.
+its imports, those at module level and those inside functions alike.
 
 Layers, bottom to top (docs/architecture.md): base (model, sampling, stats, the records of a
 generate call, ...), engine, speculative, the seam (rollout/protocol.py), the rollout engines,
-rl, and the top (pipeline, warmup, bench, cli, trl). An import at module level runs at import time; one
-inside a function runs when called (how the registry reaches the engines, and the CLI its
-commands): both are dependencies and both must point down or sideways. Only the first can make an
-import cycle; two modules that import each other through the second are reported too (their
-dependency should run one way), but for the registry's lookups of an engine by name (LOOKUPS).
-Imports named in strings (`"tailrl.bench.train:run"`, read with importlib by the top layer) are
-not seen.
+rl, and the top (pipeline, warmup, generate, tracking, bench, cli, trl). An import at module
+level runs at import time; one inside a function runs when called (how the registry reaches the
+engines, and the CLI its commands): both are dependencies and both must point down or sideways.
+Only the first can make an import cycle at import time; two modules that import each other
+through the second are reported too (their dependency should run one way). Imports named in
+strings (`"tailrl.bench.train:run"`, read with importlib by the top layer) are not seen.
 
     python scripts/check_layers.py            # exit status 1 on a violation
     python scripts/check_layers.py --list     # also every module's imports
@@ -38,12 +37,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("top", ("tailrl.pipeline", "tailrl.warmup", "tailrl.generate", "tailrl.tracking", "tailrl.bench",
              "tailrl.cli", "tailrl.__main__", "tailrl.trl")),
 ]
-
-# Modules that import, inside the function that looks one up by name, modules that import them:
-# the registry (each engine's config imports EngineEntry from it). Left out of the loops through
-# function-level imports; at import time they make none.
-LOOKUPS = {"tailrl.rollout.registry"}
-
 
 @dataclass
 class Module:
@@ -143,7 +136,7 @@ def violations(mods: dict[str, Module]) -> list[str]:
                     lines.append(f"upward ({kind}): {m} [{LAYERS[layer(m)][0]}] imports {t} [{LAYERS[layer(t)][0]}]")
     at_import = cycles(mods)
     lines += [f"cycle (top-level): {', '.join(c)}" for c in at_import]
-    called = {m: Module(m, mods[m].top | (set() if m in LOOKUPS else mods[m].deferred)) for m in mods}
+    called = {m: Module(m, mods[m].top | mods[m].deferred) for m in mods}
     lines += [f"cycle (through function-level imports): {', '.join(c)}" for c in cycles(called) if c not in at_import]
     return lines
 

@@ -337,7 +337,7 @@ class Trainer:
                 or not heldout.missing(self.run.read_evals(), step)):
             return
         self.emit(Notice(f"held-out evaluation after step {step}: {len(self.heldout.problems)} problems, one response each"))
-        rollout = self.cfg.rollout.for_evaluation().open(copy.deepcopy(self.rollout_model), tc.seed)
+        rollout = self.cfg.rollout.for_evaluation(registry.engine(registry.DEFAULT)).open(copy.deepcopy(self.rollout_model), tc.seed)
         try:
             rollout.publish(self.policy)  # the rollout model may be a worker's stale copy
             with deterministic(self.device):

@@ -18,7 +18,8 @@ Engines behind it: tailrl.rollout.native (tailrl's own engine, across its worker
 tailrl.rollout.vllm (vLLM engines, in the trainer's process or on Ray).
 
 The records only the seam defines live here: PolicyForward, DrafterFeed, RolloutReport, RolloutState,
-Rollback, Held and the rollout's errors. Those that the decoding engine below the seam
+Rollback, Held, EngineEntry (how an engine describes itself to the registry,
+tailrl.rollout.registry) and the rollout's errors. Those that the decoding engine below the seam
 (tailrl.engine) uses too live lower, so that it imports nothing of the seam: a generate call's
 Request, Stop, Completion and Progress (tailrl.records) and SamplingParams (tailrl.sampling). Callers
 import them from there, not from here: each name has one home, and what the RL loop takes from
@@ -32,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -253,10 +254,11 @@ class RolloutConfig(Protocol):
         its sampling and tuning seeded by `seed`, resuming `state` (a Rollout.state_dict())."""
         ...
 
-    def for_evaluation(self) -> RolloutConfig:
+    def for_evaluation(self, default: EngineEntry) -> RolloutConfig:
         """An engine decoding plainly in this process, in the same dtype: held-out evaluations,
         which must not touch the training rollout's state (tuners, drafter, data). The same
-        engine, unless it cannot run twice in one process (vLLM: the native engine)."""
+        engine, unless it cannot run twice in one process (vLLM): then `default`, the registry's
+        default engine, sized as this one (its `capacity`)."""
         ...
 
     def sections(self) -> dict[str, object]:
@@ -285,3 +287,24 @@ class RolloutConfig(Protocol):
     def describe(self) -> str:
         """How it decodes, in a few words, for the run's announcement."""
         ...
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One rollout engine as a run chooses it: what its package's config module hands the
+    registry (tailrl.rollout.registry), which finds it by `name`."""
+
+    name: str
+    # `tailrl train`'s configuration sections (flags and TOML tables) it reads, by name.
+    sections: Mapping[str, type]
+    # `tailrl generate`'s, by name.
+    generate_sections: Mapping[str, type]
+    # ValueError for what a run's sections and sampling ask that it cannot do.
+    check: Callable[[Mapping[str, object], SamplingParams], None]
+    # Its RolloutConfig from its own sections by name (those left out take their defaults).
+    config: Callable[[Mapping[str, object]], RolloutConfig]
+    # `sections` with its own set to hold `sequences` at once, with `kv_gb` GiB of KV cache (None:
+    # its default): how a benchmark sizes every engine alike.
+    capacity: Callable[[Mapping[str, object], int, float | None], dict[str, object]]
+    # Whether it has exact mode: bit-identical tokens with speculation on and off.
+    exact: bool

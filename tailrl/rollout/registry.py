@@ -5,44 +5,23 @@ module): the configuration sections it reads, what it refuses, how its RolloutCo
 from its sections, and which of them `tailrl generate` reads. This module maps the names to those
 descriptions and imports an engine's only when it is asked for, so the RL loop can offer the
 names (TrainConfig.engine's choices) without importing any engine, and vLLM stays optional.
-The engines' config modules import `EngineEntry` from here when they are imported; this module
-imports one of them only inside `engine()`, when it is called: neither import runs while the
-other module is being imported, so there is no import cycle whichever comes first.
+`EngineEntry` lives with the Rollout protocol (tailrl.rollout.protocol), so the dependency runs
+one way: this module imports the engines' config modules, none of them imports this one.
 
 Sections are shared by name between engines ([speculation], [tuner], [adapt]); a section that
 only engines other than the chosen one read would configure nothing, so one set away from its
-defaults is refused.
+defaults is refused; so is exact mode ([engine] exact) on an engine that has none (`exact`).
 
 Knows: the engines' names and where each describes itself. Does not know: what any engine does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from tailrl.rollout.protocol import RolloutConfig
+from tailrl.engine import EngineConfig
+from tailrl.rollout.protocol import EngineEntry, RolloutConfig
 from tailrl.sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class EngineEntry:
-    """One rollout engine as a run chooses it."""
-
-    name: str
-    # `tailrl train`'s configuration sections (flags and TOML tables) it reads, by name.
-    sections: Mapping[str, type]
-    # `tailrl generate`'s, by name.
-    generate_sections: Mapping[str, type]
-    # ValueError for what a run's sections and sampling ask that it cannot do.
-    check: Callable[[Mapping[str, object], SamplingParams], None]
-    # Its RolloutConfig from its own sections by name (those left out take their defaults).
-    config: Callable[[Mapping[str, object]], RolloutConfig]
-    # `sections` with its own set to hold `sequences` at once, with `kv_gb` GiB of KV cache (None:
-    # its default): how a benchmark sizes every engine alike.
-    capacity: Callable[[Mapping[str, object], int, float | None], dict[str, object]]
-    # Whether it has exact mode: bit-identical tokens with speculation on and off.
-    exact: bool
 
 
 def _native() -> EngineEntry:
@@ -90,10 +69,23 @@ def refuse_foreign(name: str, sections: Mapping[str, object]) -> None:
                                  f"leave [{section}] at its defaults or use --engine {other}")
 
 
+def refuse_exact(name: str, sections: Mapping[str, object]) -> None:
+    """ValueError for exact mode ([engine] exact, --exact) on an engine without it, before [engine]
+    would be refused as another engine's section, so the line says why."""
+    asked = sections.get("engine")
+    if engine(name).exact or not (isinstance(asked, EngineConfig) and asked.exact):
+        return
+    having = [n for n in NAMES if engine(n).exact]
+    raise ValueError(f"--exact is the {' and '.join(having)} engine's (bit-identical tokens with speculation on and "
+                     f"off); the {name} engine's speculation is lossless in distribution only: drop --exact or use "
+                     f"--engine {having[0]}")
+
+
 def rollout_config(name: str, sections: Mapping[str, object], sampling: SamplingParams) -> RolloutConfig:
     """The RolloutConfig of engine `name` from a run's sections by name, sampling as given; what
     it cannot run is refused (ValueError, one line) before anything starts."""
     entry = engine(name)
+    refuse_exact(name, sections)
     entry.check(sections, sampling)
     refuse_foreign(name, sections)
     return entry.config({section: sections[section] for section in entry.sections if sections.get(section) is not None})

@@ -6,7 +6,7 @@ several worker processes or Ray actors with spot training of the learned drafter
 is idle first. Exact mode (bit-identical tokens with speculation on and off) is this engine's.
 
 Its `ENGINE` is what tailrl.rollout.registry finds as "native" (the registry imports this module
-only when asked for it; this module imports `EngineEntry` from the registry).
+only when asked for it; this module imports nothing of the registry).
 
 Knows: which sections configure the native engine, how its workers start, which of them `tailrl
 generate` reads. Does not know: RL.
@@ -31,8 +31,7 @@ from tailrl.rollout.workers import WorkerConfig
 from tailrl.rollout.native.runtimes import InProcessRuntime, ProcessRuntime, Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig
 from tailrl.rollout.native.worker import WorkerSetup
-from tailrl.rollout.protocol import Held, check_state
-from tailrl.rollout.registry import EngineEntry
+from tailrl.rollout.protocol import EngineEntry, Held, check_state
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import WEIGHTS_FILE
@@ -97,7 +96,8 @@ class NativeRolloutConfig:
         spec = self.speculation
         return f"speculation {spec.spec}" + (f" with drafter {spec.drafter}" if spec.drafter else "")
 
-    def for_evaluation(self) -> NativeRolloutConfig:
+    def for_evaluation(self, default: EngineEntry) -> NativeRolloutConfig:
+        """Itself, plain, beside the training rollout (it runs twice in one process)."""
         return NativeRolloutConfig(engine=self.engine, speculation=SpeculationConfig(spec="off"))
 
     def open(self, model: Transformer, seed: int, state: NativeRolloutState | None = None) -> WorkerPool:

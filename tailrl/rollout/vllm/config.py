@@ -5,11 +5,11 @@ engines read: [speculation] (--spec off/on/auto, --drafter, --draft-depth), [tun
 [adapt] (the learned drafter's training during RL). Opening one starts an in-process vLLM
 engine on the policy's weights (tailrl.rollout.vllm.rollout). vLLM is imported only then, so
 tailrl runs without it; without it, opening says how to install it. The dependency runs one way:
-this module hands rollout.py the settings it resolved, and rollout.py imports nothing of it. It
-imports the native engine's config (held-out evaluations decode on that engine), which imports
-nothing of this package.
+this module hands rollout.py the settings it resolved, and rollout.py imports nothing of it.
+Held-out evaluations decode on the registry's default engine, which the caller hands in
+(for_evaluation): this package imports nothing of another engine.
 Its `ENGINE` is what tailrl.rollout.registry finds as "vllm" (the registry imports this module
-only when asked for it; this module imports `EngineEntry` from the registry).
+only when asked for it; this module imports nothing of the registry).
 
 Speculation maps onto vLLM's as follows. --spec off, or no drafter: vLLM decodes plainly (the
 native engine's n-gram drafter has no vLLM counterpart). --spec on: --draft-depth draft tokens
@@ -18,7 +18,7 @@ engine's learned-drafter chain depths (and plain), per running-batch bucket. A f
 --speculative-per-batch table replaces either. vLLM drafts chains only (--topk 1).
 
 Knows: the sections, their checks, which drafter directory vLLM loads how, that held-out
-evaluations decode on the native engine and that exact mode is its, which sections `tailrl
+evaluations decode on another engine and that exact mode is not its, which sections `tailrl
 generate` reads. Does not know: vLLM's API (rollout.py), RL.
 """
 
@@ -29,13 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from tailrl.engine import EngineConfig
 from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
-from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rollout import ray_support
-from tailrl.rollout.protocol import Held, Rollout, RolloutConfig, RolloutState
-from tailrl.rollout.registry import EngineEntry
+from tailrl.rollout.protocol import EngineEntry, Held, Rollout, RolloutConfig, RolloutState
 from tailrl.rollout.vllm.actor import EngineSpec
 from tailrl.rollout.vllm.checks import check_available, check_sampling, prepare_process, spec_method
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
@@ -121,13 +118,13 @@ class VllmRolloutConfig:
         where = f"on {self.workers.workers} vLLM engine(s) on Ray" if self.on_ray else "on vLLM"
         return f"{where}, speculation {self.speculation.spec}" + (f" with drafter {drafter}" if drafter else "")
 
-    def for_evaluation(self) -> RolloutConfig:
-        """tailrl's native engine, plain, in this process, with as many slots and as much cache:
-        a second vLLM engine cannot run beside the training one (rollout.py, one per process).
-        An evaluation measures the policy, whose distribution both engines sample."""
-        return NativeRolloutConfig(engine=EngineConfig(max_batch=self.settings.max_num_seqs,
-                                                       kv_budget_gb=self.settings.kv_cache_gb),
-                                   speculation=SpeculationConfig(spec="off"))
+    def for_evaluation(self, default: EngineEntry) -> RolloutConfig:
+        """The registry's default engine, plain, in this process, with as many slots and as much
+        cache: a second vLLM engine cannot run beside the training one (rollout.py, one per
+        process). An evaluation measures the policy, whose distribution both engines sample."""
+        sections = default.capacity({"speculation": SpeculationConfig(spec="off")}, self.settings.max_num_seqs,
+                                    self.settings.kv_cache_gb)
+        return default.config(sections)
 
     def engine_spec(self, model: Transformer, seed: int) -> EngineSpec:
         """What each engine on Ray opens with (fleet.py)."""
@@ -166,13 +163,8 @@ def capacity(sections: Mapping[str, object], sequences: int, kv_gb: float | None
 
 
 def check_run(sections: Mapping[str, object], sampling: SamplingParams) -> None:
-    """ValueError for exact mode (before [engine] is refused as the native engine's section, so
-    the line says why), for sampling whose log-probs vLLM records otherwise (checks.py), and
-    when vLLM is not installed."""
-    engine = sections.get("engine")
-    if isinstance(engine, EngineConfig) and engine.exact:
-        raise ValueError("--exact is the native engine's (bit-identical tokens with speculation on and off); "
-                         "vLLM's speculation is lossless in distribution only: drop --exact or use --engine native")
+    """ValueError for sampling whose log-probs vLLM records otherwise (checks.py), and when vLLM
+    is not installed (exact mode, which it has not, the registry refuses: `exact`)."""
     check_sampling(sampling)
     check_available()
 
