@@ -18,12 +18,17 @@ rollout's DrafterFeed (Rollout.feed), and the rollout closes its step at publish
 
 Training lags one step and resumes exactly (tailrl.speculative.drafter.learner).
 
-Knows: the learner's step, the floor of micro-steps, the report's drafter fields. Does not know:
-engines, how a version reaches one, RL.
+`AdaptingRollout` is what every engine's Rollout shares around its decoding: the feed, the
+publish of a drafter version (the engine hands over how a version reaches it), the rollback
+watch's tallies, and the report's assembly from the parts that decoded.
+
+Knows: the learner's step, the floor of micro-steps, the report's drafter fields, how a generate
+call's parts make its report. Does not know: engines, how a version reaches one, RL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +37,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tailrl.model import Transformer
-from tailrl.rollout.protocol import DrafterFeed, PolicyForward, Rollback
+from tailrl.records import Completion
+from tailrl.rollout.protocol import DrafterFeed, PolicyForward, Rollback, RolloutReport, decoding_report
 from tailrl.speculative.drafter.learner import AdaptConfig, DrafterLearner
 from tailrl.speculative.drafter.training import TrainSeq
-from tailrl.speculative.watch import Tallies, VersionWatch, WatchConfig
+from tailrl.speculative.watch import Tallies, VersionWatch, WatchConfig, add_tallies
+from tailrl.stats import EngineStats, merge_stats
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,15 @@ class AdaptiveDrafter:
         return AdaptStep(self.drafting, self.drafting != before, stats.micro_steps, stats.loss,
                          max(stats.seconds - after_cpu, 0.0), after_s, rollback)
 
+    def publish(self, policy: Transformer, load: Callable[[AdaptStep, dict[str, torch.Tensor]], None]) -> AdaptStep:
+        """The step closes on `policy` (end_step), and a version other than the one that drafted
+        goes to `load(step, its fp32 weights)`, which puts it into the engine: the publish of a
+        drafter version, whatever the engine."""
+        step = self.end_step(policy)
+        if step.changed:
+            load(step, self.drafting_weights())
+        return step
+
     def _judge(self) -> Rollback | None:
         """The drafting version's verdict: trusted, it becomes the reference; collapsed, the
         reference drafts again and the learner goes back to its weights."""
@@ -176,10 +192,55 @@ class AdaptiveDrafter:
 
 
 class AdaptingRollout:
-    """Rollout.feed for the engines whose drafter adapts on the trainer's side: the adapting
-    drafter itself (None: a rollout whose drafter adapts otherwise, or not at all)."""
+    """What every engine's Rollout shares around its decoding (native, vLLM in process or on Ray):
+    the adapting drafter as its feed (None: a rollout whose drafter adapts otherwise, or not at
+    all), its step closed and a new version handed to the engine at publish (`publish_drafter`),
+    each generate call's report assembled (`close_rollout`: the parts' stats merged, the drafting
+    version's acceptance to its rollback watch, the drafter fields filled in), and `report`. An
+    engine supplies decoding, and how a version reaches its engine (the `load` it hands over)."""
 
     adapt: AdaptiveDrafter | None
+    _report: RolloutReport | None = None  # the last generate call's
+    _adapted: AdaptStep | None = None  # what the last publish trained
 
     def feed(self) -> DrafterFeed | None:
         return self.adapt
+
+    def publish_drafter(self, policy: Transformer,
+                        load: Callable[[AdaptStep, dict[str, torch.Tensor]], None]) -> None:
+        """After the policy's weights: the adapting drafter's publish (AdaptiveDrafter.publish),
+        a new version into the engine by `load`."""
+        if self.adapt is not None:
+            self._adapted = self.adapt.publish(policy, load)
+
+    def close_rollout(self, stats: Sequence[EngineStats], tallies: Sequence[Tallies],
+                      completions: Sequence[Completion], ceiling_depth: int, bucket_edges: Sequence[int],
+                      drafted_with: int, drafter_counts: tuple[int, int] | None = None,
+                      seconds: float | None = None, **fields: Any) -> EngineStats:
+        """A generate call's report from its parts (shards or engines that decoded side by side):
+        their stats merged (returned; `seconds`, the call's wall time, where it is not the longest
+        part's), their first-token tallies to the drafting version's watch; `drafted_with` the
+        version it drafted with, `drafter_counts` that drafter's (emitted, verifies) (None: every
+        draft was the drafter's), `fields` the engine's own report fields."""
+        merged = merge_stats(stats)
+        if seconds is not None:
+            merged.seconds = seconds
+        if self.adapt is not None:
+            merged_tallies: Tallies = {}
+            for t in tallies:
+                add_tallies(merged_tallies, t)
+            self.adapt.record(merged_tallies)
+        emitted, verifies = drafter_counts or (merged.spec.emitted, merged.spec.verify_steps)
+        report = decoding_report(merged, completions, ceiling_depth, bucket_edges, drafted_with,
+                                 emitted / verifies if verifies else None)
+        self._report = dataclasses.replace(report, **{"drafter_published": drafted_with, **fields})
+        return merged
+
+    def report(self) -> RolloutReport:
+        """The last generate call's report, with what the publish after it trained (the idle
+        time the engine did not use is then unknown: the update's idle core trained)."""
+        if self._report is None:
+            raise RuntimeError("no rollout has run yet")
+        if self._adapted is None:
+            return self._report
+        return dataclasses.replace(self._report, idle_seconds_left=None, **self._adapted.report_fields())

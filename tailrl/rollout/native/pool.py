@@ -25,7 +25,6 @@ the policy update.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -38,12 +37,11 @@ from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.native.buffer import DataBuffer
 from tailrl.rollout.native.runtimes import Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, SpotResult
-from tailrl.rollout.protocol import RolloutReport, RolloutState, WorkerError, check_state, decoding_report
+from tailrl.rollout.protocol import RolloutState, WorkerError, check_state
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
-from tailrl.speculative.watch import Tallies, add_tallies
 from tailrl.rollout.workers import shard_indices
-from tailrl.stats import EngineStats, merge_stats
+from tailrl.stats import EngineStats
 from tailrl.rollout.native.worker import Beat, Finished, RolloutJob, SetDrafter, ShardResult, WorkerCall, WorkerReply
 
 
@@ -70,7 +68,6 @@ class WorkerPool(AdaptingRollout):
                  adapt: AdaptiveDrafter | None = None):
         self.runtime, self.spot, self.adapt_cfg, self.timeout_s = runtime, spot, adapt_cfg, timeout_s
         self.adapt = adapt  # the drafter adapting on the trainer's side (one in-process worker)
-        self._adapted: AdaptStep | None = None  # what the last publish trained
         self.ceiling_depth, self.bucket_edges = ceiling_depth, tuple(bucket_edges)
         # Each worker's tuner state as of its last finished rollout: what a checkpoint saves, so
         # saving never waits for (or interrupts) a rollout in flight.
@@ -86,7 +83,6 @@ class WorkerPool(AdaptingRollout):
         self.published = 0  # drafter version the workers draft with (0: the --drafter files)
         self._holders: set[int] = set()  # workers whose spot state is self.drafter (jobs to them carry none)
         self.stats = EngineStats()
-        self._report: RolloutReport | None = None
         self._job = 0
         self._heard: dict[int, float] = {}
         self._progress: dict[int, Progress] = {}
@@ -228,21 +224,15 @@ class WorkerPool(AdaptingRollout):
     def _finish_step(self, completions: list[Completion | None], results: dict[int, ShardResult],
                      done_at: dict[int, float], spot: SpotResult | None, preempt_at: float | None,
                      stopped_at: float | None) -> None:
-        """Merge the shards' stats; the step's report."""
-        self.stats = stats = merge_stats([results[r].stats for r in sorted(results)])
+        """Merge the shards' stats; the step's report (tailrl.rollout.adapt.AdaptingRollout)."""
         end = max(done_at.values())
         idle = sum(end - t for t in done_at.values())
         harvested = min(spot.seconds, idle) if spot is not None else 0.0
-        verifies = sum(r.drafter_verifies for r in results.values())
-        if self.adapt is not None:
-            tallies: Tallies = {}
-            for r in results.values():
-                add_tallies(tallies, r.drafter_tallies)
-            self.adapt.record(tallies)
-        self._report = dataclasses.replace(
-            decoding_report(stats, [c for c in completions if c is not None], self.ceiling_depth, self.bucket_edges,
-                            self.published,
-                            sum(r.drafter_emitted for r in results.values()) / verifies if verifies else None),
+        shards = [results[r] for r in sorted(results)]
+        self.stats = self.close_rollout(
+            [r.stats for r in shards], [r.drafter_tallies for r in shards], [c for c in completions if c is not None],
+            self.ceiling_depth, self.bucket_edges, self.published,
+            (sum(r.drafter_emitted for r in shards), sum(r.drafter_verifies for r in shards)),
             drafter_published=self.drafter.version if self.drafter is not None else 0,
             drafter_micro_steps=spot.micro_steps if spot is not None else 0,
             drafter_loss=spot.loss if spot is not None else None,
@@ -252,13 +242,6 @@ class WorkerPool(AdaptingRollout):
             buffer_tokens=self.buffer.tokens,
         )
         self.buffer.end_step()
-
-    def report(self) -> RolloutReport:
-        if self._report is None:
-            raise RuntimeError("no rollout has run yet")
-        if self._adapted is None:
-            return self._report
-        return dataclasses.replace(self._report, idle_seconds_left=None, **self._adapted.report_fields())
 
     def _spot_done(self, rank: int, spot: SpotResult) -> None:
         """A spot job's result: the next drafter version if it trained; who holds which state."""
@@ -275,12 +258,11 @@ class WorkerPool(AdaptingRollout):
         """The next rollout samples from `policy` and drafts with the newest drafter version
         (spot-trained in the last rollout, or trained now on the trainer's side)."""
         self.runtime.publish_weights(policy)
-        if self.adapt is None:
-            return
-        self._adapted = step = self.adapt.end_step(policy)
-        if step.changed:
-            self.drafter = DrafterState(step.drafting, self.adapt.drafting_weights(), None,
-                                        self.drafter.micro_steps + step.micro_steps)
+        self.publish_drafter(policy, self._adopt)
+
+    def _adopt(self, step: AdaptStep, weights: dict[str, torch.Tensor]) -> None:
+        """A version the trainer-side drafter made: the one every worker loads next generate."""
+        self.drafter = DrafterState(step.drafting, weights, None, self.drafter.micro_steps + step.micro_steps)
 
     # ---- state, shutdown ----------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from tailrl.stats import EngineStats
 from tailrl.tuner import TunerConfig
 
 if TYPE_CHECKING:
-    from tailrl.rollout.vllm.rollout import Decoding
+    from tailrl.rollout.vllm.rollout import VllmCall
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class EngineActor:
         if drafter is not None:
             self.rollout.load_drafter(tags.drafter, from_numpy(drafter, torch.float32))
         self.tags = tags
-        self.call: Decoding | None = None
+        self.call: VllmCall | None = None
 
     def pid(self) -> int:
         return os.getpid()

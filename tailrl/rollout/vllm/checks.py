@@ -77,7 +77,7 @@ def check_sampling(params: SamplingParams) -> None:
                          "use --top-k 0 --top-p 1 with --engine vllm")
 
 
-def check_requests(requests: Sequence[Request], max_new_tokens: int, max_len: int) -> None:
+def check_lengths(requests: Sequence[Request], max_new_tokens: int, max_len: int) -> None:
     """ValueError, one line, for a request the engine cannot decode: an empty prompt, or one that
     with max_new_tokens does not fit the engine's max_model_len."""
     if max_new_tokens < 1:

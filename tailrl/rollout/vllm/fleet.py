@@ -29,28 +29,30 @@ rollout.py), RL.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+import torch
 
 from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.rollout import ray_support
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
-from tailrl.rollout.protocol import DrafterVersionError, RolloutReport, RolloutState, WorkerError, decoding_report
+from tailrl.rollout.protocol import DrafterVersionError, RolloutReport, RolloutState, WorkerError
 from tailrl.rollout.ray_support import first_line, ray, to_numpy
 from tailrl.rollout.vllm.actor import Advance, EngineActor, EngineSpec, Shard, Tags
-from tailrl.rollout.vllm.checks import check_requests, check_sampling, is_learned
+from tailrl.rollout.vllm.checks import check_lengths, check_sampling, is_learned
 from tailrl.rollout.vllm.weights import engine_weights
 from tailrl.rollout.workers import WorkerConfig, shard_indices
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
-from tailrl.speculative.watch import Tallies, add_tallies
-from tailrl.stats import merge_stats
 
 if ray is not None:
     from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+logger = logging.getLogger(__name__)  # a restart, on the log (Python's last-resort handler: stderr)
 
 # Seconds an engine decodes per `advance` before handing back what finished: the latency of
 # on_finished and progress, against one Ray round trip (~1 ms) per call.
@@ -84,8 +86,6 @@ class VllmFleet(AdaptingRollout):
         self.weights: ray.ObjectRef | None = None
         self.drafter: ray.ObjectRef | None = None  # the drafting version's weights; None: the directory's
         self.tags = Tags(0, adapt.version if adapt is not None else 0)
-        self._report: RolloutReport | None = None
-        self._adapted: AdaptStep | None = None
 
     @classmethod
     def start(cls, model: Transformer, seed: int, state: RolloutState | None, *, spec: EngineSpec,
@@ -137,8 +137,8 @@ class VllmFleet(AdaptingRollout):
                                     f"(--engine-restarts {self.max_restarts})")
         self.restarts += 1
         self.step_restarts += 1
-        print(f"tailrl: vLLM engine {rank} {reason} {when}: restarting it ({self.restarts} of at most "
-              f"{self.max_restarts} restarts)", file=sys.stderr, flush=True)
+        logger.warning("vLLM engine %d %s %s: restarting it (%d of at most %d restarts)", rank, reason, when,
+                       self.restarts, self.max_restarts)
         ray.kill(self.actors[rank])
         self.actors[rank] = self._spawn(rank)
         self._started([rank])
@@ -169,7 +169,7 @@ class VllmFleet(AdaptingRollout):
         consulted: the engines' processes have no background work. `stop` goes to every engine
         with its requests."""
         check_sampling(params)
-        check_requests(requests, max_new_tokens, self.max_len)
+        check_lengths(requests, max_new_tokens, self.max_len)
         self.step_restarts = 0
         t0 = time.perf_counter()
         run = _Run(self, step, requests, params, max_new_tokens, on_finished, stop)
@@ -180,26 +180,16 @@ class VllmFleet(AdaptingRollout):
             run.poll()
             if on_progress is not None:
                 on_progress(run.progress())
-        stats = merge_stats([part.stats for part in run.parts])
-        stats.seconds = time.perf_counter() - t0  # the step's, restarts included
-        tallies: Tallies = {}
-        for part in run.parts:
-            add_tallies(tallies, part.tallies)
-        if self.adapt is not None:
-            self.adapt.record(tallies)
         out = run.completions()
-        report = decoding_report(stats, out, self.spec.ceiling_depth, self.spec.tuner.bucket_edges, self.tags.drafter,
-                                 stats.spec.accept_len if stats.spec.verify_steps else None)
-        self._report = dataclasses.replace(report, drafter_published=self.tags.drafter)
+        self.close_rollout([part.stats for part in run.parts], [part.tallies for part in run.parts], out,
+                           self.spec.ceiling_depth, self.spec.tuner.bucket_edges, self.tags.drafter,
+                           seconds=time.perf_counter() - t0)  # the step's, restarts included
         return out
 
     def report(self) -> RolloutReport:
         """The last generate's report, with the engines restarted in it and in the publish after
         it (an engine that died between rollouts is found when the weights are pushed)."""
-        if self._report is None:
-            raise RuntimeError("no rollout has run yet")
-        report = dataclasses.replace(self._report, engine_restarts=self.step_restarts)
-        return report if self._adapted is None else dataclasses.replace(report, **self._adapted.report_fields())
+        return dataclasses.replace(super().report(), engine_restarts=self.step_restarts)
 
     def lend_core(self, lend: bool) -> None:
         """The engines decode in their own processes: nothing of the caller's to lend."""
@@ -213,14 +203,14 @@ class VllmFleet(AdaptingRollout):
         self.weights = ray.put(to_numpy(engine_weights(policy, self.spec.dtype)))
         tag, weights = self.tags.weights, self.weights
         self._on_every_engine(lambda actor: actor.load_weights.remote(tag, weights), "loading new weights")
-        if self.adapt is None:
-            return
-        self._adapted = step = self.adapt.end_step(policy)
-        if step.changed:
-            self.tags = Tags(self.tags.weights, step.drafting)
-            self.drafter = drafter = ray.put(to_numpy(self.adapt.drafting_weights()))
-            self._on_every_engine(lambda actor: actor.load_drafter.remote(step.drafting, drafter),
-                                  f"loading drafter version {step.drafting}")
+        self.publish_drafter(policy, self._load_drafter)
+
+    def _load_drafter(self, step: AdaptStep, weights: dict[str, torch.Tensor]) -> None:
+        """A new drafter version, put once into Ray's object store, into every engine."""
+        self.tags = Tags(self.tags.weights, step.drafting)
+        self.drafter = drafter = ray.put(to_numpy(weights))
+        self._on_every_engine(lambda actor: actor.load_drafter.remote(step.drafting, drafter),
+                              f"loading drafter version {step.drafting}")
 
     # ---- state, shutdown ----------------------------------------------------------------------
 

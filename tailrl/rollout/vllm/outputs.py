@@ -1,9 +1,10 @@
 """What a vLLM engine step hands back, as tailrl counts it: each request's new tokens with their
 log-probs and top-1 flags (`SequenceOutput`), cut where a caller's Stop says; why vLLM ended a
-request (`finish_reason`); the step's speculative counters (`StepCounters`, `add_spec`).
+request (`finish_reason`); the steps' counters (`StepCounters`, a stat logger) and their
+speculative ones as tailrl's stats (`add_spec`).
 
-Knows: vLLM's CompletionOutput, SpecDecodingStats and stat-logger interface. Does not know: the
-engine's loop (rollout.py), RL.
+Knows: vLLM's CompletionOutput, its iteration, scheduler and speculative stats, its stat-logger
+interface. Does not know: the engine's loop (rollout.py), RL.
 """
 
 from __future__ import annotations
@@ -20,25 +21,53 @@ from tailrl.records import Stop
 from tailrl.stats import EngineStats
 
 
+@dataclass
+class StepCount:
+    """What vLLM handed its stat loggers for the engine steps since the last take."""
+
+    prompt_tokens: int = 0  # computed (a step with any is a prefill step)
+    tokens: int = 0  # generated
+    running: int = 0  # requests running in the last step
+    spec: list[SpecDecodingStats] = field(default_factory=list)  # the steps' that verified drafts
+
+    @property
+    def drafts(self) -> int:
+        """Verifies of a draft."""
+        return sum(s.num_drafts for s in self.spec)
+
+    @property
+    def accepted(self) -> int:
+        """Draft tokens accepted."""
+        return sum(s.num_accepted_tokens for s in self.spec)
+
+
 class StepCounters(StatLoggerBase):
-    """The engine's speculative counters, step by step: vLLM hands every step's scheduler stats
+    """The engine's counters, step by step: vLLM hands every step's scheduler and iteration stats
     to its stat loggers inside step(), in this process. (Not vLLM's Prometheus metrics: those
-    live in one registry per process, which the next engine started here takes over.)"""
+    live in one registry per process, which the next engine started here takes over.) One for
+    every engine tailrl steers, whoever runs its step loop (tailrl.rollout.vllm.speculation.Steering)."""
 
     def __init__(self) -> None:
-        self.pending: list[SpecDecodingStats] = []
+        self.pending = StepCount()
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
                mm_cache_stats: MultiModalCacheStats | None = None, engine_idx: int = 0) -> None:
-        if scheduler_stats is not None and scheduler_stats.spec_decoding_stats is not None:
-            self.pending.append(scheduler_stats.spec_decoding_stats)
+        c = self.pending
+        if iteration_stats is not None:
+            c.prompt_tokens += iteration_stats.num_prompt_tokens
+            c.tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is not None:
+            c.running = scheduler_stats.num_running_reqs
+            spec = scheduler_stats.spec_decoding_stats
+            if spec is not None and spec.num_drafts:
+                c.spec.append(spec)
 
     def log_engine_initialized(self) -> None:
         pass
 
-    def take(self) -> list[SpecDecodingStats]:
-        """The counters recorded since the last take."""
-        out, self.pending = self.pending, []
+    def take(self) -> StepCount:
+        """The counts recorded since the last take."""
+        out, self.pending = self.pending, StepCount()
         return out
 
 

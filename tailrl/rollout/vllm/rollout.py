@@ -37,8 +37,10 @@ on_finished fires as each sequence finishes and on_progress after every step.
   step: verify_s holds speculative steps whole). The drafter's own accept_len is the engine's
   (every draft is the drafter's).
 - Speculation (tailrl.rollout.vllm.speculation): the learned drafter's export, head and versions;
-  without a fixed table, the tuner's draft length before every step.
-- The learned drafter adapts on the trainer's forwards (tailrl.rollout.adapt); each version goes
+  each step steered and counted by its `Steering` (without a fixed table, the tuner's draft
+  length before every step).
+- The learned drafter adapts on the trainer's forwards; its publish, rollback watch and the
+  report's assembly are every engine's (tailrl.rollout.adapt.AdaptingRollout); each version goes
   into vLLM's drafter in place at publish, after the policy's weights (fc, layer, head).
 
 Knows: vLLM's LLMEngine (add_request, step, collective_rpc, stat loggers), its CPU quirks.
@@ -48,7 +50,6 @@ Does not know: RL, rewards, tailrl's native engine, how its sections are read (c
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import tempfile
 import time
@@ -68,19 +69,18 @@ from vllm.v1.worker.worker_base import WorkerBase
 
 from tailrl.model import ModelConfig, Transformer
 from tailrl.records import Completion, Progress, Request, Stop
-from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
-from tailrl.rollout.protocol import (DrafterVersionError, RolloutReport, RolloutState, WorkerError, check_state,
-                                     decoding_report)
+from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter
+from tailrl.rollout.protocol import RolloutState, WorkerError, check_state
 from tailrl.rollout.vllm import cpu_fix, internals
-from tailrl.rollout.vllm.checks import check_requests, check_sampling, is_learned, process_state_kept, spec_method
-from tailrl.rollout.vllm.outputs import SequenceOutput, StepCounters, add_spec, finish_reason
+from tailrl.rollout.vllm.checks import check_lengths, check_sampling, is_learned, process_state_kept, spec_method
+from tailrl.rollout.vllm.outputs import SequenceOutput, StepCount, StepCounters, add_spec, finish_reason
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
-from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
+from tailrl.rollout.vllm.speculation import (Schedule, Steering, install_draft_head, load_drafter_version,
+                                             write_learned_drafter)
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
 from tailrl.sampling import SamplingParams
-from tailrl.speculative.drafter.export import eagle_weights
 from tailrl.speculative.drafter.learner import AdaptConfig
-from tailrl.speculative.watch import Tallies, Tally
+from tailrl.speculative.watch import Tallies
 from tailrl.stats import EngineStats, StepRecord
 from tailrl.tuner import TunerConfig
 
@@ -119,7 +119,7 @@ def _load_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor]) -> None
     internals.reload_weights(worker, weights)
 
 
-class Decoding:
+class VllmCall:
     """One generate call's requests in the engine, decoded one engine step at a time by whoever
     holds it (VllmRollout.generate's loop here; an engine actor's `advance` on Ray): each
     step's tokens into the requests' outputs and the call's EngineStats, the drafter's
@@ -131,8 +131,12 @@ class Decoding:
         self.seqs = [SequenceOutput() for _ in requests]
         self.done: list[Completion | None] = [None] * len(requests)
         self.stats, self.started, self.finished = EngineStats(), 0, 0
-        self.tallies: Tallies = {}
         self.t0 = time.perf_counter()
+
+    @property
+    def tallies(self) -> Tallies:
+        """The call's verifies per arm, and those that accepted the first draft token (Steering)."""
+        return self.rollout.steering.tallies
 
     @property
     def running(self) -> bool:
@@ -140,8 +144,8 @@ class Decoding:
 
     def step(self) -> list[tuple[int, Completion]]:
         """One engine step; the requests it finished, by index. WorkerError if the engine raised."""
-        rollout, schedule = self.rollout, self.rollout.schedule
-        verified = schedule.before_step(self.started - self.finished) if schedule is not None else None
+        rollout, steering = self.rollout, self.rollout.steering
+        steering.before(self.started - self.finished)
         s0 = time.perf_counter()
         try:
             outs = rollout.engine.step()
@@ -166,28 +170,22 @@ class Decoding:
                 finished.append((i, self.done[i]))
         self.started += first
         prefill = first > 0 or not outs
-        if verified is not None and not prefill:
-            schedule.after_step(len(outs), verified, tokens, s1 - s0)
-        label = verified.label if verified is not None else rollout.arm
-        self._record(StepRecord(s1 - self.t0, len(outs), label, tokens, s1 - s0), prefill)
+        label, count = steering.after(s1 - s0, len(outs), tokens, prefill)
+        self._record(StepRecord(s1 - self.t0, len(outs), label, tokens, s1 - s0), prefill, count)
         self.stats.seconds = s1 - self.t0
         return finished
 
-    def _record(self, step: StepRecord, prefill: bool) -> None:
+    def _record(self, step: StepRecord, prefill: bool, count: StepCount) -> None:
         """One engine step into the stats: its time to prefill or to the decode timeline, its
-        speculative counters (its arm "plain" if it verified no draft); its verifies, and those
-        that accepted the first draft token, into the tallies under its arm."""
+        speculative counters (its arm "plain" if it verified no draft)."""
         stats = self.stats
         stats.tokens += step.tokens
-        drafted = [s for s in self.rollout.counters.take() if s.num_drafts]
-        for spec in drafted:
+        for spec in count.spec:
             add_spec(stats, spec, 0.0 if prefill else step.seconds)
-            first = spec.num_accepted_tokens_per_pos[0] if spec.num_accepted_tokens_per_pos else 0
-            self.tallies.setdefault(step.arm, Tally()).add(spec.num_drafts, first)
         if prefill:
             stats.prefill_seconds += step.seconds
             return
-        if not drafted:
+        if not count.spec:
             step = step._replace(arm="plain")
             if self.rollout.arm != "plain":  # a speculative engine's step without drafts (K = 0 at this size)
                 stats.spec.plain_steps += 1
@@ -220,8 +218,9 @@ class VllmRollout(AdaptingRollout):
     def __init__(self, engine: LLMEngine, counters: StepCounters, dtype: torch.dtype, model_cfg: ModelConfig,
                  max_len: int, arm: str, schedule: Schedule | None, adapt: AdaptiveDrafter | None,
                  bucket_edges: tuple[int, ...], ceiling_depth: int):
-        self.engine, self.counters, self.dtype = engine, counters, dtype
-        self.schedule = schedule  # the tuner's per-step draft lengths (no fixed table)
+        self.engine, self.dtype = engine, dtype
+        # Each step's draft length (`schedule`, the tuner's, without a fixed table) and counters.
+        self.steering = Steering(schedule, arm, counters)
         self.adapt = adapt  # the learned drafter adapting on the trainer's forwards
         self.closed = False
         self.drafter_version = adapt.version if adapt is not None else 0  # drafted with (0: the directory's)
@@ -231,8 +230,6 @@ class VllmRollout(AdaptingRollout):
         self.ceiling_depth = ceiling_depth  # the chain depth of the report's accept_len ceiling
         self._calls = 0
         self._threads = torch.get_num_threads()
-        self._report: RolloutReport | None = None
-        self._adapted: AdaptStep | None = None
 
     @classmethod
     def start(cls, model: Transformer, seed: int, state: RolloutState | None, *, settings: VllmSettings,
@@ -285,13 +282,13 @@ class VllmRollout(AdaptingRollout):
             vocab = torch.tensor(drafter_cfg.draft_vocab, dtype=torch.long)
             engine.collective_rpc(install_draft_head, args=(drafter_state["head.weight"].to(dtype), vocab))
         ceiling_depth = drafting.num_speculative_tokens if drafting is not None else draft_depth
-        rollout_ = cls(engine, counters, dtype, model.cfg, max_len, arm, None, adapting, tuner.bucket_edges,
+        schedule = None
+        if drafting is not None and drafting.table is None:
+            schedule = Schedule(engine, drafting.tuned, tuner, state.tuner if state is not None else None, seed)
+        rollout_ = cls(engine, counters, dtype, model.cfg, max_len, arm, schedule, adapting, tuner.bucket_edges,
                        ceiling_depth)
         if adapting is not None and adapting.version > 0:
             rollout_.load_drafter(adapting.version, drafter_state)
-        if drafting is not None and drafting.table is None:
-            rollout_.schedule = Schedule(engine, drafting.tuned, tuner, state.tuner if state is not None else None,
-                                         seed)
         return rollout_
 
     # ---- a step's rollout -----------------------------------------------------------------
@@ -317,21 +314,18 @@ class VllmRollout(AdaptingRollout):
             raise
         finally:
             torch.set_num_threads(self._threads)  # a core lent in the tail comes back
-        if self.adapt is not None:
-            self.adapt.record(call.tallies)
-        self._report = dataclasses.replace(self.decoding_report(call), drafter_published=self.drafter_version)
+        self.close_rollout([call.stats], [call.tallies], call.completions(), self.ceiling_depth, self.bucket_edges,
+                           self.drafter_version)
         return call.completions()
 
     def begin(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
-              stop: Stop | None = None) -> Decoding:
+              stop: Stop | None = None) -> VllmCall:
         """`requests` into the engine (checked first: a bad one fails in one line, nothing
         added), to be decoded by the returned call's steps, ended where `stop` says too."""
         check_sampling(params)
-        check_requests(requests, max_new_tokens, self.max_len)
-        self.counters.take()
-        if self.schedule is not None:
-            self.schedule.new_rollout()
-        return Decoding(self, step, requests, self._add(requests, params, max_new_tokens), stop)
+        check_lengths(requests, max_new_tokens, self.max_len)
+        self.steering.begin()
+        return VllmCall(self, step, requests, self._add(requests, params, max_new_tokens), stop)
 
     def _add(self, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int) -> dict[str, int]:
         """Every request into the engine; request id -> index."""
@@ -347,20 +341,6 @@ class VllmRollout(AdaptingRollout):
             ids[rid] = i
         return ids
 
-    def decoding_report(self, call: Decoding) -> RolloutReport:
-        """A finished call's report (every draft is the drafter's: vLLM has no second drafter
-        beside it)."""
-        stats = call.stats
-        return decoding_report(stats, call.completions(), self.ceiling_depth, self.bucket_edges, self.drafter_version,
-                               stats.spec.accept_len if stats.spec.verify_steps else None)
-
-    def report(self) -> RolloutReport:
-        if self._report is None:
-            raise RuntimeError("no rollout has run yet")
-        if self._adapted is None:
-            return self._report
-        return dataclasses.replace(self._report, **self._adapted.report_fields())
-
     def lend_core(self, lend: bool) -> None:
         """The engine decodes on this process's torch threads: one fewer while lent."""
         if self._threads > 1:
@@ -372,11 +352,7 @@ class VllmRollout(AdaptingRollout):
         """`policy`'s weights, cast to the engine's dtype, into the engine's model in place; then
         the adapting drafter's step closes, and a new version goes into vLLM's drafter."""
         self.load_weights(engine_weights(policy, self.dtype))
-        if self.adapt is None:
-            return
-        self._adapted = step = self.adapt.end_step(policy)
-        if step.changed:
-            self.load_drafter(step.drafting, self.adapt.drafting_weights())
+        self.publish_drafter(policy, lambda step, weights: self.load_drafter(step.drafting, weights))
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """The policy's weights (engine_weights: Hugging Face names, the engine's dtype) into the
@@ -389,17 +365,13 @@ class VllmRollout(AdaptingRollout):
     def load_drafter(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """A learned drafter version's weights, cast to the engine's dtype, into the engine's
         EAGLE drafter in place (its fc, layer and draft head)."""
-        try:
-            eagle = {k: v.to(self.dtype) for k, v in eagle_weights(weights, "vllm").items()}
-            self.engine.collective_rpc(load_drafter_in_place, args=(eagle, weights["head.weight"].to(self.dtype)))
-        except (KeyError, ValueError, RuntimeError) as e:  # a missing or misshapen tensor
-            raise DrafterVersionError(f"drafter version {version} cannot be loaded into the vLLM engine: "
-                                      f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+        load_drafter_version(self.engine, version, weights, self.dtype)
         self.drafter_version = version
 
     def state_dict(self) -> VllmRolloutState:
         """The tuner's and the adapting drafter's state (the policy's weights are the trainer's)."""
-        return VllmRolloutState(self.schedule.tuner.state_dict() if self.schedule is not None else None,
+        schedule = self.steering.schedule
+        return VllmRolloutState(schedule.tuner.state_dict() if schedule is not None else None,
                                 self.adapt.state_dict() if self.adapt is not None else None)
 
     def close(self) -> None:

@@ -5,7 +5,9 @@
   `install_draft_head`), each new version written into the running engine in place
   (`load_drafter_in_place`). The functions taking a worker run on the engine's worker, through
   LLMEngine.collective_rpc.
-- `Schedule`: each engine step's draft length, chosen by tailrl's tuner.
+- `Schedule`: each engine step's draft length, chosen by tailrl's tuner; `Steering`: a generate
+  call's steps steered by it and counted, the same way whoever runs the step loop (the vLLM
+  rollout's own, tailrl.rollout.vllm.rollout; TRL's LLM.generate, tailrl.trl.steps).
 
 Knows: tailrl's drafter files and tuner, what the draft head computes. Does not know: vLLM's
 internals (tailrl.rollout.vllm.internals reaches them), the step loop, RL.
@@ -23,9 +25,12 @@ from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.worker.worker_base import WorkerBase
 
 from tailrl.model import Transformer
+from tailrl.rollout.protocol import DrafterVersionError
 from tailrl.rollout.vllm import internals
-from tailrl.speculative.drafter.export import write_eagle
+from tailrl.rollout.vllm.outputs import StepCount, StepCounters
+from tailrl.speculative.drafter.export import eagle_weights, write_eagle
 from tailrl.speculative.drafter.model import DrafterConfig, check_target, read_drafter_config, read_drafter_weights
+from tailrl.speculative.watch import Tallies, Tally
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
 
@@ -61,6 +66,18 @@ def load_drafter_in_place(worker: WorkerBase, weights: dict[str, torch.Tensor], 
     head's replaced in place; the embedding it shares with the target stays."""
     internals.reload_weights(worker, weights, drafter=True)
     internals.drafter_logits(worker).weight.copy_(head)
+
+
+def load_drafter_version(engine: LLMEngine, version: int, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """A learned drafter version's weights (tailrl's names, fp32), cast to `dtype`, into the
+    engine's EAGLE drafter in place (its fc, layer and draft head); DrafterVersionError for
+    weights that do not fit its shapes."""
+    try:
+        eagle = {k: v.to(dtype) for k, v in eagle_weights(weights, "vllm").items()}
+        engine.collective_rpc(load_drafter_in_place, args=(eagle, weights["head.weight"].to(dtype)))
+    except (KeyError, ValueError, RuntimeError) as e:  # a missing or misshapen tensor
+        raise DrafterVersionError(f"drafter version {version} cannot be loaded into the vLLM engine: "
+                                  f"{type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 def write_learned_drafter(drafter: Path, model: Transformer, dtype: torch.dtype,
@@ -106,3 +123,45 @@ class Schedule:
     def after_step(self, batch: int, arm: Arm, tokens: int, seconds: float) -> None:
         if batch and seconds > 0:
             self.tuner.update(batch, arm, tokens / seconds / batch)
+
+
+class Steering:
+    """A generate call's engine steps, steered and counted: before each, the schedule sets its
+    draft length (None: a fixed one); after it, the step's counters (`counters`, the engine's
+    stat logger) are taken, its verifies and those that accepted the first draft token added to
+    `tallies` under the arm that drafted them (the drafter's rollback watch), and the tuner told
+    what a decode step cost (tokens per second per running sequence). `arm` labels a step that
+    verified drafts with no schedule."""
+
+    def __init__(self, schedule: Schedule | None, arm: str, counters: StepCounters):
+        self.schedule, self.arm, self.counters = schedule, arm, counters
+        self.tallies: Tallies = {}
+        self._verified: Arm | None = None
+
+    def begin(self) -> None:
+        """A generate call starts: its tallies and counters from zero, the tuner's rollout anew."""
+        self.tallies = {}
+        self.counters.take()
+        if self.schedule is not None:
+            self.schedule.new_rollout()
+
+    def before(self, running: int) -> None:
+        """The step about to run, with `running` requests unfinished."""
+        self._verified = self.schedule.before_step(running) if self.schedule is not None else None
+
+    def after(self, seconds: float, batch: int | None = None, tokens: int | None = None,
+              prefill: bool | None = None) -> tuple[str, StepCount]:
+        """The step that ran, in `seconds`: its running `batch`, the `tokens` it emitted and
+        whether it computed a prompt (each None: as vLLM counted them). Its arm's label and
+        counters."""
+        count = self.counters.take()
+        label = self._verified.label if self._verified is not None else self.arm
+        for spec in count.spec:
+            first = spec.num_accepted_tokens_per_pos[0] if spec.num_accepted_tokens_per_pos else 0
+            self.tallies.setdefault(label, Tally()).add(spec.num_drafts, first)
+        batch = count.running if batch is None else batch
+        tokens = count.tokens if tokens is None else tokens
+        prefill = count.prompt_tokens > 0 if prefill is None else prefill
+        if self._verified is not None and not prefill and tokens:
+            self.schedule.after_step(batch, self._verified, tokens, seconds)
+        return label, count
