@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
 from tailrl.rl.grpo import GRPOConfig
-from tailrl.rollout.protocol import Held
+from tailrl.rollout.protocol import HeldMemory
 
 
 @dataclass(frozen=True)
 class Floor:
     """GiB per part of a step, with the settings that change each."""
 
-    parts: dict[str, Held]
+    parts: dict[str, HeldMemory]
 
     @property
     def gb(self) -> float:
@@ -65,12 +65,12 @@ def update_gb(policy: Transformer, cfg: GRPOConfig, bf16: bool, group_size: int,
 
 
 def step_floor(policy: Transformer, cfg: GRPOConfig, bf16: bool, group_size: int, response: int,
-               rollout: Held) -> Floor:
+               rollout: HeldMemory) -> Floor:
     """The floor of a step of `policy` (its optimizer and gradients not yet allocated)."""
     weights = parameters_gb(policy)
     return Floor({
-        "optimizer and gradients": Held(4 * weights, "the model's size"),
+        "optimizer and gradients": HeldMemory(4 * weights, "the model's size"),
         "rollout": rollout,
-        "update": Held(update_gb(policy, cfg, bf16, group_size, response),
+        "update": HeldMemory(update_gb(policy, cfg, bf16, group_size, response),
                        "--micro-batch-tokens, --checkpoint-tokens, --logprob-chunk"),
     })

@@ -337,7 +337,8 @@ class Trainer:
                 or not heldout.missing(self.run.read_evals(), step)):
             return
         self.emit(Notice(f"held-out evaluation after step {step}: {len(self.heldout.problems)} problems, one response each"))
-        rollout = self.cfg.rollout.for_evaluation(registry.engine(registry.DEFAULT)).open(copy.deepcopy(self.rollout_model), tc.seed)
+        evaluation = self.cfg.rollout.for_evaluation(registry.engine(registry.DEFAULT))
+        rollout = evaluation.open(copy.deepcopy(self.rollout_model), tc.seed)
         try:
             rollout.publish(self.policy)  # the rollout model may be a worker's stale copy
             with deterministic(self.device):
@@ -421,50 +422,50 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
     Ctrl-C saves the last completed step and returns with `interrupted=True`.
     """
     fix_mmap_threshold()  # the update's memory (tailrl.memory)
-    t = start_run(cfg, out_dir, resume, on_event or (lambda event: None))
-    tc, state = t.tc, t.state
+    trainer = start_run(cfg, out_dir, resume, on_event or (lambda event: None))
+    tc, state = trainer.tc, trainer.state
     try:
-        t.evaluate_heldout()  # the starting policy (or, on a resume, an evaluation a kill cut short)
+        trainer.evaluate_heldout()  # the starting policy (or, on a resume, an evaluation a kill cut short)
         while state.step < tc.steps:
             step = state.step + 1
             t_start = time.perf_counter()
             peak = Peak().start()
-            work = t.rollout_and_gradient(step, peak)  # 1-3. rollout, rewards and advantages, the gradient
-            grad_norm = t.clip(work)
+            work = trainer.rollout_and_gradient(step, peak)  # 1-3. rollout, rewards and advantages, the gradient
+            grad_norm = trainer.clip(work)
             with sigint_deferred():  # from here to the checkpoint, all or nothing
                 if work.trained:
-                    for group in t.optimizer.param_groups:
-                        group["lr"] = t.gc.lr_at(step)
-                    t.optimizer.step()
-                    t.optimizer.zero_grad(set_to_none=True)  # a policy-sized buffer, unused until the next step
+                    for group in trainer.optimizer.param_groups:
+                        group["lr"] = trainer.gc.lr_at(step)
+                    trainer.optimizer.step()
+                    trainer.optimizer.zero_grad(set_to_none=True)  # a policy-sized buffer, unused until the next step
                 update_peak = peak.gb  # from the rollout's end: what is left of the gradient, the optimizer step
-                t.rollout.publish(t.policy)  # 4. the next rollout samples from the updated policy
+                trainer.rollout.publish(trainer.policy)  # 4. the next rollout samples from the updated policy
                 t_train = time.perf_counter()
                 state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
                 metrics = step_metrics(step, tc, work.completions, work.texts, work.rewards, work.skipped,
-                                       work.stats, grad_norm, step_times(work, t_train - t_start), t.rollout.report(),
-                                       t.gc.lr_at(step))
+                                       work.stats, grad_norm, step_times(work, t_train - t_start),
+                                       trainer.rollout.report(), trainer.gc.lr_at(step))
                 metrics.update(memory_metrics(work.rollout_peak_gb, update_peak, peak.gb))
-                t.run.append_metrics(metrics)
+                trainer.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
-                    t.save()  # 5. checkpoint
-            t.emit(StepDone(tc.steps, metrics))
-            t.evaluate_heldout()
-            t.plot()
+                    trainer.save()  # 5. checkpoint
+            trainer.emit(StepDone(tc.steps, metrics))
+            trainer.evaluate_heldout()
+            trainer.plot()
     except KeyboardInterrupt:
-        if t.saved_step != state.step:
-            t.save()
-        t.emit(Notice(f"interrupted; resume with --resume {t.run.path}"))
-        return TrainResult(t.run.path, state.step, interrupted=True)
+        if trainer.saved_step != state.step:
+            trainer.save()
+        trainer.emit(Notice(f"interrupted; resume with --resume {trainer.run.path}"))
+        return TrainResult(trainer.run.path, state.step, interrupted=True)
     except WorkerError as e:  # the failed step applied nothing; keep the completed ones
-        if t.saved_step != state.step:
-            t.save()
+        if trainer.saved_step != state.step:
+            trainer.save()
         raise WorkerError(e.rank, f"{e.reason}; the run stopped after step {state.step}, "
-                          f"resume with --resume {t.run.path}") from None
+                          f"resume with --resume {trainer.run.path}") from None
     finally:
-        t.rollout.close()
-    if t.saved_step != state.step:  # a run of 0 steps still leaves its starting checkpoint
-        t.save()
-    if (g := heldout.gain(t.run.read_evals())) is not None:
-        t.emit(Notice(g.line()))
-    return TrainResult(t.run.path, state.step, interrupted=False)
+        trainer.rollout.close()
+    if trainer.saved_step != state.step:  # a run of 0 steps still leaves its starting checkpoint
+        trainer.save()
+    if (g := heldout.gain(trainer.run.read_evals())) is not None:
+        trainer.emit(Notice(g.line()))
+    return TrainResult(trainer.run.path, state.step, interrupted=False)

@@ -18,7 +18,7 @@ Engines behind it: tailrl.rollout.native (tailrl's own engine, across its worker
 tailrl.rollout.vllm (vLLM engines, in the trainer's process or on Ray).
 
 The records only the seam defines live here: PolicyForward, DrafterFeed, RolloutReport, RolloutState,
-Rollback, Held, EngineEntry (how an engine describes itself to the registry,
+Rollback, HeldMemory, EngineEntry (how an engine describes itself to the registry,
 tailrl.rollout.registry) and the rollout's errors. Those that the decoding engine below the seam
 (tailrl.engine) uses too live lower, so that it imports nothing of the seam: a generate call's
 Request, Stop, Completion and Progress (tailrl.records) and SamplingParams (tailrl.sampling). Callers
@@ -238,7 +238,7 @@ class Rollout(Protocol):
         ...
 
 
-class Held(NamedTuple):
+class HeldMemory(NamedTuple):
     """Memory a rollout will hold, and the settings that change it (as a user types them)."""
 
     gb: float
@@ -273,7 +273,7 @@ class RolloutConfig(Protocol):
         """The same, drafting with the learned drafter in `drafter`."""
         ...
 
-    def memory(self, model: Transformer, sequences: int, tokens: int) -> Held:
+    def memory(self, model: Transformer, sequences: int, tokens: int) -> HeldMemory:
         """GiB the opened rollout holds beyond `model` (which its caller holds) for a step of
         `sequences` sequences of up to `tokens` tokens each: its KV caches and any copies of the
         model its engine or workers load. A floor, counted from shapes (tailrl.rl.floor)."""

@@ -31,7 +31,7 @@ from tailrl.rollout.workers import WorkerConfig
 from tailrl.rollout.native.runtimes import InProcessRuntime, ProcessRuntime, Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig
 from tailrl.rollout.native.worker import WorkerSetup
-from tailrl.rollout.protocol import EngineEntry, Held, check_state
+from tailrl.rollout.protocol import EngineEntry, HeldMemory, check_state
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import WEIGHTS_FILE
@@ -74,7 +74,7 @@ class NativeRolloutConfig:
     def with_drafter(self, drafter: Path) -> NativeRolloutConfig:
         return dataclasses.replace(self, speculation=dataclasses.replace(self.speculation, drafter=str(drafter)))
 
-    def memory(self, model: Transformer, sequences: int, tokens: int) -> Held:
+    def memory(self, model: Transformer, sequences: int, tokens: int) -> HeldMemory:
         """Each engine's cache: the step's sequences at their worst case, or the budget where
         that is less (tailrl.engine); worker processes also load a copy of the model each, and
         where decoding takes oneDNN's prepacked linears (tailrl.linears) each engine holds a
@@ -85,7 +85,7 @@ class NativeRolloutConfig:
         cache = min(self.engine.kv_budget_gb, worst / 2**30)
         copies = parameters_gb(model) if n > 1 else 0.0
         packed = parameters_gb(model) if model.lm_head.weight.dtype in PACKED_DTYPES else 0.0
-        return Held(n * (cache + copies + packed), "--kv-budget-gb, --workers")
+        return HeldMemory(n * (cache + copies + packed), "--kv-budget-gb, --workers")
 
     def check(self) -> None:
         drafter = self.speculation.drafter

@@ -32,7 +32,7 @@ from typing import Mapping
 from tailrl.memory import parameters_gb
 from tailrl.model import Transformer
 from tailrl.rollout import ray_support
-from tailrl.rollout.protocol import EngineEntry, Held, Rollout, RolloutConfig, RolloutState
+from tailrl.rollout.protocol import EngineEntry, HeldMemory, Rollout, RolloutConfig, RolloutState
 from tailrl.rollout.vllm.actor import EngineSpec
 from tailrl.rollout.vllm.checks import check_available, check_sampling, prepare_process, spec_method
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
@@ -98,13 +98,13 @@ class VllmRolloutConfig:
     def with_drafter(self, drafter: Path) -> VllmRolloutConfig:
         return dataclasses.replace(self, speculation=dataclasses.replace(self.speculation, drafter=str(drafter)))
 
-    def memory(self, model: Transformer, sequences: int, tokens: int) -> Held:
+    def memory(self, model: Transformer, sequences: int, tokens: int) -> HeldMemory:
         """vLLM allocates its whole KV cache at start and loads its own copy of the weights, in
         every engine; on Ray, the object store holds one more copy of the weights."""
         weights = parameters_gb(model)
         if not self.on_ray:
-            return Held(self.settings.kv_cache_gb + weights, "--kv-cache-gb")
-        return Held(self.workers.workers * (self.settings.kv_cache_gb + weights) + weights, "--kv-cache-gb, --workers")
+            return HeldMemory(self.settings.kv_cache_gb + weights, "--kv-cache-gb")
+        return HeldMemory(self.workers.workers * (self.settings.kv_cache_gb + weights) + weights, "--kv-cache-gb, --workers")
 
     def check(self) -> None:
         check_available()

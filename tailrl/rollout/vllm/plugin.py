@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -34,25 +34,32 @@ def register() -> None:
     _draft_head_for_tailrl_exports()
 
 
-_patched = False  # EagleLlamaForCausalLM.load_weights wrapped in this process
-
-
 def _draft_head_for_tailrl_exports() -> None:
-    global _patched
-    if _patched:
-        return
+    """vLLM's EAGLE drafter class loads its weights, then a tailrl export's draft head: a change
+    to the class, for every engine in this process, which the class itself shows (its
+    load_weights is a `LoadWithExportHead`), so registering twice changes it once."""
     from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
 
-    load = EagleLlamaForCausalLM.load_weights
+    if not isinstance(EagleLlamaForCausalLM.__dict__["load_weights"], LoadWithExportHead):
+        EagleLlamaForCausalLM.load_weights = LoadWithExportHead(EagleLlamaForCausalLM.load_weights)
 
-    @functools.wraps(load)
-    def load_weights(self: EagleLlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
-        out = load(self, weights)
-        install_export_head(self, Path(self.config._name_or_path))
+
+class LoadWithExportHead:
+    """A drafter class's load_weights (`load`), then the export's draft head where the drafter
+    directory is a tailrl export (`install_export_head`); a method of the class it replaces
+    load_weights in."""
+
+    def __init__(self, load: Callable[..., object]):
+        self.load = load
+        functools.update_wrapper(self, load)
+
+    def __get__(self, model: torch.nn.Module | None, owner: type | None = None) -> Callable[..., object]:
+        return self if model is None else functools.partial(self.__call__, model)
+
+    def __call__(self, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
+        out = self.load(model, weights)
+        install_export_head(model, Path(model.config._name_or_path))
         return out
-
-    EagleLlamaForCausalLM.load_weights = load_weights
-    _patched = True
 
 
 def install_export_head(model: torch.nn.Module, export_dir: Path) -> bool:
