@@ -160,7 +160,8 @@ MEMORY = {"peak_rss_gb", "update_peak_rss_gb"}
 # How the rollout decoded: with --spec auto (the default) the tuner picks arms by measured
 # speed, so these differ between runs that emit the same tokens.
 DECODE_PATH = {"decode_steps", "spec_verify_steps", "spec_proposed", "spec_accepted", "spec_accept_len", "sd_fraction",
-               "accept_hist", "accept_len_by_position", "arm_by_bucket", "spec_accept_ceiling", "spec_draft_depth"}
+               "accept_hist", "accept_len_by_position", "verifies_by_position", "arm_by_bucket", "spec_accept_ceiling",
+               "spec_draft_depth"}
 
 
 def high_chars_reward(prompt: str, completion: str, answer: str) -> float:

@@ -2,14 +2,15 @@
 
 The batches are the first `batches` RL steps of the configured run (the task's problems in the
 order of its stream, group_size seeded samples each, the policy before any update); a mode's
-time is the sum over them. They are generated in each
-mode: off (plain decoding), ngram (n-gram drafter every step), drafter (the learned drafter every
-step, when one is given) and auto (the tuner, TLT's switch gate in front); and on every other
-engine of the registry (tailrl.rollout.registry), opened through it in this process: ENGINE-off,
-ENGINE-drafter (the learned drafter as that engine drafts with it, every step) and ENGINE-auto
-(the same drafter, tailrl's tuner choosing each step's draft length), each from an engine
-started for the repetition (start-up untimed), whose tokens are that engine's samples and not
-compared with the native engine's. Modes run interleaved
+time is the sum over them. They are generated in each mode: off (plain decoding), ngram (n-gram
+drafter every step), drafter (the learned drafter every step, when one is given) and auto (the
+tuner, TLT's switch gate in front) on the native engine; and on every other engine of the
+registry: ENGINE-off, ENGINE-drafter (the learned drafter as that engine drafts with it, every
+step) and ENGINE-auto (the same drafter, tailrl's tuner choosing each step's draft length),
+whose tokens are that engine's samples and not compared with the native engine's. Every mode
+decodes the same way: through the Rollout seam, on a rollout opened through the registry
+(tailrl.rollout.registry) for the repetition (start-up and a two-request warm-up untimed), each
+batch timed around all of Rollout.generate (its cache planning included). Modes run interleaved
 within each repetition, so slow phases of a shared machine hit every mode alike; each mode starts
 each repetition from a fresh decoder (an empty n-gram history: a repetition must not draft from
 its own previous answers). The tuner starts from the state it reached on one untimed rollout of
@@ -21,7 +22,8 @@ reported beside its time.
 
 The long-tail picture: the running batch size over time per mode (the first batch), and the
 ideal time, i.e. the off run's prefill plus all its decode tokens at the throughput of its
-full-batch steps: what the rollouts would take if no sequence were longer than the others.
+steps in the full batch's running-batch bucket: what the rollouts would take if no sequence were
+longer than the others.
 
 The oracle: every decode step falls in a running-batch-size bucket (the tuner's), and every
 mode measures, per bucket and arm, how many tokens per second it decoded there. Decoding the
@@ -31,8 +33,8 @@ is reported per engine (each engine's arms after its own off run's prefill) and 
 beside each mode. The tuner's efficiency is the oracle time of auto's own work
 (its own tokens per bucket, which outside exact mode are not off's) over auto's time.
 
-Knows: how to build a step's requests (tailrl.rl.train), install a mode on the native engine
-(tailrl.speculative.modes), open any engine's rollout (tailrl.rollout.registry).
+Knows: how to build a step's requests (tailrl.rl.train), each mode's sections, open any engine's
+rollout (tailrl.rollout.registry) and read its report.
 Does not know: rewards, training.
 """
 
@@ -44,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tailrl.engine import Engine, EngineConfig
+from tailrl.engine import EngineConfig
 from tailrl.loading import DEVICES, load_model, load_tokenizer, resolve_device, resolve_model_dir
 from tailrl.memory import Peak
 from tailrl.model import Transformer
@@ -54,13 +56,11 @@ from tailrl.rl.run_dir import atomic_file
 from tailrl.rl.tasks import DEFAULT_TASK, make_task
 from tailrl.rl.train import TrainConfig, rollout_requests
 from tailrl.rollout import registry
-from tailrl.rollout.protocol import Rollout, RolloutState
+from tailrl.rollout.protocol import Rollout, RolloutReport, RolloutState
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
-from tailrl.speculative.modes import SpeculationConfig, install
-from tailrl.speculative.report import rollout_report
-from tailrl.stats import position_label
-from tailrl.tuner import TunerConfig
+from tailrl.speculative.modes import SpeculationConfig
+from tailrl.tuner import TunerConfig, bucket_index, bucket_label
 
 NATIVE_MODES = ("off", "ngram", "drafter", "auto")
 # Another engine's modes, "ENGINE-off" and so on: the spec each asks for.
@@ -127,16 +127,14 @@ class ModeResult:
     cells: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # bucket -> arm -> [tokens, seconds, steps], all reps
     peaks: list[float] = field(default_factory=list)  # resident peak of each repetition, GiB (where the kernel tells)
     # Verifies and their tokens by response position (tailrl.stats.POSITION_EDGES), first
-    # repetition; the native engine's only.
-    position_verifies: list[int] = field(default_factory=list)
-    position_emitted: list[int] = field(default_factory=list)
+    # repetition; where the engine counts them (the native engine).
+    position_verifies: dict[str, int] = field(default_factory=dict)
+    position_emitted: dict[str, int] = field(default_factory=dict)
 
-    def add(self, by_bucket: dict[str, dict[str, dict[str, float]]], timeline: list[list[Any]], tokens: int,
-            accept_len: float, verifies: int, sd_fraction: float, first: bool) -> None:
-        """One batch's rollout (its report's fields): its cells always, its counts in the first
-        repetition."""
+    def add(self, report: RolloutReport, tokens: int, first: bool) -> None:
+        """One batch's rollout (its report): its cells always, its counts in the first repetition."""
         decode = 0.0
-        for bucket, arms in by_bucket.items():
+        for bucket, arms in report.by_bucket.items():
             for arm, c in arms.items():
                 cell = self.cells.setdefault(bucket, {}).setdefault(arm, [0.0, 0.0, 0])
                 cell[0] += c["tokens"]
@@ -144,12 +142,16 @@ class ModeResult:
                 cell[2] += c["steps"]
                 decode += c["tokens"]
         if first:
-            self.timeline = self.timeline or timeline
+            self.timeline = self.timeline or report.batch_timeline
             self.tokens += tokens
-            self.emitted += round(accept_len * verifies)
-            self.verifies += verifies
+            self.emitted += round(report.spec_accept_len * report.spec_verify_steps)
+            self.verifies += report.spec_verify_steps
             self.decode_tokens += int(decode)
-            self.spec_tokens += round(sd_fraction * decode)
+            self.spec_tokens += round(report.sd_fraction * decode)
+            for position, v in report.verifies_by_position.items():
+                self.position_verifies[position] = self.position_verifies.get(position, 0) + v
+                self.position_emitted[position] = (self.position_emitted.get(position, 0)
+                                                   + round(report.accept_len_by_position[position] * v))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -162,9 +164,14 @@ class ModeResult:
             "sd_fraction": self.spec_tokens / self.decode_tokens if self.decode_tokens else 0.0,
             "differing_sequences": self.differing,
             "peak_rss_gb": max(self.peaks) if self.peaks else None,
-            "accept_len_by_position": {position_label(b): e / v for b, (v, e) in
-                                       enumerate(zip(self.position_verifies, self.position_emitted)) if v},
+            "accept_len_by_position": {p: self.position_emitted[p] / v for p, v in
+                                       sorted(self.position_verifies.items(), key=lambda pv: _position_start(pv[0]))},
         }
+
+
+def _position_start(label: str) -> int:
+    """Where a response-position bucket starts ("512-1024": 512, "2048+": 2048)."""
+    return int(label.split("-")[0].rstrip("+"))
 
 
 def _spec_config(mode: str, drafter: str | None, depth: int) -> SpeculationConfig:
@@ -182,25 +189,32 @@ def engine_of(mode: str) -> str:
     return OTHER_MODES[mode][0] if mode in OTHER_MODES else registry.DEFAULT
 
 
-def _other_rollout(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request],
-                   state: RolloutState | None = None) -> Rollout:
-    """Another engine's rollout for `mode`, opened through the registry and holding the batch, its
-    kernels warmed on two requests, its tuner resuming `state`; its drafter does not adapt (a
-    rollout, not an RL step)."""
-    name, spec = OTHER_MODES[mode]
-    speculation = SpeculationConfig(spec=spec, drafter=cfg.drafter, draft_depth=cfg.draft_depth,
-                                    num_draft_tokens=cfg.draft_depth)
-    sections = registry.engine(name).capacity({"speculation": speculation, "adapt": AdaptConfig(adapt_drafter=False)},
-                                              len(requests), cfg.kv_cache_gb)
+def _open(cfg: BenchRolloutConfig, mode: str, model: Transformer, requests: list[Request],
+          state: RolloutState | None = None) -> Rollout:
+    """`mode`'s rollout, opened through the registry as a run opens one and holding the batch,
+    its kernels warmed on two requests, its tuner resuming `state`; its drafter does not adapt
+    (a rollout, not an RL step)."""
+    name = engine_of(mode)
+    if name == registry.DEFAULT:
+        sections: dict[str, object] = {"speculation": _spec_config(mode, cfg.drafter, cfg.draft_depth),
+                                       "engine": EngineConfig(exact=cfg.exact)}
+        kv_gb = None
+    else:
+        sections = {"speculation": SpeculationConfig(spec=OTHER_MODES[mode][1], drafter=cfg.drafter,
+                                                     draft_depth=cfg.draft_depth, num_draft_tokens=cfg.draft_depth)}
+        kv_gb = cfg.kv_cache_gb
+    sections = registry.engine(name).capacity({**sections, "adapt": AdaptConfig(adapt_drafter=False)}, len(requests),
+                                              kv_gb)
     rollout = registry.rollout_config(name, sections, SamplingParams(cfg.temperature)).open(model, seed=cfg.seed,
                                                                                           state=state)
     rollout.generate(0, requests[:2], SamplingParams(cfg.temperature), 2)
     return rollout
 
 
-def _warm_other_tuner(cfg: BenchRolloutConfig, mode: str, model: Transformer, other: list[Request]) -> RolloutState:
-    """An ENGINE-auto mode's rollout state (its tuner) after one untimed rollout of another batch."""
-    rollout = _other_rollout(cfg, mode, model, other)
+def _warm_tuner(cfg: BenchRolloutConfig, mode: str, model: Transformer, other: list[Request]) -> RolloutState:
+    """An auto mode's rollout state (its tuner) after one untimed rollout of another batch: where
+    every repetition of the mode starts, so none pays the tuner's first exploration."""
+    rollout = _open(cfg, mode, model, other)
     try:
         rollout.generate(0, other, SamplingParams(cfg.temperature), cfg.max_new_tokens)
         return rollout.state_dict()
@@ -208,31 +222,42 @@ def _warm_other_tuner(cfg: BenchRolloutConfig, mode: str, model: Transformer, ot
         rollout.close()
 
 
-def _other_repetition(cfg: BenchRolloutConfig, mode: str, model: Transformer, batches: list[list[Request]],
-                      state: RolloutState | None, r: ModeResult, first: bool) -> tuple[float, int, float]:
-    """One timed pass of another engine's `mode` over the batches on a fresh engine (its tuner
-    carries from batch to batch), into `r`; its seconds, tokens and accept_len. That engine
-    samples its own tokens (the same distribution as the native engine's, other responses), so
-    they are not compared (differing is None)."""
-    rollout = _other_rollout(cfg, mode, model, batches[0], state)
+def _repetition(cfg: BenchRolloutConfig, mode: str, model: Transformer, batches: list[list[Request]],
+                state: RolloutState | None, r: ModeResult, reference: list[list[list[int]]],
+                ideal: list[float] | None, first: bool) -> tuple[float, int, float]:
+    """One timed pass of `mode` over the batches on a rollout opened for it (a fresh decoder: an
+    empty n-gram history; its tuner carries from batch to batch), each batch timed around all of
+    Rollout.generate, into `r`; its seconds, tokens and accept_len. On the native engine the off
+    mode (ideal given) records each batch's tokens as the reference and its ideal time, and the
+    other modes count the sequences that differ from it; another engine samples its own tokens
+    (the same distribution, other responses), so they are not compared (differing is None)."""
+    rollout = _open(cfg, mode, model, batches[0], state)
+    compared = engine_of(mode) == registry.DEFAULT
     seconds = prefill = 0.0
     tokens = emitted = verifies = 0
     try:
-        for step, requests in enumerate(batches, start=1):
+        for b, requests in enumerate(batches):
             t0 = time.perf_counter()
-            out = rollout.generate(step, requests, SamplingParams(cfg.temperature), cfg.max_new_tokens)
+            out = rollout.generate(b + 1, requests, SamplingParams(cfg.temperature), cfg.max_new_tokens)
             seconds += time.perf_counter() - t0
             rep = rollout.report()
             n = sum(len(c.token_ids) for c in out)
-            r.add(rep.by_bucket, rep.batch_timeline, n, rep.spec_accept_len, rep.spec_verify_steps, rep.sd_fraction,
-                  first)
+            r.add(rep, n, first)
             tokens, prefill = tokens + n, prefill + rep.prefill_s
-            emitted, verifies = emitted + round(rep.spec_accept_len * rep.spec_verify_steps), verifies + rep.spec_verify_steps
+            emitted += round(rep.spec_accept_len * rep.spec_verify_steps)
+            verifies += rep.spec_verify_steps
+            got = [c.token_ids for c in out]
+            if ideal is not None:
+                reference.append(got)
+                ideal.append(ideal_seconds(rep))
+            if compared and r.differing is not None:
+                r.differing += sum(x != y for x, y in zip(got, reference[b]))
     finally:
         rollout.close()
     r.seconds.append(seconds)
     r.prefill.append(prefill)
-    r.differing = None
+    if not compared:
+        r.differing = None
     return seconds, tokens, emitted / verifies if verifies else 0.0
 
 
@@ -248,7 +273,6 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     path = resolve_model_dir(cfg.model)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=cfg.dtype, device=resolve_device(cfg.device))
-    engine = Engine(model, EngineConfig(max_batch=cfg.num_prompts * cfg.group_size, exact=cfg.exact))
     tc = TrainConfig(task=cfg.task, num_prompts=cfg.num_prompts, group_size=cfg.group_size,
                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)
     task, context = make_task(cfg.task), model.cfg.max_position_embeddings
@@ -257,33 +281,23 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
         return rollout_requests(task, tokenizer, tc, step, max(step - 1, 0) * cfg.num_prompts, context)[1]
 
     batches = [batch(step) for step in range(1, cfg.batches + 1)]
-    params = SamplingParams(cfg.temperature)
-    engine.generate(batches[0][:2], params, 2)  # allocate the cache, warm the kernels: untimed
-    tuner_state = None
-    if "auto" in modes and not cfg.cold_tuner:
-        tuner_state = _warm_native_tuner(cfg, engine, batch(0), params)
-        log(f"tuner warmed on another batch of {len(batches[0])} requests in {engine.stats.seconds:.1f} s")
-    other_states: dict[str, RolloutState] = {}
-    for mode in [m for m in modes if OTHER_MODES.get(m, (None, None))[1] == "auto" and not cfg.cold_tuner]:
-        other_states[mode] = _warm_other_tuner(cfg, mode, model, batch(0))
-        log(f"{mode}'s tuner warmed on another batch")
+    states: dict[str, RolloutState] = {}  # each auto mode's, its tuner warmed
+    for mode in [m for m in modes if m in autos() and not cfg.cold_tuner]:
+        t0 = time.perf_counter()
+        states[mode] = _warm_tuner(cfg, mode, model, batch(0))
+        log(f"{mode}'s tuner warmed on another batch of {len(batches[0])} requests in "
+            f"{time.perf_counter() - t0:.1f} s")
     results = {m: ModeResult() for m in modes}
     ideal: list[float] = []
     for rep in range(cfg.reps):
         reference: list[list[list[int]]] = []
         for mode in modes:
             r, peak = results[mode], Peak().start()
+            seconds, tokens, accept_len = _repetition(cfg, mode, model, batches, states.get(mode), r, reference,
+                                                      ideal if mode == "off" else None, first=rep == 0)
+            detail = f", {r.differing} sequences differ from off" if r.differing else ""
             if mode in OTHER_MODES:
-                seconds, tokens, accept_len = _other_repetition(cfg, mode, model, batches, other_states.get(mode), r,
-                                                                first=rep == 0)
                 detail = f", accept_len {accept_len:4.2f}"
-            else:
-                # One decoder (and tuner, whose state carries from batch to batch) per repetition.
-                install(engine, _spec_config(mode, cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed,
-                        tuner_state=tuner_state)
-                seconds, tokens = _native_repetition(cfg, engine, batches, r, reference,
-                                                     ideal if mode == "off" else None, first=rep == 0)
-                detail = f", {r.differing} sequences differ from off" if r.differing else ""
             if peak.gb is not None:
                 r.peaks.append(peak.gb)
                 detail += f", peak {peak.gb:.2f} GB"
@@ -299,15 +313,6 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     return report
 
 
-def _warm_native_tuner(cfg: BenchRolloutConfig, engine: Engine, requests: list[Request],
-                       params: SamplingParams) -> dict[str, Any]:
-    """The tuner's state after one untimed rollout of another batch: where every auto
-    repetition starts, so none pays the tuner's first exploration."""
-    tuner = install(engine, _spec_config("auto", cfg.drafter, cfg.draft_depth), TunerConfig(), seed=cfg.seed)
-    engine.generate(requests, params, cfg.max_new_tokens)
-    return tuner.state_dict()
-
-
 def _report(cfg: BenchRolloutConfig, results: dict[str, ModeResult], ideal: list[float], requests: int) -> dict[str, Any]:
     base = statistics.median(results["off"].seconds)
     return {
@@ -319,34 +324,6 @@ def _report(cfg: BenchRolloutConfig, results: dict[str, ModeResult], ideal: list
         "batches": cfg.batches,
         "max_new_tokens": cfg.max_new_tokens,
     }
-
-
-def _native_repetition(cfg: BenchRolloutConfig, engine: Engine, batches: list[list[Request]], r: ModeResult,
-                       reference: list[list[list[int]]], ideal: list[float] | None, first: bool) -> tuple[float, int]:
-    """One timed pass of the engine's installed mode over the batches, into `r`; its seconds and
-    tokens. The off mode (ideal given) records each batch's tokens as the reference and its
-    ideal time; the others count the sequences that differ from it."""
-    seconds, prefill, tokens = 0.0, 0.0, 0
-    params = SamplingParams(cfg.temperature)
-    for b, requests in enumerate(batches):
-        out = engine.generate(requests, params, cfg.max_new_tokens)
-        st = engine.stats
-        decoding = rollout_report(st, TunerConfig().bucket_edges)
-        r.add(decoding.by_bucket, decoding.batch_timeline, st.tokens, st.spec.accept_len, st.spec.verify_steps,
-              decoding.sd_fraction, first)
-        if first:
-            for name in ("position_verifies", "position_emitted"):
-                ours, theirs = getattr(r, name), getattr(st.spec, name)
-                setattr(r, name, [a + b for a, b in zip(ours or [0] * len(theirs), theirs)])
-        seconds, prefill, tokens = seconds + st.seconds, prefill + st.prefill_seconds, tokens + st.tokens
-        got = [c.token_ids for c in out]
-        if ideal is not None:
-            reference.append(got)
-            ideal.append(ideal_seconds(st))
-        r.differing += sum(a != b for a, b in zip(got, reference[b]))
-    r.seconds.append(seconds)
-    r.prefill.append(prefill)
-    return seconds, tokens
 
 
 def oracle(results: dict[str, ModeResult], reps: int) -> dict[str, Any]:
@@ -407,12 +384,14 @@ def log_summary(report: dict[str, Any], log: Callable[[str], None]) -> None:
             + (f"; accept_len by response position: {positions}" if positions else ""))
 
 
-def ideal_seconds(stats) -> float:
-    """Prefill plus every decode token at the throughput of the full-batch decode steps."""
-    full = max(r.batch for r in stats.timeline)
-    at_full = [r for r in stats.timeline if r.batch == full]
-    rate = sum(r.tokens for r in at_full) / sum(r.seconds for r in at_full)
-    return stats.prefill_seconds + sum(r.tokens for r in stats.timeline) / rate
+def ideal_seconds(report: RolloutReport) -> float:
+    """Prefill plus every decode token at the throughput of the decode steps in the full batch's
+    running-batch bucket (the tuner's buckets, as the report counts them)."""
+    edges, full = TunerConfig().bucket_edges, max(batch for _, _, batch, _ in report.batch_timeline)
+    cells = report.by_bucket[bucket_label(edges, bucket_index(edges, full))]
+    rate = sum(c["tokens"] for c in cells.values()) / sum(c["seconds"] for c in cells.values())
+    decode = sum(c["tokens"] for arms in report.by_bucket.values() for c in arms.values())
+    return report.prefill_s + decode / rate
 
 
 def plot(results: dict[str, ModeResult], report: dict[str, Any], path: Path) -> None:

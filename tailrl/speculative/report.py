@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from tailrl.stats import EngineStats
+from tailrl.stats import EngineStats, position_label
 from tailrl.tuner import bucket_index, bucket_label
 
 # Running sequences at or below which a decode step counts as the tail.
@@ -43,6 +43,7 @@ class Decoding:
     verify_s: float
     accept_hist: list[int]
     accept_len_by_position: dict[str, float]  # by where in its response a verify started (tailrl.stats)
+    verifies_by_position: dict[str, int]  # the verifies behind each of those
     by_bucket: dict[str, dict[str, dict[str, float]]]
     arm_by_bucket: dict[str, str]
     batch_timeline: list[list[Any]]
@@ -88,6 +89,7 @@ def rollout_report(stats: EngineStats, bucket_edges: Sequence[int]) -> Decoding:
         verify_s=stats.spec.verify_seconds,
         accept_hist=list(stats.spec.accept_hist),
         accept_len_by_position=stats.spec.accept_len_by_position(),
+        verifies_by_position={position_label(b): v for b, v in enumerate(stats.spec.position_verifies) if v},
         by_bucket=by_bucket,
         arm_by_bucket={b: max(arms, key=lambda a: arms[a]["steps"]) for b, arms in by_bucket.items()},
         batch_timeline=segments(stats),
