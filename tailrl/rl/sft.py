@@ -1,9 +1,9 @@
 """Cold start: supervised fine-tuning of a model directory on a task's worked solutions.
 
-Each example is a task problem's chat prompt (the prompt RL samples from, tailrl.rl.train's
+Each example is a task problem's chat prompt (the prompt RL samples from, tailrl.rl.tasks'
 encode_question) followed by the task's worked solution and the end-of-turn token. Only the
 solution tokens are in the loss; examples are packed into one row per micro-batch without
-padding (tailrl.rl.train.packed_logprobs, the GRPO update's packing), and the loss is the token
+padding (tailrl.rl.packing.packed_logprobs, the GRPO update's packing), and the loss is the token
 mean over the whole optimizer batch, accumulated over micro-batches. AdamW with linear warm-up
 and cosine decay; on CPUs with native bf16 the forward/backward runs under bf16 autocast with
 fp32 master weights. Held-out loss and accuracy (greedy and at the rollout temperature, sampled
