@@ -277,7 +277,7 @@ def observe(rollout: Rollout, policy: Transformer, out: list[Completion]) -> Non
 
 
 def test_a_published_policy_and_drafter_version_are_what_the_next_rollout_decodes_with(engine, model, tmp_path):
-    """The rollout adapts its learned drafter on the trainer's forwards (Rollout.observe; training
+    """The rollout adapts its learned drafter on the trainer's forwards (Rollout.feed().observe; training
     lags one step) and each publish hands it the policy's new weights and a new drafter version.
     Step 2 decodes with the new policy and the old drafter (its tokens are the new policy's argmax
     chain: no KV of the old weights is reused for the same prompts), step 3 with the new drafter

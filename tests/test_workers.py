@@ -33,7 +33,7 @@ from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.rollout.native.pool import NativeRolloutState, WorkerPool
 from tailrl.rollout.workers import WorkerConfig, shard_indices
 from tailrl.stats import merge_stats
-from tailrl.rollout.protocol import RolloutReport, WorkerError
+from tailrl.rollout.protocol import IdleCore, RolloutReport, WorkerError
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.rollout.native.spot import DrafterState, SpotJob, run_spot
 from tailrl.rollout.native import pool as pool_module
@@ -296,18 +296,19 @@ def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, draft
 
 
 def test_an_in_process_rollout_lends_a_core_and_takes_it_back(target):
-    """Rollout.lend_core: while lent, the in-process engine decodes on one torch thread fewer;
+    """IdleCore.lent: while lent, the in-process engine decodes on one torch thread fewer;
     taken back, on all; a core still lent when generate returns comes back with it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     seen = []
     pool = start_pool(WorkerConfig(workers=1), AdaptConfig(), target)
+    core = IdleCore()
     try:
         def on_progress(p):
             seen.append(torch.get_num_threads())
-            pool.lend_core(p.done < 6 or p.done == p.total)  # lent early, back, lent again at the end
+            core.lent = p.done < 6 or p.done == p.total  # lent early, back, lent again at the end
 
-        pool.generate(1, requests(), PARAMS, 20, on_progress=on_progress)
+        pool.generate(1, requests(), PARAMS, 20, on_progress=on_progress, core=core)
         assert seen[0] == 2 and 1 in seen[1:] and 2 in seen[seen.index(1):]
         assert torch.get_num_threads() == 2
     finally:

@@ -9,11 +9,11 @@ gradient has the same bits either way, on any CPU; only where the time goes diff
 
 In the overlapped schedule the background thread computes only in the rollout's tail (at most
 `overlap_batch` sequences running): with few sequences running a core is better spent on the
-update than on decoding, so the rollout is asked to lend one (Rollout.lend_core) while the
-update has work.
+update than on decoding, so the rollout is asked to lend one while the update has work (the
+IdleCore handed to Rollout.generate, which also tells the rollout when the update is busy).
 
 What the update computes is the rollout's to learn from: a rollout that wants them gets each
-computed group's sequences with the policy's hidden states (Rollout.observe), and in the
+computed group's sequences with the policy's hidden states (Rollout.feed().observe), and in the
 overlapped schedule the rollout's own idle work (its drafter's training) runs on the lent core
 while no group waits (policy work first, tailrl.rl.update "Idle work"). The core is lent for
 the policy's work only: the tail decodes faster on every core it has (docs/workers.md), so the
@@ -36,7 +36,7 @@ import torch
 from tailrl.memory import Peak
 from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request
-from tailrl.rollout.protocol import PolicyForward, Rollout
+from tailrl.rollout.protocol import IdleCore, PolicyForward, Rollout
 from tailrl.sampling import SamplingParams
 from tailrl.rl.grpo import GRPOConfig, group_advantages
 from tailrl.rl.packing import Sample
@@ -159,6 +159,7 @@ def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGra
     left = [G] * P
     groups: list[ScoredGroup | None] = [None] * P
     update = BackgroundUpdate(grads, rollout.feed())
+    core = IdleCore(busy=lambda: update.active)  # lent in the tail while the update has work
     reward_s = 0.0
 
     def on_finished(index: int, completion: Completion) -> None:
@@ -180,13 +181,13 @@ def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGra
             update.open_gate()
         else:
             update.close_gate()
-        rollout.lend_core(tail)
+        core.lent = tail
 
     t0 = time.perf_counter()
     try:
         completions = rollout.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens,
                                        on_progress=progress, on_finished=on_finished,
-                                       policy_busy=lambda: update.active)
+                                       core=core)
     except BaseException:
         update.abort()
         raise

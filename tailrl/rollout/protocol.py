@@ -4,9 +4,11 @@ The RL loop (tailrl.rl) knows generation only through `Rollout`, one step as one
 calls whatever the engine:
 
   generate  the step's requests (on_finished per sequence, so finished GRPO groups are scored and
-            their gradient computed while the tail still decodes; lend_core while the update
-            takes a core; the rollout's `feed`, if it has one, is handed what the update's
-            forwards computed and works on the lent core while the update has nothing queued)
+            their gradient computed while the tail still decodes; an `IdleCore` the caller's
+            update and the rollout share: the caller lends a core through it, and it tells the
+            rollout when the update is using one; the rollout's `feed`, if it has one, is handed
+            what the update's forwards computed and works on the lent core while the update has
+            nothing queued)
   publish   the policy's new weights after the optimizer step; whatever the rollout learned this
             step (its drafter) goes live with them
   report    what the rollout did, typed (decoding, speculation, the tail, drafter training)
@@ -17,8 +19,8 @@ names one. `RolloutConfig` opens a rollout and answers what the run's set-up ask
 Engines behind it: tailrl.rollout.native (tailrl's own engine, across its workers),
 tailrl.rollout.vllm (vLLM engines, in the trainer's process or on Ray).
 
-The records only the seam defines live here: PolicyForward, DrafterFeed, RolloutReport, RolloutState,
-Rollback, HeldMemory, EngineEntry (how an engine describes itself to the registry,
+The records only the seam defines live here: PolicyForward, DrafterFeed, IdleCore, RolloutReport,
+RolloutState, Rollback, HeldMemory, EngineEntry (how an engine describes itself to the registry,
 tailrl.rollout.registry) and the rollout's errors. Those that the decoding engine below the seam
 (tailrl.engine) uses too live lower, so that it imports nothing of the seam: a generate call's
 Request, Stop, Completion and Progress (tailrl.records) and SamplingParams (tailrl.sampling). Callers
@@ -73,6 +75,27 @@ class DrafterFeed(Protocol):
         """That work, on the calling thread (one torch thread), in short units, until stop(),
         asked before each unit, is True: a caller waits at most one unit for its core back."""
         ...
+
+
+@dataclass
+class IdleCore:
+    """The core a generate call and the caller's update share in the rollout's tail, both ways in
+    one object: the caller sets `lent` while its update takes one of the rollout's cores (a rollout
+    decoding on the caller's torch threads decodes on one fewer from its next progress report on;
+    one decoding in other processes has none of the caller's to lend), and `busy()` tells the
+    rollout whether the update is using a core now (background work of the rollout's own, spot
+    training on idle workers, starts only while it is not). What the update runs on a lent core
+    while it has nothing queued is the rollout's feed (Rollout.feed)."""
+
+    busy: Callable[[], bool] = lambda: False
+    lent: bool = False
+
+    def apply(self, own: int) -> None:
+        """For a rollout decoding on `own` of the caller's torch threads: it decodes on one fewer
+        while lent, on all of them otherwise."""
+        threads = own - 1 if self.lent and own > 1 else own
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 class WorkerError(RuntimeError):
@@ -198,21 +221,15 @@ class Rollout(Protocol):
     def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
                  on_progress: Callable[[Progress], None] | None = None,
                  on_finished: Callable[[int, Completion], None] | None = None,
-                 policy_busy: Callable[[], bool] = lambda: False, stop: Stop | None = None) -> list[Completion]:
+                 core: IdleCore | None = None, stop: Stop | None = None) -> list[Completion]:
         """The completions of `requests`, in request order, sampled from the last published
         policy. on_progress as the rollout advances; on_finished(request index, completion) once
         per request as it finishes, in the thread that called generate. Idle time inside the
-        rollout goes to the policy's update first: background work of the rollout's own (spot
-        training on idle workers) runs only while policy_busy() is False. `stop` ends a sequence
-        where it says (finish_reason "stop"), besides EOS and the length limit. Raises
-        WorkerError when a worker fails (naming `step`)."""
-        ...
-
-    def lend_core(self, lend: bool) -> None:
-        """While lent (between lend_core(True) and lend_core(False), or the end of generate),
-        the rollout leaves one of the caller's cores to the caller's update; called from
-        generate's callbacks. A rollout that decodes outside the caller's process has nothing
-        to lend and ignores it."""
+        rollout goes to the policy's update first (`core`, IdleCore: a core the caller lends is
+        left to it until it takes it back or generate returns; the rollout's own background work
+        runs only while core.busy() is False). `stop` ends a sequence where it says
+        (finish_reason "stop"), besides EOS and the length limit. Raises WorkerError when a
+        worker fails (naming `step`)."""
         ...
 
     def feed(self) -> DrafterFeed | None:

@@ -37,7 +37,7 @@ from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.native.buffer import DataBuffer
 from tailrl.rollout.native.runtimes import Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, SpotResult
-from tailrl.rollout.protocol import RolloutState, WorkerError, check_state
+from tailrl.rollout.protocol import IdleCore, RolloutState, WorkerError, check_state
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.rollout.workers import shard_indices
@@ -91,6 +91,7 @@ class WorkerPool(AdaptingRollout):
         self._shards: list[range] = []
         self._reported: set[int] = set()  # request indices passed to _on_finished this call
         self._threads = torch.get_num_threads()  # the caller's, while a generate call runs
+        self._core = IdleCore()  # the core the caller's update and this call share
 
     # ---- calls ----------------------------------------------------------------------------
 
@@ -105,6 +106,8 @@ class WorkerPool(AdaptingRollout):
                 self._on_progress(Progress(sum(p.done for p in ps), sum(p.total for p in ps),
                                            sum(p.running for p in ps), sum(p.tokens for p in ps),
                                            max(p.seconds for p in ps)))
+            if self.runtime.in_process:  # a core the caller lent, or took back, in its callback
+                self._core.apply(self._threads)
 
     def _report_finished(self, index: int, completion: Completion) -> None:
         """on_finished once per request: from its Finished beat, or from its shard's result when
@@ -136,34 +139,30 @@ class WorkerPool(AdaptingRollout):
             out.update(self._wait(set(range(self.runtime.size)) - set(out)))
         return [out[r] for r in range(self.runtime.size)]
 
-    def lend_core(self, lend: bool) -> None:
-        """An in-process engine decodes on one torch thread fewer while lent (the caller's
-        update takes that core); worker processes have cores of their own to keep."""
-        if self.runtime.in_process and self._threads > 1:
-            torch.set_num_threads(self._threads - 1 if lend else self._threads)
-
     # ---- a step's rollout -----------------------------------------------------------------
 
     def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
                  on_progress: Callable[[Progress], None] | None = None,
                  on_finished: Callable[[int, Completion], None] | None = None,
-                 policy_busy: Callable[[], bool] = lambda: False, stop: Stop | None = None) -> list[Completion]:
+                 core: IdleCore | None = None, stop: Stop | None = None) -> list[Completion]:
         """The completions of `requests`, in order. on_progress(Progress) as the workers report
         it; on_finished(request index, completion) as each sequence finishes (in the trainer's
-        thread that called generate). Idle time goes to the policy's update first: spot training
-        starts on an idle worker only while policy_busy() is False. `stop` ends sequences on
-        every worker."""
+        thread that called generate). Idle time goes to the policy's update first: an in-process
+        engine decodes on one torch thread fewer while `core` is lent (worker processes have
+        cores of their own to keep), and spot training starts on an idle worker only while
+        core.busy() is False. `stop` ends sequences on every worker."""
         self._on_finished = on_finished
         self._threads = torch.get_num_threads()
+        self._core = core or IdleCore()
         try:
-            return self._generate(requests, params, max_new_tokens, on_progress, policy_busy, stop)
+            return self._generate(requests, params, max_new_tokens, on_progress, stop)
         except WorkerError as e:
             raise WorkerError(e.rank, f"{e.reason} in step {step}") from None
         finally:
             self._on_finished = None
             torch.set_num_threads(self._threads)  # a core lent in the tail comes back
 
-    def _generate(self, requests, params, max_new_tokens, on_progress, policy_busy, stop) -> list[Completion]:
+    def _generate(self, requests, params, max_new_tokens, on_progress, stop) -> list[Completion]:
         if self.drafter is not None and self.drafter.version != self.published:
             self._call_all(SetDrafter(self.drafter.version, self.drafter.weights))
             self.published = self.drafter.version
@@ -205,7 +204,7 @@ class WorkerPool(AdaptingRollout):
                     spot, stopped_at = reply, time.monotonic()
                     self._spot_done(trainer, reply)
                     trainer = None
-            if self.spot_on and busy and idle and trainer is None and spot is None and not policy_busy():
+            if self.spot_on and busy and idle and trainer is None and spot is None and not self._core.busy():
                 trainer = idle[0]  # the first worker done: the longest idle
                 self._job += 1
                 state = None if trainer in self._holders else self.drafter

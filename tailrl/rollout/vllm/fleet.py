@@ -40,7 +40,7 @@ from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.rollout import ray_support
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
-from tailrl.rollout.protocol import DrafterVersionError, RolloutReport, RolloutState, WorkerError
+from tailrl.rollout.protocol import DrafterVersionError, IdleCore, RolloutReport, RolloutState, WorkerError
 from tailrl.rollout.ray_support import first_line, ray, to_numpy
 from tailrl.rollout.vllm.actor import Advance, EngineActor, EngineSpec, Shard, Tags
 from tailrl.rollout.vllm.checks import check_lengths, check_sampling, is_learned
@@ -164,9 +164,10 @@ class VllmFleet(AdaptingRollout):
     def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
                  on_progress: Callable[[Progress], None] | None = None,
                  on_finished: Callable[[int, Completion], None] | None = None,
-                 policy_busy: Callable[[], bool] = lambda: False, stop: Stop | None = None) -> list[Completion]:
-        """The completions of `requests`, in order (see the module doc). policy_busy is not
-        consulted: the engines' processes have no background work. `stop` goes to every engine
+                 core: IdleCore | None = None, stop: Stop | None = None) -> list[Completion]:
+        """The completions of `requests`, in order (see the module doc). `core` is not consulted:
+        the engines decode in their own processes (nothing of the caller's to lend) and have no
+        background work. `stop` goes to every engine
         with its requests."""
         check_sampling(params)
         check_lengths(requests, max_new_tokens, self.max_len)
@@ -190,9 +191,6 @@ class VllmFleet(AdaptingRollout):
         """The last generate's report, with the engines restarted in it and in the publish after
         it (an engine that died between rollouts is found when the weights are pushed)."""
         return dataclasses.replace(super().report(), engine_restarts=self.step_restarts)
-
-    def lend_core(self, lend: bool) -> None:
-        """The engines decode in their own processes: nothing of the caller's to lend."""
 
     # ---- publishing ---------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ verification at T > 0 is repaired (tailrl.rollout.vllm.cpu_fix), and vLLM's LLME
 this process; the vLLM internals it drives are checked then (tailrl.rollout.vllm.internals).
 In process because: weights are published by handing tensors to the engine's model (in place,
 no disk), the repair must run where the sampler runs, and the engine decodes on this process's
-torch threads, which lend_core lends. Starting it changes process-wide state that the trainer
+torch threads, one of which it lends to the update in the tail (IdleCore). Starting it changes process-wide state that the trainer
 owns (it seeds the global generators, replaces torch.set_num_threads by a no-op
 (vllm/v1/worker/cpu_worker.py:139-145) and freezes the GC heap); `process_state_kept` (checks.py) puts it
 back. One engine at a time per process: vLLM's in-process engines share process-wide state (its
@@ -70,7 +70,7 @@ from vllm.v1.worker.worker_base import WorkerBase
 from tailrl.model import ModelConfig, Transformer
 from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter
-from tailrl.rollout.protocol import RolloutState, WorkerError, check_state
+from tailrl.rollout.protocol import IdleCore, RolloutState, WorkerError, check_state
 from tailrl.rollout.vllm import cpu_fix, internals
 from tailrl.rollout.vllm.checks import check_lengths, check_sampling, is_learned, process_state_kept, spec_method
 from tailrl.rollout.vllm.outputs import SequenceOutput, StepCount, StepCounters, add_spec, finish_reason
@@ -296,11 +296,12 @@ class VllmRollout(AdaptingRollout):
     def generate(self, step: int, requests: Sequence[Request], params: SamplingParams, max_new_tokens: int,
                  on_progress: Callable[[Progress], None] | None = None,
                  on_finished: Callable[[int, Completion], None] | None = None,
-                 policy_busy: Callable[[], bool] = lambda: False, stop: Stop | None = None) -> list[Completion]:
-        """The completions of `requests`, in order (see the module doc). policy_busy is not
-        consulted: this rollout's background work runs only on a core the caller lends it
-        (work_idle)."""
+                 core: IdleCore | None = None, stop: Stop | None = None) -> list[Completion]:
+        """The completions of `requests`, in order (see the module doc). The engine decodes on
+        this process's torch threads: one fewer while `core` is lent; core.busy is not consulted
+        (this rollout's background work runs only on a core the caller lends it: work_idle)."""
         self._threads = torch.get_num_threads()
+        core = core or IdleCore()
         call = self.begin(step, requests, params, max_new_tokens, stop)
         try:
             while call.running:
@@ -309,6 +310,7 @@ class VllmRollout(AdaptingRollout):
                         on_finished(i, completion)
                 if on_progress is not None:
                     on_progress(call.progress())
+                core.apply(self._threads)
         except BaseException:
             call.abort()
             raise
@@ -340,11 +342,6 @@ class VllmRollout(AdaptingRollout):
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt_ids)), sampling)
             ids[rid] = i
         return ids
-
-    def lend_core(self, lend: bool) -> None:
-        """The engine decodes on this process's torch threads: one fewer while lent."""
-        if self._threads > 1:
-            torch.set_num_threads(self._threads - 1 if lend else self._threads)
 
     # ---- publishing ---------------------------------------------------------------------------
 
