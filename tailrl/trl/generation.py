@@ -8,13 +8,15 @@ own mechanism (tailrl.rollout.vllm):
   (cpu_fix); TRL's engine arguments are kept, the speculative ones added;
 - the weight sync is vLLM's layerwise reload (internals.reload_weights): TRL's
   parameter-by-parameter `load_weights` fails on CPU, where vLLM repacks its linear weights;
-- at every sync, the adapting drafter closes its step (tailrl.rollout.adapt: the floor of
-  micro-steps on what the trainer's loss forwards observed, a new version when it trained, a
-  collapsed one rolled back) and a new version goes into the engine's drafter in place;
+- at the end of each optimizer step the adapting drafter closes its step (`end_drafter_step`;
+  tailrl.rollout.adapt: the floor of micro-steps on what the trainer's loss forwards observed,
+  a new version when it trained, a collapsed one rolled back), and the next sync puts a new
+  version into the engine's drafter in place;
 - with spec "auto", TLT's tuner chooses each engine step's draft length (tailrl.trl.steps).
 
 Each generate call's speculation becomes `stats` (accept_len, the drafter version drafted
-with); `save_drafter` writes the drafting version as tailrl's drafter files.
+with); `save_drafter` writes the drafting version as tailrl's drafter files; `state_dict` is
+what a checkpoint needs to resume the drafter and the tuner where they were (`load_state_dict`).
 
 Knows: TRL's VLLMGeneration (trl 1.16), the vLLM rollout's pieces. Does not know: GRPO's loss,
 TRL's trainer (tailrl.trl.trainer).
@@ -38,8 +40,7 @@ from tailrl.rollout.protocol import PolicyForward
 from tailrl.rollout.vllm import cpu_fix
 from tailrl.rollout.vllm import internals as vllm_internals
 from tailrl.rollout.vllm.checks import DRAFT_SAMPLING, prepare_process, process_state_kept
-from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_in_place, write_learned_drafter
-from tailrl.speculative.drafter.export import eagle_weights
+from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_version, write_learned_drafter
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import read_drafter_config, save_drafter
 from tailrl.speculative.modes import DRAFTER_ARMS
@@ -125,8 +126,7 @@ class TLTGeneration(VLLMGeneration):
         vllm_internals.check_supported()
         self.policy = policy_view(self.model)
         self.adapt: AdaptiveDrafter | None = None
-        self.drafter_version = 0
-        self.last_adapt: AdaptStep | None = None
+        self.drafter_version = 0  # the version in the engine (0: the drafter's files)
         # Per-step stats on, for EngineSteps; dtype, eagerness and KV cache where asked.
         llm_kwargs: dict[str, object] = {"disable_log_stats": False}
         if self.tlt.dtype:
@@ -173,19 +173,21 @@ class TLTGeneration(VLLMGeneration):
         if self.adapt is not None:
             self.adapt.observe(forwards)
 
+    def end_drafter_step(self) -> AdaptStep | None:
+        """The adapting drafter's step closes on the policy as the optimizer step left it (module
+        doc; None: no drafter). The trainer calls it before TRL saves a checkpoint, so the
+        checkpoint holds the drafter as the next step starts from it."""
+        return self.adapt.end_step(self.policy) if self.adapt is not None else None
+
     def sync_weights(self) -> None:
-        """The adapting drafter's step closes (module doc), then the policy's weights and, when it
-        changed, the drafter's new version go into the engine in place; the prefix cache is reset."""
+        """The policy's weights and, when it is not the engine's, the drafting version go into the
+        engine in place; the prefix cache is reset."""
         engine = self.llm.llm_engine
         weights = {name: p.detach().to(self.dtype) for name, p in self._iter_named_params()}
         engine.collective_rpc(_load_policy, args=(weights,))
-        if self.adapt is not None:
-            self.last_adapt = step = self.adapt.end_step(self.policy)
-            if step.changed:
-                w = self.adapt.drafting_weights()
-                eagle = {k: v.to(self.dtype) for k, v in eagle_weights(w, "vllm").items()}
-                engine.collective_rpc(load_drafter_in_place, args=(eagle, w["head.weight"].to(self.dtype)))
-                self.drafter_version = step.drafting
+        if self.adapt is not None and self.adapt.version != self.drafter_version:
+            load_drafter_version(engine, self.adapt.version, self.adapt.drafting_weights(), self.dtype)
+            self.drafter_version = self.adapt.version
         self.llm.reset_prefix_cache()
 
     def generate(self, *args, **kwargs):
@@ -205,6 +207,27 @@ class TLTGeneration(VLLMGeneration):
         drafter = copy.deepcopy(self.adapt.learner.drafter)
         drafter.load_state_dict(self.adapt.drafting_weights())
         return save_drafter(drafter, path)
+
+    def state_dict(self) -> dict[str, object] | None:
+        """TLT's state for a checkpoint: the adapting drafter's (its learner's weights, optimizer,
+        version and next step's data; the rollback watch) and the tuner's; None without a drafter."""
+        if self.adapt is None:
+            return None
+        schedule = self.steps.schedule
+        return {"adapt": self.adapt.state_dict(), "tuner": schedule.tuner.state_dict() if schedule else None}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Resume state_dict()'s drafter and tuner; the next sync puts the drafting version into
+        the engine (which holds version 0, the drafter's files)."""
+        # The trainer's resume put the checkpoint's weights into other tensors than those the
+        # view was made on: a new view, or the drafter would go on reading the old ones.
+        self.policy = policy_view(self.model)
+        self.adapt = AdaptiveDrafter.open(Path(self.tlt.drafter), self.policy, self.tlt.adapt, state["adapt"])
+        # What end_step did after its checkpointed state: the next step trains on the data that
+        # state holds, on the policy as the trainer just loaded it.
+        self.adapt.learner.begin_step(self.policy)
+        if self.steps.schedule is not None and state["tuner"] is not None:
+            self.steps.schedule.tuner.load_state_dict(state["tuner"])
 
     def close(self) -> None:
         """Shut the engine down (its model and KV cache freed): another may start in this process."""

@@ -8,24 +8,46 @@
 Everything else is TRL's. What changes (docs/trl.md): the engine drafts with the learned drafter
 (tailrl.trl.generation), the weights reach vLLM by its layerwise reload, the drafter trains on
 the final-norm hidden states of TRL's own loss forward (tailrl.trl.policy: no second forward) for
-`drafter_min_steps` micro-steps at each weight sync (the bounded cost per step), and TRL's logged
-metrics gain `tlt/accept_len`, `tlt/drafter_version`, `tlt/drafter_micro_steps` and `tlt/generate_s`.
+`drafter_min_steps` micro-steps at the end of each optimizer step (the bounded cost per step),
+and TRL's logged metrics gain `tlt/accept_len`, `tlt/drafter_version`, `tlt/drafter_micro_steps`
+and `tlt/generate_s`.
 
-Knows: where GRPOTrainer builds its engine, runs its loss forward and keeps its metrics (trl 1.16).
-Does not know: vLLM, the drafter's training.
+Checkpoints: the drafter's step closes with TRL's optimizer step (a callback's on_step_end),
+before TRL saves, so the checkpoint TRL writes can hold TLT's state as the next step starts
+from it (`TLT_STATE`: the adapting drafter, its learner's optimizer and data, the rollback
+watch, the tuner); resuming loads it, as TRL resumes its own optimizer (the hooks TRL's
+GRPOTrainer uses for its entropy controller's state).
+
+Knows: where GRPOTrainer builds its engine, runs its loss forward, keeps its metrics and writes
+and reads its checkpoints (trl 1.16). Does not know: vLLM, the drafter's training.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from tailrl.trl import internals
 from tailrl.trl.generation import TLTConfig, TLTGeneration
 from tailrl.trl.policy import HiddenCapture, policy_forwards
+
+TLT_STATE = "tlt_state.pt"  # TLT's state, in each of TRL's checkpoint folders
+
+
+class _DrafterStepEnd(TrainerCallback):
+    """The adapting drafter's step closes with each optimizer step, before TRL logs and saves."""
+
+    def __init__(self, trainer: TLTGRPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._end_drafter_step()
 
 
 class TLTGRPOTrainer(GRPOTrainer):
@@ -39,6 +61,7 @@ class TLTGRPOTrainer(GRPOTrainer):
             raise ValueError("TLT for TRL drafts inside TRL's vLLM engine: set use_vllm=True, vllm_mode='colocate'")
         self.vllm_generation: TLTGeneration
         self._capture = HiddenCapture(self.accelerator.unwrap_model(self.model))
+        self.add_callback(_DrafterStepEnd(self))
 
     def _compute_loss(self, model, inputs):
         if self.vllm_generation.adapt is None:  # spec "off": no drafter to feed
@@ -51,6 +74,13 @@ class TLTGRPOTrainer(GRPOTrainer):
         self.vllm_generation.observe(policy_forwards(chunks, ids, mask, prompt_mask))
         return loss
 
+    def _end_drafter_step(self) -> None:
+        """The drafter's step closes on the policy the optimizer step left (its micro-steps logged
+        with this step); the next weight sync pushes a new version into the engine."""
+        step = self.vllm_generation.end_drafter_step()
+        if step is not None:
+            self._metrics["train"]["tlt/drafter_micro_steps"].append(float(step.micro_steps))
+
     def _generate_single_turn(self, *args, **kwargs):
         out = super()._generate_single_turn(*args, **kwargs)
         gen, metrics = self.vllm_generation, self._metrics["train" if self.model.training else "eval"]
@@ -58,11 +88,27 @@ class TLTGRPOTrainer(GRPOTrainer):
             metrics["tlt/accept_len"].append(gen.stats.accept_len)
         metrics["tlt/drafter_version"].append(float(gen.stats.drafter_version))
         metrics["tlt/generate_s"].append(gen.stats.seconds)
-        if gen.last_adapt is not None:
-            metrics["tlt/drafter_micro_steps"].append(float(gen.last_adapt.micro_steps))
         return out
 
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        state = self.vllm_generation.state_dict()
+        if state is not None and self.args.should_save:
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            torch.save(state, folder / TLT_STATE)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.vllm_generation.adapt is None:
+            return
+        path = Path(checkpoint) / TLT_STATE
+        if not path.is_file():  # a checkpoint of TRL's own trainer, or of a run without a drafter
+            warnings.warn(f"{checkpoint} holds no {TLT_STATE}: the drafter starts again from "
+                          f"{self.vllm_generation.tlt.drafter}, the tuner from nothing", stacklevel=2)
+            return
+        self.vllm_generation.load_state_dict(torch.load(path, weights_only=True))
+
     def save_drafter(self, path: str | Path) -> Path:
-        """The adapted drafter (the version the engine drafts with) as tailrl drafter files, for
-        `vllm serve` (tailrl drafter export) or a next run."""
+        """The adapted drafter (the version the engine drafts with next) as tailrl drafter files,
+        for `vllm serve` (tailrl drafter export) or a next run."""
         return self.vllm_generation.save_drafter(Path(path))

@@ -1,0 +1,106 @@
+"""TLT inside TRL's GRPOTrainer resumed from one of TRL's checkpoints (tailrl.trl): the resumed
+run drafts from the next step on with the drafter and the tuner the uninterrupted run had.
+
+Two runs on test_trl.py's tiny model, drafter and configs: four steps saving a checkpoint after
+the second, then a second trainer resumed from that checkpoint. As each generate call starts
+(after TRL's weight sync), the test reads what the engine drafts with: the drafting version, the
+adapting drafter's whole state (weights, optimizer, version, the next step's data), the weights
+in vLLM's drafter, and the tuner's state. At step 3 the two runs' must be equal, bit for bit;
+at step 4 the drafter's too (the version the resumed run trained at the end of step 3, on the
+data the checkpoint held and the policy as step 3 moved it: both runs sampled the same responses,
+TRL's checkpoint restoring the random generators the in-process engine samples from), and the
+micro-steps logged at the end of step 3; not the tuner's, whose rewards are step 3's timings.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("vllm")
+
+from test_trl import MIN_STEPS, tiny_run  # noqa: E402
+
+STEPS, SAVE = 4, 2
+
+
+def engine_drafter(llm) -> dict[str, torch.Tensor]:
+    """The weights in vLLM's EAGLE drafter (its embedding, the target's, left out) and its draft head."""
+
+    def read(worker):
+        model = worker.model_runner.drafter.model
+        out = {k: v.detach().clone() for k, v in model.state_dict().items() if "embed_tokens" not in k}
+        out["draft_head"] = model.compute_logits.weight.detach().clone()
+        return out
+
+    return llm.llm_engine.collective_rpc(read)[0]
+
+
+def watch_generations(trainer) -> dict[int, dict]:
+    """What the engine drafts with as each of the trainer's generate calls starts, by step."""
+    gen, seen = trainer.vllm_generation, {}
+    own = gen.generate
+
+    def generate(*args, **kwargs):
+        seen[trainer.state.global_step + 1] = dict(
+            version=gen.drafter_version, adapt=copy.deepcopy(gen.adapt.state_dict()),
+            tuner=copy.deepcopy(gen.steps.schedule.tuner.state_dict()), engine=engine_drafter(gen.llm))
+        return own(*args, **kwargs)
+
+    gen.generate = generate
+    return seen
+
+
+def train(resume: str | None = None, **kwargs) -> tuple[dict[int, dict], dict[int, dict]]:
+    """A TLT trainer's run: what each step drafted with (watch_generations), and TRL's log by step."""
+    from tailrl.trl import TLTGRPOTrainer
+
+    trainer = TLTGRPOTrainer(**kwargs)
+    seen = watch_generations(trainer)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        trainer.vllm_generation.close()
+    return seen, {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+
+
+def same(a, b, where: str = "state") -> None:
+    """a and b equal, tensors bit for bit (a checkpoint's tuples may come back as lists)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+@pytest.mark.slow
+def test_a_resumed_run_drafts_with_the_drafter_and_tuner_it_had(tmp_path):
+    straight, straight_log = train(**tiny_run(tmp_path, max_steps=STEPS, save_strategy="steps", save_steps=SAVE))
+    checkpoint = tmp_path / "out" / f"checkpoint-{SAVE}"
+    assert (checkpoint / "tlt_state.pt").is_file()
+    resumed, resumed_log = train(str(checkpoint), **tiny_run(tmp_path, max_steps=STEPS, output_dir=str(tmp_path / "re")))
+    assert sorted(resumed) == [3, 4]
+    # The uninterrupted run drafts at step 3 with a version trained at the end of step 2: the
+    # comparison is of an adapted drafter, not of the drafter's files.
+    assert straight[3]["version"] == 1
+    with pytest.raises(AssertionError):
+        same(straight[1]["engine"], straight[3]["engine"])
+    for key in ("version", "adapt", "engine", "tuner"):
+        same(straight[3][key], resumed[3][key], key)
+    # At step 4, the version trained at the end of step 3 on the checkpoint's data, on the
+    # policy as step 3 moved it (its responses the same: TRL's checkpoint restores the random
+    # generators the in-process engine samples from).
+    assert resumed[4]["version"] == straight[4]["version"] == 2
+    for key in ("adapt", "engine"):
+        same(straight[4][key], resumed[4][key], key)
+    assert resumed_log[3]["tlt/drafter_micro_steps"] == straight_log[3]["tlt/drafter_micro_steps"] == MIN_STEPS
