@@ -36,15 +36,15 @@ from tailrl.rollout import registry
 from tailrl.sampling import SamplingParams
 from tailrl.warmup import WarmupConfig, WarmupProgress, warmup
 
-# Warm-up sized for a CPU: a few minutes of sampling and training before the first RL step. The
-# drafter's acceptance grows with training steps well past two minutes, so most of the budget
-# is training; worked solutions (teacher-forced, cheap) give the longer training more to fit
-# than the few sampled responses. The budget is optimiser steps, so that every machine warms up
-# the same drafter: 1,000 is about what the earlier 240-second budget ran on 2-core CPUs with
-# native bf16 (866 and 1,072 steps in two runs). Measurements: docs/workload.md.
+# Warm-up sized for a CPU: a few minutes of sampling, then training until the drafter's held-out
+# acceptance stops rising (tailrl.warmup's stopping rule: the rate drops on a plateau, then
+# training stops), capped at WARMUP_STEPS. Worked solutions (teacher-forced, cheap) give the
+# training more to fit than the few sampled responses; twice the responses and solutions bought
+# nothing more. The budget is optimiser steps and held-out replays, never seconds, so that every
+# machine warms up the same drafter. Measurements: docs/workload.md.
 WARMUP_PROMPTS = 24
 WARMUP_GROUP = 4
-WARMUP_STEPS = 1000
+WARMUP_STEPS = 3000
 WARMUP_SOLUTIONS = 256
 
 
@@ -123,7 +123,8 @@ def prepare(cfg: RunConfig, on_event: Callable[[PhaseEvent], None],
             wcfg = warmup_config(tc)
             on_event(Phase(index, total, name, f"sampling {wcfg.num_prompts} x {wcfg.group_size} responses from the "
                                                f"policy" + (f" and {wcfg.solutions} worked solutions" if wcfg.solutions else "")
-                                               + f", then {wcfg.steps} drafter training steps (cached)"))
+                                               + f", then drafter training until its held-out acceptance stops rising (at most "
+                                               f"{wcfg.steps} steps; cached)"))
             drafter, reused = cached_warmup(wcfg, on_warmup)
             on_event(Notice(f"drafter {'reused from' if reused else 'written to'} {drafter}"))
             rollout = rollout.with_drafter(drafter)
