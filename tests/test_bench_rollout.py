@@ -28,6 +28,9 @@ def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_shallow_
     # position counters give: responses of <= 12 tokens start every verify in the first bucket.
     ngram = report["modes"]["ngram"]
     assert ngram["accept_len"] == ngram["accept_len_by_position"]["0-512"] and ngram["sd_fraction"] == 1.0
+    # Beside it, the ceiling at the depths it drafted (n-gram chains of at most 8); plain has none.
+    assert (report["modes"]["off"]["accept_ceiling"], report["modes"]["off"]["draft_depth"]) == (None, 0.0)
+    assert ngram["accept_ceiling"] is not None and 1.0 <= ngram["draft_depth"] <= 8.0
     rows = [line for line in _rollout(report) if line.startswith("| ")][1:]  # the results page's rendering
     assert [line.split(" | ")[0] for line in rows[:3]] == ["| off", "| ngram", "| auto"]
     # The oracle read the modes that ran, and only them: native ones, so the best over every

@@ -120,6 +120,9 @@ class ModeResult:
     tokens: int = 0
     emitted: int = 0  # tokens emitted by speculative steps, first repetition
     verifies: int = 0  # sequence-verifies, first repetition
+    ceiling_sum: float = 0.0  # spec_accept_ceiling x verifies, first repetition (engines that report it)
+    ceiling_verifies: int = 0
+    depth_sum: float = 0.0  # spec_draft_depth x verifies, first repetition
     spec_tokens: int = 0  # decode-step tokens from speculative steps, first repetition
     decode_tokens: int = 0
     differing: int | None = 0  # sequences whose tokens differ from the off run's, summed over repetitions (None: another engine)
@@ -146,6 +149,10 @@ class ModeResult:
             self.tokens += tokens
             self.emitted += round(report.spec_accept_len * report.spec_verify_steps)
             self.verifies += report.spec_verify_steps
+            self.depth_sum += report.spec_draft_depth * report.spec_verify_steps
+            if report.spec_accept_ceiling is not None:
+                self.ceiling_sum += report.spec_accept_ceiling * report.spec_verify_steps
+                self.ceiling_verifies += report.spec_verify_steps
             self.decode_tokens += int(decode)
             self.spec_tokens += round(report.sd_fraction * decode)
             for position, v in report.verifies_by_position.items():
@@ -161,6 +168,9 @@ class ModeResult:
             "prefill_median": statistics.median(self.prefill),
             "tokens": self.tokens,
             "accept_len": self.emitted / self.verifies if self.verifies else 0.0,
+            # The target's own chain at the depths drafted, on the same responses (RolloutReport).
+            "accept_ceiling": self.ceiling_sum / self.ceiling_verifies if self.ceiling_verifies else None,
+            "draft_depth": self.depth_sum / self.verifies if self.verifies else 0.0,
             "sd_fraction": self.spec_tokens / self.decode_tokens if self.decode_tokens else 0.0,
             "differing_sequences": self.differing,
             "peak_rss_gb": max(self.peaks) if self.peaks else None,
@@ -379,7 +389,9 @@ def log_summary(report: dict[str, Any], log: Callable[[str], None]) -> None:
         positions = ", ".join(f"{pos} {a:.2f}" for pos, a in j["accept_len_by_position"].items())
         log(f"{m:>12}: median {j['seconds_median']:7.1f} s [{j['seconds_min']:.1f}-{j['seconds_max']:.1f}], "
             f"speedup vs off {report['speedup'][m]:4.2f}x, {j['tokens'] / j['seconds_median']:6.1f} tok/s, "
-            f"accept_len {j['accept_len']:4.2f}, SD share {j['sd_fraction']:4.2f}"
+            f"accept_len {j['accept_len']:4.2f}"
+            + (f" of {j['accept_ceiling']:4.2f} at depth {j['draft_depth']:.3g}" if j["accept_ceiling"] is not None else "")
+            + f", SD share {j['sd_fraction']:4.2f}"
             + (f", peak {j['peak_rss_gb']:.2f} GB" if j["peak_rss_gb"] is not None else "")
             + (f"; accept_len by response position: {positions}" if positions else ""))
 
