@@ -432,7 +432,16 @@ def test_warmup_on_smollm2_writes_a_drafter_and_its_curves(tmp_path, smollm2_dir
     assert report.steps == 15 and len(json.loads((tmp_path / "dr" / "losses.json").read_text())["train_loss"]) == 15
     assert report.heldout["after"]["loss"] < report.heldout["before"]["loss"]
     assert set(report.accept) == {"temperature 1", "greedy"}
-    assert all(v["accept_len"] >= 1.0 for arms in report.accept.values() for v in arms.values())
+    # Chains of depth 2, 4 (the replay depth) and 6 (the stopping rule's), each beside its ceiling, and the tree.
+    assert list(report.accept["temperature 1"]) == ["drafter(2,1,2)", "drafter(4,1,4)", "drafter(6,1,6)",
+                                                    "drafter(4,4,16)"]
+    for arms in report.accept.values():
+        for label, v in arms.items():
+            hist = v["accept_hist"]  # each verify emits its accepted drafts and one more, cut at a response's end
+            assert sum(hist) == v["verify_steps"]
+            assert v["accept_len"] * v["verify_steps"] <= sum(d * n for d, n in enumerate(hist)) + v["verify_steps"] + 1e-6
+            if "ceiling" in v:
+                assert v["of_ceiling"] == round(v["accept_len"] / v["ceiling"], 3)
 
 
 def test_cli_export_needs_an_engine_and_writes_its_layout(tmp_path, target, capsys):
