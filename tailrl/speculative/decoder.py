@@ -178,7 +178,7 @@ def spec_step(engine: Engine, running: list[Seq], tree: DraftTree, call: Generat
     if tree.batch_size != len(running):
         raise ValueError(f"need one draft tree row per running sequence ({len(running)}), got {tree.batch_size}")
     lens_list = [s.length for s in running]
-    logits, hidden = _verify_forward(engine, running, tree)  # (B, T, V), (B, T, E)
+    logits, hidden, depth = _verify_forward(engine, running, tree)  # (B, T, V), (B, T, E), deepest node
     # The lossless rule: at each visited node the target picks x = inverse_cdf(p, u(seed, position))
     # exactly as plain decoding would at that position (the root is at `length`, so its pick is the
     # token at length + 1); the walk descends into the child carrying x, else emits x and stops.
@@ -202,12 +202,13 @@ def spec_step(engine: Engine, running: list[Seq], tree: DraftTree, call: Generat
         stats.position_verifies[at] += 1
         stats.position_emitted[at] += len(seq.tokens) - emitted_before
     stats.spec_steps += 1
-    stats.count_depth(int(tree.depths.max()), len(running))
+    stats.count_depth(depth, len(running))
     return sum(1 for path in result.path if path)
 
 
-def _verify_forward(engine: Engine, running: list[Seq], tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target logits and hidden states over [pending, nodes] per row.  # (B, T, V), (B, T, E)"""
+def _verify_forward(engine: Engine, running: list[Seq], tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Target logits and hidden states over [pending, nodes] per row, and the tree's depth (its
+    deepest node's, read off the layout the mask needs anyway).  # (B, T, V), (B, T, E)"""
     device, t = engine.device, tree.num_nodes + 1
     lens = torch.tensor([s.length for s in running], device=device)  # (B,)
     ids = tree.verify_ids(torch.tensor([s.pending for s in running], device=device))  # (B, T)
@@ -220,7 +221,7 @@ def _verify_forward(engine: Engine, running: list[Seq], tree: DraftTree) -> tupl
     mask = (torch.arange(kv_len, device=device) < lens[:, None])[:, None].repeat(1, t, 1)  # (B, T, S)
     mask.scatter_(2, write_pos[:, None].expand(-1, t, -1), ancestry)
     view = CacheView(engine.cache, 0, write_pos, kv_len, mask)
-    return engine.forward(ids, positions, view)
+    return *engine.forward(ids, positions, view), int(depths.max())
 
 
 def _compact(cache: KVCache, lens: list[int], paths: list[list[int]]) -> None:
