@@ -378,8 +378,10 @@ def _run_bench_train(args: argparse.Namespace) -> None:
                   f"{r['speedup_rollout']:.3f}; idle s/step: policy {r['idle_policy_s']:.1f}, drafter "
                   f"{r['idle_drafter_s']:.1f}, unused {r['idle_unused_s']:.1f}")
         print(f"identical tokens {report['identical_tokens']}, rewards {report['identical_rewards']}; plot {report['png']}")
-        print("resident peak: " + ", ".join(f"{name} {gb:.1f} GB" for name, gb in report["peak_rss_gb"].items()
-                                            if gb is not None))
+        budgets = report.get("memory_budget_gb", {})
+        print("resident peak: " + ", ".join(
+            f"{name} {gb:.1f} GB" + (f" of {budgets[name]:.1f} budget" if budgets.get(name) is not None else "")
+            for name, gb in report["peak_rss_gb"].items() if gb is not None))
 
 
 def _run_bench_all(args: argparse.Namespace) -> None:

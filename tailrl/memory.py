@@ -11,6 +11,9 @@ unknown: `Peak.gb` is None then, never a guess.
 `available_gb` is what the kernel says the process may still take: MemAvailable, or less where
 a cgroup (v2) limit is nearer.
 
+`total_gb` is the memory the machine gives this process: MemTotal, or a cgroup (v2) limit where
+that is less.
+
 `parameters_gb` is what a module's parameters hold.
 
 Knows: /proc, /sys/fs/cgroup, glibc's mallopt. Does not know: what the phases are.
@@ -76,6 +79,25 @@ def available_gb() -> float | None:
         limit = (_CGROUP / "memory.max").read_text().strip()
         if limit != "max":
             known.append((int(limit) - int((_CGROUP / "memory.current").read_text())) / 2**30)
+    except (OSError, ValueError):
+        pass
+    return min(known) if known else None
+
+
+def total_gb() -> float | None:
+    """GiB of memory this process runs in: the machine's, or its cgroup's limit where less; None
+    where the kernel does not say."""
+    known = []
+    try:
+        for line in _MEMINFO.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                known.append(int(line.split()[1]) / 2**20)
+    except OSError:
+        pass
+    try:
+        limit = (_CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            known.append(int(limit) / 2**30)
     except (OSError, ValueError):
         pass
     return min(known) if known else None

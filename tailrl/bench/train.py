@@ -30,7 +30,8 @@ Reported: per step every run's step / rollout / train seconds, tokens, reward_me
 tokens and rewards agree with the baseline's; per run its speedup over the baseline end to end
 (sum of step times), of the rollout phase, in tokens per second of step and of rollout time, the
 per-step ratios' range, how the idle time of the rollout's tail was spent (policy gradient,
-drafter training, unused) and every run's resident peak (the highest of its steps'); speedup_e2e / speedup_rollout / speedup_step_range / speedup_tok_s
+drafter training, unused) and every run's resident peak (the highest of its steps') beside the
+memory budget its update was sized to; speedup_e2e / speedup_rollout / speedup_step_range / speedup_tok_s
 are the tlt run's; a PNG.
 
 Knows: how to configure the two runs and read their metrics. Does not know: how either runs.
@@ -197,6 +198,8 @@ def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "identical_rewards": all(r["rewards"] == b["rewards"] for name in others for r, b in zip(records[name], base)),
         "runs": runs,
         "peak_rss_gb": {name: max(p) if p else None for name, p in peaks.items()},
+        # The budget each run's update was sized to (tailrl.rl.budget), beside its peak.
+        "memory_budget_gb": {name: recs[-1].get("memory_budget_gb") if recs else None for name, recs in records.items()},
         "steps": rows,
     }
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tailrl.memory import parameters_gb
-from tailrl.model import Transformer
+from tailrl.model import ModelConfig, Transformer
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rollout.protocol import HeldMemory
 
@@ -45,23 +45,31 @@ class Floor:
         )
 
 
+def kept_bytes_per_token(m: ModelConfig, bf16: bool, checkpointed: bool) -> int:
+    """Bytes autograd keeps per token of a micro-batch for its backward, the logits aside."""
+    act = 2 if bf16 else 4  # bytes of a matmul output under autocast
+    # Per layer and token autograd keeps the block's input, both norms' outputs, q, k, v, the
+    # attention output and the residual sum (~9 hidden-sized rows) and gate, up, their activation
+    # and product (4 intermediate-sized rows).
+    layer = (9 * m.hidden_size + 4 * m.intermediate_size) * act
+    if checkpointed:  # inputs kept (the fp32 residual stream), one layer recomputed
+        return m.num_layers * m.hidden_size * 4 + layer
+    return m.num_layers * layer
+
+
+def logits_bytes(m: ModelConfig, bf16: bool, tokens: int) -> int:
+    """A chunk of `tokens` response tokens' logits and their fp32 log-softmax."""
+    return tokens * m.vocab_size * (4 + (2 if bf16 else 4))
+
+
 def update_gb(policy: Transformer, cfg: GRPOConfig, bf16: bool, group_size: int, response: int) -> float:
     """The update's largest micro-batch (one prompt, as many responses of `response` tokens as
     its settings put in one): kept activations and one chunk's logits, GiB."""
     m = policy.cfg
     n = max(1, min(cfg.micro_batch, group_size, cfg.micro_batch_tokens // response))
     tokens = n * response
-    act = 2 if bf16 else 4  # bytes of a matmul output under autocast
-    # Per layer and token autograd keeps the block's input, both norms' outputs, q, k, v, the
-    # attention output and the residual sum (~9 hidden-sized rows) and gate, up, their activation
-    # and product (4 intermediate-sized rows).
-    layer = (9 * m.hidden_size + 4 * m.intermediate_size) * act
-    if tokens > cfg.checkpoint_tokens:  # inputs kept (the fp32 residual stream), one layer recomputed
-        kept = tokens * (m.num_layers * m.hidden_size * 4 + layer)
-    else:
-        kept = tokens * m.num_layers * layer
-    logits = min(tokens, cfg.logprob_chunk) * m.vocab_size * (4 + act)  # the logits and their fp32 log-softmax
-    return (kept + logits) / 2**30
+    kept = tokens * kept_bytes_per_token(m, bf16, tokens > cfg.checkpoint_tokens)
+    return (kept + logits_bytes(m, bf16, min(tokens, cfg.logprob_chunk))) / 2**30
 
 
 def step_floor(policy: Transformer, cfg: GRPOConfig, bf16: bool, group_size: int, response: int,

@@ -33,15 +33,18 @@ class GRPOConfig:
         default=4,
         metadata={"help": "responses per forward/backward (packed with their shared prompt); gradients accumulate"},
     )
-    micro_batch_tokens: int = field(default=8192, metadata={"help": (
+    # 1,024: a packed micro-batch's attention grows with the square of its tokens, so two of ~1,000
+    # tokens cost less than one of ~2,000 though each holds the prompt (docs/memory.md).
+    micro_batch_tokens: int = field(default=1024, metadata={"help": (
         "most tokens (prompts and responses) per forward/backward: a micro-batch closes before a response "
-        "that would pass it (a longer response gets one of its own)")})
+        "that would pass it (a longer response gets one of its own); lowered where the memory budget needs")})
     logprob_chunk: int = field(default=2048, metadata={"help": (
         "response tokens whose (tokens, vocabulary) logits are held at once: a longer micro-batch computes "
         "its log-probs chunk by chunk and recomputes the logits in the backward")})
     checkpoint_tokens: int = field(default=2560, metadata={"help": (
         "a micro-batch of more tokens recomputes each layer's activations in the backward (activation "
-        "checkpointing) instead of keeping them: memory per token ~30x smaller, ~1.3x the compute")})
+        "checkpointing) instead of keeping them: memory per token ~30x smaller, ~1.3x the compute; lowered where "
+        "the memory budget needs")})
     grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0 = no clipping)"})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip range below 1 of the ratio pi_theta / pi_rollout "
                                                                    "(ratio >= 1 - clip_low)"})

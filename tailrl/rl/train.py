@@ -48,6 +48,7 @@ Shapes: P prompts, G group_size.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -59,10 +60,11 @@ import torch
 
 from tailrl.loading import (DEVICES, DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_device, resolve_dtype,
                             resolve_model_dir)
-from tailrl.memory import Peak, available_gb, fix_mmap_threshold
+from tailrl.memory import Peak, available_gb, fix_mmap_threshold, parameters_gb, total_gb
 from tailrl.model import Transformer
 from tailrl.records import Completion, Request
 from tailrl.rl import heldout
+from tailrl.rl.budget import RUNTIME_GB, Budget, default_budget_gb, size_update
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.floor import step_floor
 from tailrl.rl.guards import deterministic, sigint_deferred
@@ -78,7 +80,8 @@ from tailrl.rollout.protocol import Rollout, RolloutConfig, RolloutReport, Worke
 from tailrl.sampling import SamplingParams, derive_seed
 
 # Fields that cannot change a run's results, so a resume may change them.
-RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_problems")
+# memory_gb: a resume is sized again, and refused where that changes the update's settings.
+RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_problems", "memory_gb")
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,9 @@ class TrainConfig:
         default=10, metadata={"help": "mean reward on fixed held-out problems before the first step, every N steps "
                                       "and after the last (eval.jsonl; 0 = never)"})
     eval_problems: int = field(default=128, metadata={"help": "held-out problems per evaluation, one response each"})
+    memory_gb: float | None = field(default=None, metadata={
+        "help": "resident memory the run may hold, GiB: the update's micro-batches and checkpointing are sized to "
+                "it, and a run that cannot fit stops before it starts (None = half the machine's memory)"})
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -142,6 +148,8 @@ class TrainConfig:
                              f"{self.eval_every}")
         if not 0.0 <= self.format_weight <= 1.0:
             raise ValueError(f"format_weight must be in [0, 1], got {self.format_weight}")
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise ValueError(f"memory_gb must be positive, got {self.memory_gb}")
         if not self.reward_timeout_s > 0:
             raise ValueError(f"reward_timeout_s must be positive, got {self.reward_timeout_s}")
         for name, valid in (("device", DEVICES), ("engine", registry.NAMES), ("dtype", DTYPE_CHOICES),
@@ -254,13 +262,14 @@ def step_times(work: StepWork, step_s: float) -> dict[str, float]:
             "update_in_rollout_s": w["update_in_rollout_s"], "groups_in_rollout": w["groups_in_rollout"]}
 
 
-def memory_metrics(rollout_gb: float | None, update_gb: float | None, end_gb: float | None) -> dict[str, float | None]:
+def memory_metrics(rollout_gb: float | None, update_gb: float | None, end_gb: float | None,
+                   budget_gb: float | None) -> dict[str, float | None]:
     """The step's resident peak (its rollout's, its update's and its publish's: GiB, None where
-    the kernel cannot tell, tailrl.memory) and the update's (from the rollout's end to the
-    optimizer step). The update's counts on its own: the kernel's high-water mark includes the
+    the kernel cannot tell, tailrl.memory), the update's (from the rollout's end to the
+    optimizer step) and the budget the run was sized to. The update's counts on its own: the kernel's high-water mark includes the
     resident size at the time it is read, so a later read can be a few pages lower."""
     known = [x for x in (rollout_gb, update_gb, end_gb) if x is not None]
-    return {"peak_rss_gb": max(known) if known else None, "update_peak_rss_gb": update_gb}
+    return {"peak_rss_gb": max(known) if known else None, "update_peak_rss_gb": update_gb, "memory_budget_gb": budget_gb}
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -287,6 +296,7 @@ class Trainer:
     emit: Callable[[TrainEvent], None]
     saved_step: int  # the step of the newest checkpoint; -1 before the first
     heldout: heldout.HeldOut | None  # the evaluation's problems; None: evaluations are off
+    budget_gb: float | None  # the memory the update was sized to (tailrl.rl.budget); None: unknown
 
     @property
     def tc(self) -> TrainConfig:
@@ -359,39 +369,52 @@ class Trainer:
             self.emit(Notice(f"warning: plots not written: {e!r}"))
 
 
-def _check_memory(cfg: RunConfig, task: Task, tokenizer: Tokenizer, policy: Transformer, rollout_model: Transformer,
-                  device: torch.device) -> None:
-    """ValueError where a step at the run's limits cannot fit the memory left (tailrl.rl.floor):
-    the shortest prompt of the first step, every response at max_new_tokens."""
+def fit_memory(cfg: RunConfig, task: Task, tokenizer: Tokenizer, models: Sequence[Transformer], policy: Transformer,
+               rollout_model: Transformer, device: torch.device) -> tuple[RunConfig, float | None]:
+    """The run's config with the update sized to its memory budget (tailrl.rl.budget), and the
+    budget (GiB; None where neither the user nor the machine says); ValueError where the budget,
+    or a step at the run's limits, cannot fit the memory left (tailrl.rl.floor): the shortest
+    prompt of the first step for the floor, the longest for the budget, every response at
+    max_new_tokens."""
     tc, gc = cfg.train, cfg.grpo
-    prompt = min(len(encode_question(tokenizer, task.sample(tc.seed, i).question)) for i in range(tc.num_prompts))
-    held = cfg.rollout.memory(rollout_model, tc.num_prompts * tc.group_size, prompt + tc.max_new_tokens)
+    prompts = [len(encode_question(tokenizer, task.sample(tc.seed, i).question)) for i in range(tc.num_prompts)]
     bf16 = resolve_dtype(gc.autocast, device) == "bf16"
+    budget_gb = tc.memory_gb if tc.memory_gb is not None else default_budget_gb(total_gb())
+    if budget_gb is not None:
+        weights = parameters_gb(policy)
+        rollout = cfg.rollout.memory(rollout_model, tc.num_prompts * tc.group_size, max(prompts) + tc.max_new_tokens)
+        fixed = {"models": sum(parameters_gb(m) for m in {id(m): m for m in models}.values()),
+                 "optimizer and gradient sum": 3 * weights, "rollout": rollout.gb, "runtime": RUNTIME_GB}
+        gc = size_update(gc, Budget(budget_gb, fixed), policy.cfg, weights, bf16, max(prompts) + tc.max_new_tokens)
+    held = cfg.rollout.memory(rollout_model, tc.num_prompts * tc.group_size, min(prompts) + tc.max_new_tokens)
     step_floor(policy, gc, bf16, tc.group_size, tc.max_new_tokens, held).check(available_gb(), tc.max_new_tokens)
+    return dataclasses.replace(cfg, grpo=gc), budget_gb
 
 
 def start_run(cfg: RunConfig, out_dir: str | Path | None, resume: bool, emit: Callable[[TrainEvent], None]) -> Trainer:
     """Open the run directory, load the models (from the last checkpoint on a resume), restore
     the optimizer and random state, open the rollout."""
     tc, gc = cfg.train, cfg.grpo
-    sections = cfg.sections()
-    if resume:
-        if out_dir is None:
-            raise ValueError("resume needs the run directory")
-        run = RunDir.open(out_dir, sections, may_change=RESUMABLE_CHANGES)
+    if resume and out_dir is None:
+        raise ValueError("resume needs the run directory")
     task = make_task(tc.task)
     reward_fn = task_reward(task, tc.format_weight) if tc.reward is None else from_reward_fn(load_reward(tc.reward))
     model_dir = resolve_model_dir(tc.model)
     tokenizer = load_tokenizer(model_dir)
-    checkpoint = run.latest_checkpoint() if resume else None
+    checkpoint = RunDir(Path(out_dir)).latest_checkpoint() if resume else None  # the run's config is checked below
     device = resolve_device(tc.device)
     dtype = resolve_dtype(tc.dtype, device)
     policy = load_model(checkpoint or model_dir, tc.train_dtype, device).requires_grad_(True)
     rollout_model = policy if dtype == tc.train_dtype else load_model(checkpoint or model_dir, dtype, device)
     ref = load_model(model_dir, tc.train_dtype, device) if gc.kl_coef > 0 else None
-    _check_memory(cfg, task, tokenizer, policy, rollout_model, device)
-    if not resume:  # after the checks: a run that cannot start leaves no directory behind
-        run = RunDir.create(out_dir if out_dir is not None else default_out_dir(), sections)
+    # Sized before the run's config is compared or written: a resume sized to another budget is refused.
+    cfg, budget_gb = fit_memory(cfg, task, tokenizer, (policy, rollout_model, ref or policy), policy, rollout_model,
+                                device)
+    gc = cfg.grpo
+    if resume:
+        run = RunDir.open(out_dir, cfg.sections(), may_change=RESUMABLE_CHANGES)
+    else:  # after the checks: a run that cannot start leaves no directory behind
+        run = RunDir.create(out_dir if out_dir is not None else default_out_dir(), cfg.sections())
     optimizer = torch.optim.AdamW(policy.parameters(), lr=gc.lr, weight_decay=gc.weight_decay)
     state = TrainState()
     if checkpoint is not None:
@@ -410,7 +433,8 @@ def start_run(cfg: RunConfig, out_dir: str | Path | None, resume: bool, emit: Ca
     held = (heldout.heldout_set(task, tc.seed, tc.eval_problems, lambda q: encode_question(tokenizer, q))
             if tc.eval_every else None)
     return Trainer(cfg, run, task, reward_fn, tokenizer, model_dir, device, policy, rollout_model, ref, optimizer,
-                   state, rollout, emit, saved_step=state.step if checkpoint is not None else -1, heldout=held)
+                   state, rollout, emit, saved_step=state.step if checkpoint is not None else -1, heldout=held,
+                   budget_gb=budget_gb)
 
 
 def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = False,
@@ -445,7 +469,7 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
                 metrics = step_metrics(step, tc, work.completions, work.texts, work.rewards, work.skipped,
                                        work.stats, grad_norm, step_times(work, t_train - t_start),
                                        trainer.rollout.report(), trainer.gc.lr_at(step))
-                metrics.update(memory_metrics(work.rollout_peak_gb, update_peak, peak.gb))
+                metrics.update(memory_metrics(work.rollout_peak_gb, update_peak, peak.gb, trainer.budget_gb))
                 trainer.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     trainer.save()  # 5. checkpoint
