@@ -9,9 +9,12 @@ small GEMMs per (sequence, kv head, 512-key block), each a separate library call
 cost is many times its arithmetic when a kv head has only a few query rows; its bf16 path is no
 faster than its fp32 one. vLLM's CPU backend has its own kernel for this, and a native step
 spent about twice vLLM's time in attention (docs/performance.md, "Decode attention"). This one
-loops over each sequence's keys once for scores and once for values, fp32 sums (bf16 scores from
-the CPU's bf16 dot products where it has them), and splits the (sequence, kv head) pairs over
-threads; it reads bf16 or fp32 caches, so the cache stays in the run's dtype. Why RoPE, the cache write and the norms: at a few rows a step's time is mostly
+reads each sequence's own keys once for scores and its values once, fp32 sums (bf16 scores from
+the CPU's bf16 dot products where it has them), four keys at a time with the lines a few keys
+ahead prefetched (at long contexts a step is a stream through its cache: docs/performance.md,
+"Long contexts"), and
+splits the (sequence, kv head) pairs over threads; it reads bf16 or fp32 caches, so the cache
+stays in the run's dtype. Why RoPE, the cache write and the norms: at a few rows a step's time is mostly
 small tensor operations and their Python dispatch (about 40 per layer, these two dozen of
 them), not arithmetic (same section).
 
@@ -118,9 +121,9 @@ def _enabled(x: torch.Tensor) -> bool:
 def usable(keys: torch.Tensor, dtype: torch.dtype, group: int, tokens: int = 1) -> bool:
     """Whether `decode_step` can take a step of `tokens` new tokens a row, of `dtype`, over this
     cache view (B, K, M, D): `_enabled`, the new tokens in the cache's dtype, tokens x G (`group`
-    query heads per kv head) and D within the C limits (D even), a cache with unit stride along D."""
+    query heads per kv head) and D within the C limits (a multiple of 8), a cache with unit stride along D."""
     d = keys.shape[-1]
-    return (dtype == keys.dtype and tokens * group <= MAX_ROWS and d <= MAX_DIM and d % 2 == 0
+    return (dtype == keys.dtype and tokens * group <= MAX_ROWS and d <= MAX_DIM and d % 8 == 0
             and keys.stride(-1) == 1 and keys.stride(-2) == d and _enabled(keys))
 
 

@@ -6,7 +6,7 @@
  * own first L keys (a plain step: one token a row; a chain's verify: T tokens a row, token t over
  * its prefix, which holds the tokens before it), read where they lie in the cache, bf16 or fp32,
  * with fp32 sums (the scaled query rounded to the cache's dtype; bf16 scores by the CPU's bf16
- * dot products where it has them).
+ * dot products where it has them). D is a multiple of 8 (the vector loops), at most MAX_DIM.
  *
  * Built by tailrl/decode_kernels.py with the machine's C compiler for the machine's own
  * instruction set; see that module for why it exists and how it is checked.
@@ -33,6 +33,7 @@
 #define MAX_ROWS 64  /* query rows per kv head, tokens x G: the caller checks */
 #define MAX_DIM 256  /* head dim: the caller checks D <= MAX_DIM */
 #define MAX_HIDDEN 8192  /* hidden size of add_rms_norm: the caller checks */
+#define AHEAD 16 /* keys between a key read and the line prefetched for a later read */
 
 typedef struct {
     const void *q, *k_new, *v_new, *cos, *sin;
@@ -99,7 +100,10 @@ static void scores_bf16(const job_t *j, int64_t base, int64_t n, int64_t L, cons
     const uint16_t *keys = (const uint16_t *)j->k + base;
     for (int64_t s = 0; s < L; s++) {
         __m512bh kc[MAX_DIM / 32];
-        for (int64_t c = 0; c < chunks; c++) kc[c] = (__m512bh)_mm512_loadu_si512(keys + s * D + c * 32);
+        for (int64_t c = 0; c < chunks; c++) {
+            __builtin_prefetch(keys + (s + AHEAD) * D + c * 32, 0, 0);
+            kc[c] = (__m512bh)_mm512_loadu_si512(keys + s * D + c * 32);
+        }
         for (int64_t i = 0; i < n; i++) {
             __m512 acc = _mm512_setzero_ps();
             for (int64_t c = 0; c < chunks; c++) acc = _mm512_dpbf16_ps(acc, qb[i][c], kc[c]);
@@ -108,6 +112,107 @@ static void scores_bf16(const job_t *j, int64_t base, int64_t n, int64_t L, cons
     }
 }
 #endif
+
+/* Eight fp32 lanes, as the compiler maps them onto the machine's vectors (one AVX2 register, two
+ * SSE ones); loads through memcpy, so any alignment. The loops below need D % 8 == 0. */
+#define W 8
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
+#define BLOCK 32 /* keys whose values are widened to fp32 once for all n query rows (8 KB at D = 64) */
+
+/* Eight elements of a bf16 or fp32 array from `at`, as fp32 (bf16: the bits moved up 16). */
+static inline vf vload(int bf16, const void *base, int64_t at) {
+    vf out;
+    if (bf16) {
+        vh h;
+        memcpy(&h, (const uint16_t *)base + at, sizeof h);
+        const vu wide = __builtin_convertvector(h, vu) << 16;
+        memcpy(&out, &wide, sizeof out);
+    } else {
+        memcpy(&out, (const float *)base + at, sizeof out);
+    }
+    return out;
+}
+
+/* A cache line `ahead` keys on (a hint: an address past the row's keys is never read). */
+static inline void prefetch(const job_t *j, const void *base, int64_t at) {
+    __builtin_prefetch((const char *)base + at * (j->bf16 ? 2 : 4), 0, 0);
+}
+
+static inline float hsum(vf v) {
+    float s = 0.f;
+    for (int l = 0; l < W; l++) s += v[l];
+    return s;
+}
+
+/* The n query rows' scores over the L keys at `base`: four keys at a time (four independent
+ * sums: with one, each FMA waits on the one before), each key widened once for all n rows, the
+ * lines AHEAD keys on prefetched (the loop is a stream through the cache: docs/performance.md,
+ * "Long contexts"). */
+static void scores_vec(const job_t *j, int64_t base, int64_t n, int64_t L, const float *q, float *scores) {
+    const int64_t D = j->dim, C = D / W;
+    vf k[4 * MAX_DIM / W]; /* key r's dimensions c x 8.. at [r x C + c] */
+    for (int64_t s = 0; s < L; s += 4) {
+        const int64_t m = L - s < 4 ? L - s : 4;
+        for (int64_t r = 0; r < 4; r++)
+            for (int64_t c = 0; c < C; c += 2) /* 64 bytes: one line of fp32 */
+                prefetch(j, j->k, base + (s + r + AHEAD) * D + c * W);
+        for (int64_t r = 0; r < 4; r++)
+            for (int64_t c = 0; c < C; c++)
+                k[r * C + c] = r < m ? vload(j->bf16, j->k, base + (s + r) * D + c * W) : (vf){0};
+        for (int64_t i = 0; i < n; i++) {
+            const float *qi = q + i * D;
+            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t c = 0; c < C; c++) {
+                vf qc;
+                memcpy(&qc, qi + c * W, sizeof qc);
+                a0 += qc * k[0 * C + c];
+                a1 += qc * k[1 * C + c];
+                a2 += qc * k[2 * C + c];
+                a3 += qc * k[3 * C + c];
+            }
+            const float dots[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+            for (int64_t r = 0; r < m; r++) scores[i * L + s + r] = dots[r];
+        }
+    }
+}
+
+/* acc (n x D) = the n rows' weights (n x L, zero past each row's own keys) times the L values at
+ * `base`: BLOCK keys at a time, widened to fp32 once; for each row and each 8 dimensions, four
+ * running sums over the block's keys (for the FMA's latency, as above). */
+static void values_vec(const job_t *j, int64_t base, int64_t n, int64_t L, const float *p, float *acc) {
+    const int64_t D = j->dim, C = D / W;
+    vf val[BLOCK * MAX_DIM / W]; /* key s's dimensions c x 8.. at [s x C + c] */
+    memset(acc, 0, (size_t)(n * D) * sizeof(float));
+    for (int64_t s0 = 0; s0 < L; s0 += BLOCK) {
+        const int64_t m = L - s0 < BLOCK ? L - s0 : BLOCK;
+        for (int64_t s = 0; s < m; s++) {
+            for (int64_t c = 0; c < C; c += 2) /* 64 bytes: one line of fp32 */
+                prefetch(j, j->v, base + (s0 + s + AHEAD) * D + c * W);
+            for (int64_t c = 0; c < C; c++) val[s * C + c] = vload(j->bf16, j->v, base + (s0 + s) * D + c * W);
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float *pi = p + i * L + s0;
+            float *ai = acc + i * D;
+            for (int64_t c = 0; c < C; c++) {
+                vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                int64_t s = 0;
+                for (; s + 4 <= m; s += 4) {
+                    a0 += pi[s] * val[s * C + c];
+                    a1 += pi[s + 1] * val[(s + 1) * C + c];
+                    a2 += pi[s + 2] * val[(s + 2) * C + c];
+                    a3 += pi[s + 3] * val[(s + 3) * C + c];
+                }
+                for (; s < m; s++) a0 += pi[s] * val[s * C + c];
+                vf sum;
+                memcpy(&sum, ai + c * W, sizeof sum);
+                sum += (a0 + a1) + (a2 + a3);
+                memcpy(ai + c * W, &sum, sizeof sum);
+            }
+        }
+    }
+}
 
 /* One (row b, kv head h): its T new keys (rotated) and values into the cache at their positions,
  * then the scores of the T x G query rows (token t's G heads, rotated, scaled) over the row's keys,
@@ -141,15 +246,7 @@ static void attend(const job_t *j, int64_t b, int64_t h, float *scores, float *q
         scores_bf16(j, base, n, L, q, scores);
     } else
 #endif
-    for (int64_t s = 0; s < L; s++) {
-        load(j->bf16, j->k, base + s * D, D, row);
-        for (int64_t i = 0; i < n; i++) {
-            const float *qi = q + i * D;
-            float dot = 0.f;
-            for (int64_t d = 0; d < D; d++) dot += qi[d] * row[d];
-            scores[i * L + s] = dot;
-        }
-    }
+    scores_vec(j, base, n, L, q, scores);
     for (int64_t i = 0; i < n; i++) {
         float *sc = scores + i * L, sum = 0.f, best = -FLT_MAX;
         const int64_t own = lens[i / G];
@@ -161,15 +258,7 @@ static void attend(const job_t *j, int64_t b, int64_t h, float *scores, float *q
         for (int64_t s = own; s < L; s++) sc[s] = 0.f; /* keys after the token's own: masked */
         total[i] = sum;
     }
-    memset(acc, 0, (size_t)(n * D) * sizeof(float));
-    for (int64_t s = 0; s < L; s++) {
-        load(j->bf16, j->v, base + s * D, D, row);
-        for (int64_t i = 0; i < n; i++) {
-            const float p = scores[i * L + s];
-            float *a = acc + i * D;
-            for (int64_t d = 0; d < D; d++) a[d] += p * row[d];
-        }
-    }
+    values_vec(j, base, n, L, scores, acc);
     for (int64_t i = 0; i < n; i++) {
         const int64_t first = ((b * T + i / G) * j->heads + h) * G * D + (i % G) * D;
         const float r = 1.f / total[i];
@@ -185,7 +274,7 @@ int decode_step(const void *q, int64_t q_stride, const void *k_new, int64_t k_st
                 int64_t v_stride, const void *cos, const void *sin, const int64_t *pos, const int32_t *lens, void *k,
                 void *v, void *out, int64_t batch, int64_t tokens, int64_t heads, int64_t rows, int64_t dim,
                 int64_t slot_stride, int64_t head_stride, float scale, int bf16, int threads) {
-    if (tokens * rows > MAX_ROWS || dim > MAX_DIM || dim % 2) return 1;
+    if (tokens * rows > MAX_ROWS || dim > MAX_DIM || dim % W) return 1;
     const job_t job = {q, k_new, v_new, cos, sin, q_stride, k_stride, v_stride, pos, lens, k, v, out,
                        batch, tokens, heads, rows, dim, slot_stride, head_stride, scale, bf16};
     const int64_t n = tokens * rows;
