@@ -7,7 +7,8 @@ own mechanism (tailrl.rollout.vllm):
   draft-vocabulary head (speculation.install_draft_head) and, on CPU, the T > 0 repair
   (cpu_fix); TRL's engine arguments are kept, the speculative ones added;
 - the weight sync is vLLM's layerwise reload (internals.reload_weights): TRL's
-  parameter-by-parameter `load_weights` fails on CPU, where vLLM repacks its linear weights;
+  parameter-by-parameter `load_weights` fails on CPU, where vLLM repacks its linear weights; a
+  LoRA wrapper's weights go in merged (tailrl.trl.lora.merged_weights), the model left unmerged;
 - at the end of each optimizer step the adapting drafter closes its step (`end_drafter_step`;
   tailrl.rollout.adapt: the floor of micro-steps on what the trainer's loss forwards observed,
   a new version when it trained, a collapsed one rolled back), and the next sync puts a new
@@ -47,6 +48,7 @@ from tailrl.speculative.modes import DRAFTER_ARMS
 from tailrl.trl.steps import EngineSteps
 from tailrl.tuner import TunerConfig
 from tailrl.trl import internals
+from tailrl.trl.lora import is_peft, merged_weights
 from tailrl.trl.policy import policy_view
 
 @dataclass(frozen=True)
@@ -180,10 +182,12 @@ class TLTGeneration(VLLMGeneration):
         return self.adapt.end_step(self.policy) if self.adapt is not None else None
 
     def sync_weights(self) -> None:
-        """The policy's weights and, when it is not the engine's, the drafting version go into the
-        engine in place; the prefix cache is reset."""
+        """The policy's weights (a LoRA wrapper's merged) and, when it is not the engine's, the
+        drafting version go into the engine in place; the prefix cache is reset."""
         engine = self.llm.llm_engine
-        weights = {name: p.detach().to(self.dtype) for name, p in self._iter_named_params()}
+        # A LoRA wrapper's weights merged into new tensors (tailrl.trl.lora), not TRL's merge in place.
+        named = merged_weights(self.model).items() if is_peft(self.model) else self._iter_named_params()
+        weights = {name: p.detach().to(self.dtype) for name, p in named}
         engine.collective_rpc(_load_policy, args=(weights,))
         if self.adapt is not None and self.adapt.version != self.drafter_version:
             load_drafter_version(engine, self.adapt.version, self.adapt.drafting_weights(), self.dtype)

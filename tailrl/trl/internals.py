@@ -56,10 +56,11 @@ def replaced(where: tuple[str, str], value: object) -> Iterator[None]:
 
 def final_norm(model: nn.Module) -> nn.Module:
     """The final norm of a Llama, Qwen2 or Qwen3 causal LM of transformers (`model.norm`: its
-    output is the LM head's input); ValueError for another model (a PEFT wrapper: unwrap it)."""
+    output is the LM head's input); ValueError for another model (of a PEFT wrapper, pass its
+    base model: tailrl.trl.lora.base_model)."""
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
     if not isinstance(model, (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)):
-        raise ValueError(f"TLT for TRL supports the Llama, Qwen2 and Qwen3 causal LMs of transformers, unwrapped; "
-                         f"got {type(model).__name__}")
+        raise ValueError(f"TLT for TRL supports the Llama, Qwen2 and Qwen3 causal LMs of transformers (or LoRA "
+                         f"wrappers of them); got {type(model).__name__}")
     return model.model.norm

@@ -6,6 +6,11 @@ Transformer on that model's own tensors (shared, not copied: the optimizer's in-
 are what it reads), and `HiddenCapture` keeps the final norm's outputs of the forwards TRL's loss
 runs (no second forward), cut into one PolicyForward per sequence of the batch.
 
+A LoRA-wrapped model (tailrl.trl.lora): the view is on the base model's tensors, whose
+embedding and LM head are the policy's (LoRA on them is refused) while its adapted layers hold
+the weights without the adapters, so the view is for the drafter's reading, not for forwards;
+the hidden states are the base model's final norm's under the adapters, as the loss computes them.
+
 Knows: transformers' parameter names (they are tailrl's), TRL's batch layout (left-padded
 prompts, right-padded completions, one attention mask). Does not know: vLLM, the drafter's training.
 """
@@ -21,12 +26,14 @@ from torch import nn
 from tailrl.model import ModelConfig, Transformer
 from tailrl.rollout.protocol import PolicyForward
 from tailrl.trl.internals import final_norm
+from tailrl.trl.lora import base_model, base_state, is_peft
 
 
 def policy_view(model: nn.Module) -> Transformer:
-    """A Transformer whose tensors are `model`'s (a transformers causal LM of a family tailrl runs)."""
+    """A Transformer whose tensors are `model`'s (a transformers causal LM of a family tailrl runs,
+    or a LoRA wrapper of one: its base model's, module doc)."""
     cfg = ModelConfig.from_hf(model.config.to_dict())
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    state = base_state(model) if is_peft(model) else {k: v.detach() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with torch.device("meta"):
@@ -40,11 +47,12 @@ def policy_view(model: nn.Module) -> Transformer:
 class HiddenCapture:
     """The final norm's outputs of the forwards run inside `capturing()` (a forward hook that
     keeps nothing outside it: TRL's no-grad forwards of the same model, for old and reference
-    log-probs, and a gradient checkpoint's recomputation are left alone)."""
+    log-probs, and a gradient checkpoint's recomputation are left alone). On a LoRA wrapper the
+    hook is on its base model's final norm, whose input the adapted layers computed."""
 
     def __init__(self, model: nn.Module):
         self._chunks: list[torch.Tensor] | None = None
-        final_norm(model).register_forward_hook(self._hook)
+        final_norm(base_model(model)).register_forward_hook(self._hook)
 
     def _hook(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         if self._chunks is not None:
