@@ -18,7 +18,11 @@ Recipes (name: train prompts, solutions, rule):
 - v0: the warm-up before the stopping rule: 20 prompts' responses and 256 solutions, 1,000
   steps at a constant rate;
 - plateau: the same data under the stopping rule (WarmupConfig's defaults);
-- plateau-data: every non-held-out prompt's responses and every solution, under the rule.
+- plateau-data: every non-held-out prompt's responses and every solution, under the rule;
+- plateau-unroll: plateau, trained one draft step deeper too (`unroll`: the drafter reads its
+  own prediction, as a chain's later tokens do);
+- plateau-ce1: plateau with the cross-entropy term weighted 1.0 (the default 0.1): acceptance is
+  the draft's argmax agreeing with the target's, which the feature loss serves only indirectly.
 Not part of the tests.
 """
 
@@ -36,6 +40,8 @@ RECIPES = {
     "v0": (20, 256, dict(steps=1000, eval_every=0)),
     "plateau": (20, 256, {}),
     "plateau-data": (None, None, {}),
+    "plateau-unroll": (20, 256, dict(unroll=True)),
+    "plateau-ce1": (20, 256, dict(ce_weight=1.0)),
 }
 
 
