@@ -97,7 +97,8 @@ def _run_generate(args: argparse.Namespace) -> None:
         print(json.dumps({"stats": summary}))
     else:
         extra = f", accept_len {summary['accept_len']:.2f}" if "accept_len" in summary else ""
-        print(f"{summary['tokens']} tokens in {summary['seconds']:.2f} s ({summary['tokens_per_s']:.1f} tok/s{extra})", file=sys.stderr)
+        print(f"{summary['tokens']} tokens in {summary['seconds']:.2f} s ({summary['tokens_per_s']:.1f} tok/s{extra})",
+              file=sys.stderr)
 
 
 # ---- train ------------------------------------------------------------------------------------
@@ -166,8 +167,8 @@ def run_printer() -> Callable[[Any], None]:
     """Prints the default run's events: phases, cold-start and warm-up progress, then the
     training loop's. A redrawn progress line is ended before the next message."""
     from tailrl.pipeline import Phase
-    from tailrl.rl.sft import EvalResult, SFTProgress
     from tailrl.rl.progress import ConsolePrinter
+    from tailrl.rl.sft import EvalResult, SFTProgress
     from tailrl.warmup import WarmupProgress
 
     loop, cold, warm = ConsolePrinter(), sft_printer(), warmup_printer()
@@ -178,7 +179,8 @@ def run_printer() -> Callable[[Any], None]:
             print(file=sys.stderr)
         redrawn[0] = isinstance(event, (SFTProgress, WarmupProgress))
         if isinstance(event, Phase):
-            print(f"tailrl: phase {event.index}/{event.total}: {event.name}: {event.detail}", file=sys.stderr, flush=True)
+            print(f"tailrl: phase {event.index}/{event.total}: {event.name}: {event.detail}", file=sys.stderr,
+                  flush=True)
         elif isinstance(event, (SFTProgress, EvalResult)):
             cold(event)
         elif isinstance(event, WarmupProgress):
@@ -267,14 +269,15 @@ def warmup_printer() -> Callable[[WarmupProgress], None]:
             loss += f", held-out accept {p.accept_len:.2f}" + (f" of {p.ceiling:.2f}" if p.ceiling is not None else "")
         left = p.seconds_left
         eta = f", ~{left:.0f} s left" if left is not None else ""
-        print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s{eta}){loss}   ", end="", file=sys.stderr, flush=True)
+        print(f"\rwarmup {p.phase}: {p.done}{total} ({p.seconds:.0f} s{eta}){loss}   ", end="", file=sys.stderr,
+              flush=True)
 
     return show
 
 
 def _run_warmup(args: argparse.Namespace) -> None:
-    from tailrl.warmup import warmup
     from tailrl.tracking import WarmupTracking, tee
+    from tailrl.warmup import warmup
 
     toml = cfglib.read_toml(args.config) if args.config else None
     cfg = cfglib.resolve({"warmup": WarmupConfig}, args, toml)["warmup"]
@@ -377,7 +380,8 @@ def _run_bench_train(args: argparse.Namespace) -> None:
             print(f"{name:12s} speedup_e2e {r['speedup_e2e']:.3f} (per step {lo:.2f}-{hi:.2f}), speedup_rollout "
                   f"{r['speedup_rollout']:.3f}; idle s/step: policy {r['idle_policy_s']:.1f}, drafter "
                   f"{r['idle_drafter_s']:.1f}, unused {r['idle_unused_s']:.1f}")
-        print(f"identical tokens {report['identical_tokens']}, rewards {report['identical_rewards']}; plot {report['png']}")
+        print(f"identical tokens {report['identical_tokens']}, rewards {report['identical_rewards']}; "
+              f"plot {report['png']}")
         budgets = report.get("memory_budget_gb", {})
         print("resident peak: " + ", ".join(
             f"{name} {gb:.1f} GB" + (f" of {budgets[name]:.1f} budget" if budgets.get(name) is not None else "")
@@ -417,7 +421,8 @@ def _run_bench_peers(args: argparse.Namespace) -> None:
 # ---- entry ------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tailrl", description="GRPO training with fast, lossless speculative rollouts.")
+    parser = argparse.ArgumentParser(prog="tailrl",
+                                     description="GRPO training with fast, lossless speculative rollouts.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_train(sub)

@@ -72,7 +72,9 @@ def _build(compiler: str) -> Path:
     """The compiled library's path, built unless cached; OSError with the compiler's first error
     line where the build fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_key()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_key()]).encode()
+    ).hexdigest()[:16]
     out = cache_root() / "kernels" / key / "decode_kernels.so"
     if out.exists():
         return out
@@ -82,7 +84,8 @@ def _build(compiler: str) -> Path:
     done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
     if done.returncode != 0:
         built.unlink(missing_ok=True)
-        first = next((line.strip() for line in done.stderr.splitlines() if line.strip()), f"exit code {done.returncode}")
+        first = next((line.strip() for line in done.stderr.splitlines() if line.strip()),
+                     f"exit code {done.returncode}")
         raise OSError(f"{compiler} failed: {first}")
     os.replace(built, out)  # atomic: a concurrent process sees the whole library or none
     return out

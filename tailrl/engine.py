@@ -41,7 +41,6 @@ from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.sampling import SamplingParams, is_top1, next_position, sample
 from tailrl.stats import EngineStats, StepRecord
 
-
 # Padded tokens per batched prefill forward: bounds its attention scores (heads x tokens x prompt
 # length x 4 bytes: ~75 MB for SmolLM2 at 512-token prompts) while batching short prompts.
 PREFILL_TOKENS = 4096
@@ -242,7 +241,8 @@ class Engine:
                 label = self.decoder.step(self, running, call)
                 t1 = time.perf_counter()
                 self.stats.steps += 1
-                self.stats.timeline.append(StepRecord(t1 - start, len(running), label, self.stats.tokens - tokens0, t1 - t0))
+                self.stats.timeline.append(StepRecord(t1 - start, len(running), label, self.stats.tokens - tokens0,
+                                                      t1 - t0))
                 self._retire(running, results, on_finished)
                 if on_progress is not None:
                     done = sum(r is not None for r in results)
@@ -299,7 +299,8 @@ class Engine:
         # would cost P x the head (49k rows for SmolLM2), about a third of a prefill.
         last = h[torch.arange(n, device=self.device), torch.tensor(lens, device=self.device) - 1]  # (n, E)
         logits = self.model.lm_head(last, self.cfg.exact)  # (n, V)
-        heads = [self._start(idx, req, call, logits[i : i + 1], h[i, : lens[i]]) for i, ((idx, req), *_) in enumerate(groups)]
+        heads = [self._start(idx, req, call, logits[i : i + 1], h[i, : lens[i]])
+                 for i, ((idx, req), *_) in enumerate(groups)]
         running.extend(heads)
         # Siblings reuse their prompt's prefill: copy the KV, sample their own first token.
         for i, g in enumerate(groups):

@@ -31,7 +31,8 @@ class GenerateConfig:
     """What `tailrl generate` samples and with which model."""
 
     model: str | None = field(default=None, metadata={"help": "model directory (default: SmolLM2-135M-Instruct)"})
-    dtype: str = field(default="auto", metadata={"help": "weights and activations (auto: bf16 where the hardware has it)", "choices": ["auto", "bf16", "fp32"]})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations (auto: bf16 where the hardware has it)", "choices": ["auto", "bf16", "fp32"]})
     n: int = field(default=1, metadata={"help": "samples per prompt"})
     max_new_tokens: int = field(default=256, metadata={"help": "most tokens generated per sample"})
     seed: int = field(default=0, metadata={"help": "run seed; sample seeds derive from (seed, prompt, sample)"})
@@ -80,7 +81,8 @@ def _is_messages(value: Any) -> bool:
     return (
         isinstance(value, list)
         and bool(value)
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value)
     )
 
 

@@ -121,10 +121,11 @@ def prepare(cfg: RunConfig, on_event: Callable[[PhaseEvent], None],
             tc = dataclasses.replace(tc, model=str(result.out_dir))
         elif name == "drafter warm-up":
             wcfg = warmup_config(tc)
-            on_event(Phase(index, total, name, f"sampling {wcfg.num_prompts} x {wcfg.group_size} responses from the "
-                                               f"policy" + (f" and {wcfg.solutions} worked solutions" if wcfg.solutions else "")
-                                               + f", then drafter training until its held-out acceptance stops rising (at most "
-                                               f"{wcfg.steps} steps; cached)"))
+            on_event(Phase(index, total, name,
+                           f"sampling {wcfg.num_prompts} x {wcfg.group_size} responses from the policy"
+                           + (f" and {wcfg.solutions} worked solutions" if wcfg.solutions else "")
+                           + ", then drafter training until its held-out acceptance stops rising (at most "
+                           f"{wcfg.steps} steps; cached)"))
             drafter, reused = cached_warmup(wcfg, on_warmup)
             on_event(Notice(f"drafter {'reused from' if reused else 'written to'} {drafter}"))
             rollout = rollout.with_drafter(drafter)

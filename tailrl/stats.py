@@ -11,7 +11,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
-
 # Response positions (tokens emitted before a verify) where acceptance is tallied apart: a drafter
 # trained on short responses drafts worse along long ones (docs/results.md).
 POSITION_EDGES = (512, 1024, 2048)

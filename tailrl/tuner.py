@@ -139,9 +139,9 @@ class TunerConfig:
                                      "bucket's steps decode 17 sequences or more: 32 sequence-steps suffice)"}
     )
     loser_margin: float = field(
-        default=0.15, metadata={"help": "an arm whose recent rewards in a bucket (their upper quartile) are more than this "
-                                        "fraction below the best arm's median is explored 10x less often there (1: every "
-                                        "arm alike)"}
+        default=0.15, metadata={"help": "an arm whose recent rewards in a bucket (their upper quartile) are more than "
+                                        "this fraction below the best arm's median is explored 10x less often there "
+                                        "(1: every arm alike)"}
     )
     bucket_edges: tuple[int, ...] = field(
         default=(1, 2, 4, 8, 16, 32),

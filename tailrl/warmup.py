@@ -40,8 +40,8 @@ from typing import Callable
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.records import Request
 from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
+from tailrl.records import Request
 from tailrl.rl.sft import example, stop_token, worked_task
 from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task
 from tailrl.sampling import SamplingParams, derive_seed
@@ -49,8 +49,8 @@ from tailrl.speculative.drafter.model import Drafter, load_drafter, save_drafter
 from tailrl.speculative.drafter.plateau import Plateau
 from tailrl.speculative.drafter.training import (
     AcceptStats,
-    LossStats,
     DrafterTrainConfig,
+    LossStats,
     TrainSeq,
     evaluate_loss,
     pack,
@@ -69,11 +69,13 @@ REPORT_DEPTHS = (2, 4, 6)
 class WarmupConfig:
     """Offline drafter warm-up: data, budget and optimiser."""
 
-    model: str | None = field(default=None, metadata={"help": "target model directory (default: SmolLM2-135M-Instruct)"})
+    model: str | None = field(default=None, metadata={
+        "help": "target model directory (default: SmolLM2-135M-Instruct)"})
     dtype: str = field(default="auto", metadata={"help": "target weights while sampling (auto: the rollouts' dtype, "
                                                  "bf16 where it is fast)", "choices": ["auto", "fp32", "bf16"]})
     prompts: str | None = field(default=None, metadata={"help": "JSONL prompts file (default: the task's prompts)"})
-    task: str = field(default=DEFAULT_TASK, metadata={"help": "task whose prompts are sampled when no prompts file is given"})
+    task: str = field(default=DEFAULT_TASK, metadata={
+        "help": "task whose prompts are sampled when no prompts file is given"})
     num_prompts: int = field(default=48, metadata={"help": "prompts sampled (held-out ones included)"})
     group_size: int = field(default=4, metadata={"help": "responses per prompt"})
     max_new_tokens: int = field(default=128, metadata={"help": "most tokens per response"})
@@ -100,7 +102,8 @@ class WarmupConfig:
     ce_weight: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term (TLT: 0.1)"})
     noise: float = field(default=0.0, metadata={"help": "uniform noise on input hidden states while training"})
     train_head: bool = field(default=True, metadata={"help": "train the head (else keep the target's LM-head rows)"})
-    unroll: bool = field(default=False, metadata={"help": "also train one draft step deeper (several times the cost per step)"})
+    unroll: bool = field(default=False, metadata={
+        "help": "also train one draft step deeper (several times the cost per step)"})
     seed: int = field(default=0, metadata={"help": "seed of prompts, sampling and training"})
     eval_draft_depth: int = field(default=4, metadata={"help": "draft depth of the held-out accept_len replay"})
     eval_topk: int = field(default=4, metadata={"help": "tree width of the held-out accept_len replay"})
@@ -109,7 +112,8 @@ class WarmupConfig:
 
     def __post_init__(self) -> None:
         if self.num_prompts <= self.holdout_prompts or self.holdout_prompts < 1:
-            raise ValueError(f"need 1 <= holdout_prompts < num_prompts, got {self.holdout_prompts} and {self.num_prompts}")
+            raise ValueError(f"need 1 <= holdout_prompts < num_prompts, got {self.holdout_prompts} and "
+                             f"{self.num_prompts}")
         if self.seconds <= 0 and self.steps <= 0:
             raise ValueError("give a time budget (seconds > 0) or a step budget (steps > 0)")
         if self.group_size < 1 or self.max_new_tokens < 1 or self.draft_vocab_size < 1:
@@ -319,8 +323,10 @@ def _train(drafter: Drafter, target, train_seqs: list[TrainSeq], held: list[Trai
             on_progress(WarmupProgress("train", step, cfg.steps, time.perf_counter() - t1, s.loss, cfg.seconds,
                                        accept, ceiling))
 
-    tc = DrafterTrainConfig(cfg.lr, ce_weight=cfg.ce_weight, noise=cfg.noise, train_head=cfg.train_head, unroll=cfg.unroll)
-    history = train_drafter(drafter, batches, target_head, tc, stop, on_step, seed=cfg.seed, lr_scale=lambda: plateau.scale)
+    tc = DrafterTrainConfig(cfg.lr, ce_weight=cfg.ce_weight, noise=cfg.noise, train_head=cfg.train_head,
+                            unroll=cfg.unroll)
+    history = train_drafter(drafter, batches, target_head, tc, stop, on_step, seed=cfg.seed,
+                            lr_scale=lambda: plateau.scale)
     if cfg.eval_every and (not replays or replays[-1][0] != len(history)):
         replay(len(history))
         drafter.eval()

@@ -28,7 +28,8 @@ from tailrl.sampling import SamplingParams
 @dataclass
 class BenchGenerateConfig:
     model: str | None = field(default=None, metadata={"help": "model directory (default: SmolLM2-135M-Instruct)"})
-    dtype: str = field(default="auto", metadata={"help": "weights and activations (auto: bf16 where the hardware has it)", "choices": ["auto", "bf16", "fp32"]})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations (auto: bf16 where the hardware has it)", "choices": ["auto", "bf16", "fp32"]})
     batch_sizes: tuple[int, ...] = field(default=(1, 8, 64), metadata={"help": "comma-separated batch sizes"})
     max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per row"})
     repeats: int = field(default=3, metadata={"help": "runs per side and batch size, alternating (median reported)"})
@@ -64,10 +65,12 @@ def _hf_generate(hf, tok, prompts: list[tuple[int, ...]], max_new_tokens: int) -
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=hf.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
-    eos = set(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list) else [hf.generation_config.eos_token_id])
+    eos = set(hf.generation_config.eos_token_id if isinstance(hf.generation_config.eos_token_id, list)
+              else [hf.generation_config.eos_token_id])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                          pad_token_id=pad)
     if out.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0

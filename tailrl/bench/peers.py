@@ -60,14 +60,17 @@ class BenchPeersConfig:
     max_new_tokens: int = field(default=128, metadata={"help": "longest response"})
     steps: int = field(default=2, metadata={"help": "timed RL steps per side"})
     warmup: int = field(default=1, metadata={"help": "untimed RL steps before them"})
-    micro_batch: int = field(default=4, metadata={"help": "responses per forward/backward (must divide prompts x group)"})
+    micro_batch: int = field(default=4, metadata={
+        "help": "responses per forward/backward (must divide prompts x group)"})
     lr: float = field(default=1e-5, metadata={"help": "AdamW learning rate (constant)"})
-    threads: int = field(default=1, metadata={"help": "torch threads on both sides (also run with OMP_NUM_THREADS set to it)"})
+    threads: int = field(default=1, metadata={
+        "help": "torch threads on both sides (also run with OMP_NUM_THREADS set to it)"})
     spec: str = field(default="auto", metadata={"help": "tailrl's speculative decoding (tailrl train's default: auto)",
                                                 "choices": SPEC_MODES})
     drafter: str | None = field(default=None, metadata={"help": "learned drafter directory for tailrl's spec modes"})
     seed: int = field(default=0, metadata={"help": "run seed of both sides"})
-    out: str | None = field(default=None, metadata={"help": "keep both runs' directories here (default: a temporary one)"})
+    out: str | None = field(default=None, metadata={
+        "help": "keep both runs' directories here (default: a temporary one)"})
     lookup: bool = field(default=False, metadata={"help": "also time batch 1, model-free speculation: transformers' "
                                                   "prompt lookup vs tailrl's n-gram drafter (tokens/s)"})
 
@@ -292,8 +295,7 @@ def run_batch1(cfg: BenchPeersConfig) -> dict[str, Any]:
     """One sample of each of the first step's prompts, one at a time, plain and speculative on
     each side. Tokens differ between sides (own random numbers): compare tokens/s."""
     from tailrl.loading import load_tokenizer, resolve_model_dir
-    from tailrl.rl.tasks import make_task
-    from tailrl.rl.tasks import encode_question
+    from tailrl.rl.tasks import encode_question, make_task
 
     model_dir = resolve_model_dir(cfg.model)
     tok = load_tokenizer(model_dir)

@@ -80,10 +80,13 @@ ORACLE_STEPS = 5  # decode steps an arm needs in a bucket for the oracle to coun
 
 @dataclass
 class BenchRolloutConfig:
-    model: str | None = field(default=None, metadata={"help": "target model directory (default: SmolLM2-135M-Instruct)"})
+    model: str | None = field(default=None, metadata={
+        "help": "target model directory (default: SmolLM2-135M-Instruct)"})
     dtype: str = field(default="auto", metadata={"help": "rollout dtype", "choices": ["auto", "bf16", "fp32"]})
-    device: str = field(default="auto", metadata={"help": "the native engine's device: auto = cuda when present, else cpu", "choices": DEVICES})
-    drafter: str | None = field(default=None, metadata={"help": "learned drafter directory (adds the drafter mode; auto uses it too)"})
+    device: str = field(default="auto", metadata={
+        "help": "the native engine's device: auto = cuda when present, else cpu", "choices": DEVICES})
+    drafter: str | None = field(default=None, metadata={
+        "help": "learned drafter directory (adds the drafter mode; auto uses it too)"})
     task: str = field(default=DEFAULT_TASK, metadata={"help": "reasoning-gym name or .jsonl file"})
     num_prompts: int = field(default=16, metadata={"help": "prompts in the batch (the default run's step)"})
     group_size: int = field(default=4, metadata={"help": "samples per prompt"})
@@ -96,12 +99,17 @@ class BenchRolloutConfig:
         "help": "comma-separated modes to run: off, ngram, drafter, auto on the native engine; ENGINE-off, "
                 "ENGINE-drafter, ENGINE-auto on another (vllm-off, ...: tailrl[vllm]); the drafter modes and the "
                 "other engines' auto only with --drafter"})
-    draft_depth: int = field(default=6, metadata={"help": "draft tokens per verify of the drafter modes (a chain; vLLM's num_speculative_tokens)"})
+    draft_depth: int = field(default=6, metadata={
+        "help": "draft tokens per verify of the drafter modes (a chain; vLLM's "
+                "num_speculative_tokens)"})
     kv_cache_gb: float = field(default=2.0, metadata={"help": "the other engines' modes (vllm-*): KV cache, GiB"})
-    exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (slower steps, see tailrl.model)"})
-    cold_tuner: bool = field(default=False, metadata={"help": "the auto modes start with an empty tuner (default: warmed on one other batch)"})
+    exact: bool = field(default=False, metadata={
+        "help": "bit-exact speculative decoding (slower steps, see tailrl.model)"})
+    cold_tuner: bool = field(default=False, metadata={
+        "help": "the auto modes start with an empty tuner (default: warmed on one other batch)"})
     plot: str | None = field(default=None, metadata={
-        "help": "PNG of the running batch over time and the times (default: runs/bench-rollout-<time>/rollout.png; empty: none)"})
+        "help": "PNG of the running batch over time and the times (default: "
+                "runs/bench-rollout-<time>/rollout.png; empty: none)"})
 
     def __post_init__(self) -> None:
         self.modes = tuple(self.modes)
@@ -125,9 +133,11 @@ class ModeResult:
     depth_sum: float = 0.0  # spec_draft_depth x verifies, first repetition
     spec_tokens: int = 0  # decode-step tokens from speculative steps, first repetition
     decode_tokens: int = 0
-    differing: int | None = 0  # sequences whose tokens differ from the off run's, summed over repetitions (None: another engine)
+    # Sequences whose tokens differ from the off run's, summed over repetitions (None: another engine).
+    differing: int | None = 0
     timeline: list[list[Any]] = field(default_factory=list)  # the first repetition's first batch's segments
-    cells: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # bucket -> arm -> [tokens, seconds, steps], all reps
+    # bucket -> arm -> [tokens, seconds, steps], all reps
+    cells: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     peaks: list[float] = field(default_factory=list)  # resident peak of each repetition, GiB (where the kernel tells)
     # Verifies and their tokens by response position (tailrl.stats.POSITION_EDGES), first
     # repetition; where the engine counts them (the native engine).
@@ -323,7 +333,8 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
     return report
 
 
-def _report(cfg: BenchRolloutConfig, results: dict[str, ModeResult], ideal: list[float], requests: int) -> dict[str, Any]:
+def _report(cfg: BenchRolloutConfig, results: dict[str, ModeResult], ideal: list[float],
+            requests: int) -> dict[str, Any]:
     base = statistics.median(results["off"].seconds)
     return {
         "modes": {m: r.to_json() for m, r in results.items()},
@@ -390,7 +401,8 @@ def log_summary(report: dict[str, Any], log: Callable[[str], None]) -> None:
         log(f"{m:>12}: median {j['seconds_median']:7.1f} s [{j['seconds_min']:.1f}-{j['seconds_max']:.1f}], "
             f"speedup vs off {report['speedup'][m]:4.2f}x, {j['tokens'] / j['seconds_median']:6.1f} tok/s, "
             f"accept_len {j['accept_len']:4.2f}"
-            + (f" of {j['accept_ceiling']:4.2f} at depth {j['draft_depth']:.3g}" if j["accept_ceiling"] is not None else "")
+            + (f" of {j['accept_ceiling']:4.2f} at depth {j['draft_depth']:.3g}"
+               if j["accept_ceiling"] is not None else "")
             + f", SD share {j['sd_fraction']:4.2f}"
             + (f", peak {j['peak_rss_gb']:.2f} GB" if j["peak_rss_gb"] is not None else "")
             + (f"; accept_len by response position: {positions}" if positions else ""))
@@ -419,7 +431,8 @@ def plot(results: dict[str, ModeResult], report: dict[str, Any], path: Path) -> 
         ys = [seg[2] for seg in r.timeline for _ in range(2)]
         batch.plot(xs, ys, color=f"C{i}", label=mode)
     log_counts(batch)
-    batch.set(xlabel="seconds into the rollout", ylabel="running sequences", title="Running batch over time (first repetition)")
+    batch.set(xlabel="seconds into the rollout", ylabel="running sequences",
+              title="Running batch over time (first repetition)")
     batch.grid(alpha=0.3)
     batch.legend(fontsize=8)
     names = list(results)

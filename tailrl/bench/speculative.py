@@ -26,15 +26,16 @@ from tailrl.generate import encode_prompt, make_requests
 from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
 from tailrl.rl.tasks import DEFAULT_TASK, format_prompt, make_task
 from tailrl.sampling import SamplingParams
-from tailrl.stats import StepRecord
 from tailrl.speculative.decoder import fixed
 from tailrl.speculative.modes import SpeculationConfig, proposers
+from tailrl.stats import StepRecord
 from tailrl.tuner import Arm
 
 
 @dataclass
 class BenchSpeculativeConfig:
-    model: str | None = field(default=None, metadata={"help": "target model directory (default: SmolLM2-135M-Instruct)"})
+    model: str | None = field(default=None, metadata={
+        "help": "target model directory (default: SmolLM2-135M-Instruct)"})
     dtype: str = field(default="auto", metadata={"help": "target dtype", "choices": ["auto", "bf16", "fp32"]})
     drafter: str | None = field(default=None, metadata={"help": "learned drafter directory (none: n-gram arms only)"})
     batch_sizes: tuple[int, ...] = field(default=(1, 4, 16, 64), metadata={"help": "comma-separated batch sizes"})
@@ -84,7 +85,8 @@ def run(cfg: BenchSpeculativeConfig, log=print) -> list[SpecRow]:
     props = proposers(SpeculationConfig(drafter=cfg.drafter), engine)
     task = make_task(DEFAULT_TASK)
     params = SamplingParams(temperature=cfg.temperature)
-    prompts = [encode_prompt(tok, format_prompt(task.sample(1, i).question)) for i in range(max([*cfg.batch_sizes, *widths]))]
+    prompts = [encode_prompt(tok, format_prompt(task.sample(1, i).question))
+               for i in range(max([*cfg.batch_sizes, *widths]))]
     step_ms: dict[int, float | None] = {}
     engine.decoder = PlainDecoder()
     # Allocate the cache at its widest outside the timed runs (a first run at a new size page-faults).
@@ -105,8 +107,8 @@ def run(cfg: BenchSpeculativeConfig, log=print) -> list[SpecRow]:
             same = [c.token_ids for c in out] == [c.token_ids for c in plain]
             st = engine.stats
             per_step = 1e3 / max(st.spec.spec_steps, 1)
-            row = SpecRow(b, arm.label, plain_rate, st.tokens_per_s, st.tokens_per_s / plain_rate, st.spec.accept_len, same,
-                          st.spec.draft_seconds * per_step, st.spec.verify_seconds * per_step, step_ms[b],
+            row = SpecRow(b, arm.label, plain_rate, st.tokens_per_s, st.tokens_per_s / plain_rate, st.spec.accept_len,
+                          same, st.spec.draft_seconds * per_step, st.spec.verify_seconds * per_step, step_ms[b],
                           step_ms.get(b * (arm.num_draft_tokens + 1)))
             log(f"batch {b:3d} {arm.label:>18}: plain {plain_rate:6.1f} tok/s | spec {row.spec_tok_s:6.1f} tok/s | "
                 f"speedup {row.speedup:4.2f}x | accept_len {row.accept_len:4.2f} | step: draft {row.draft_ms:.1f} + "

@@ -49,12 +49,12 @@ BENCHES: dict[str, Bench] = {
     "generate": Bench("engine tokens/s vs transformers generate", generate.BenchGenerateConfig, generate.report),
     "spec": Bench("plain vs speculative tokens/s per batch size and arm", speculative.BenchSpeculativeConfig,
                   speculative.report),
-    "rollout": Bench("long-tailed GRPO rollout batches: SD off, n-gram, drafter, auto, on either engine, and the oracle",
-                     rollout.BenchRolloutConfig, rollout.run),
+    "rollout": Bench("long-tailed GRPO rollout batches: SD off, n-gram, drafter, auto, on either engine, "
+                     "and the oracle", rollout.BenchRolloutConfig, rollout.run),
     "train": Bench("K RL steps four ways (baseline, SD only, overlap only, TLT): step times, identical work",
                    train_bench.BenchTrainConfig, train_bench.run),
-    "drafter": Bench("adaptive (spot-trained) vs frozen drafter: accept_len per RL step", drafter_bench.BenchDrafterConfig,
-                     drafter_bench.run),
+    "drafter": Bench("adaptive (spot-trained) vs frozen drafter: accept_len per RL step",
+                     drafter_bench.BenchDrafterConfig, drafter_bench.run),
     "peers": Bench("the same GRPO steps by TRL's GRPOTrainer and by tailrl: step seconds", peers.BenchPeersConfig,
                    peers.run),
 }
@@ -66,8 +66,10 @@ class BenchAllConfig:
     results: str | None = field(default=None, metadata={
         "help": "directory of the JSON files and PNGs (default: runs/bench-all-<time>)"})
     results_md: str | None = field(default=None, metadata={
-        "help": "Markdown page whose results section is rewritten (default: none; the repository's is docs/results.md)"})
-    drafter: str | None = field(default=None, metadata={"help": "warmed-up drafter for every bench that drafts (default: warm one up)"})
+        "help": "Markdown page whose results section is rewritten (default: none; the repository's is "
+                "docs/results.md)"})
+    drafter: str | None = field(default=None, metadata={
+        "help": "warmed-up drafter for every bench that drafts (default: warm one up)"})
     only: tuple[str, ...] = field(default=(), metadata={"help": "comma-separated benches to run (default: all)"})
 
     def __post_init__(self) -> None:
@@ -197,7 +199,8 @@ def render(results: Path, page_dir: Path) -> str:
                  f"{meta['date']}, {meta['cpu']}, {meta['cores']} cores, torch {meta['torch']} "
                  f"({meta['threads']} threads){', ' + meta['gpu'] if meta['gpu'] else ''}"
                  f"{', tailrl ' + meta['commit'] if meta.get('commit') else ''}. Settings: "
-                 + ", ".join(f"{k}={v}" for k, v in config.items() if v not in (None, "", ()) and k != "plot") + ".", ""]
+                 + ", ".join(f"{k}={v}" for k, v in config.items() if v not in (None, "", ()) and k != "plot")
+                 + ".", ""]
         lines += RENDERERS[name](record["report"])
         png = results / f"{name}.png"
         if png.exists():
@@ -212,26 +215,30 @@ def _f(x: float | None, digits: int = 2) -> str:
 
 def _generate(r: dict[str, Any]) -> list[str]:
     lines = ["| batch | tailrl tok/s | transformers tok/s | ratio |", "|---|---|---|---|"]
-    lines += [f"| {x['batch_size']} | {x['tailrl_tok_s']:.1f} | {x['hf_tok_s']:.1f} | {x['speedup']:.2f}x |" for x in r["results"]]
+    lines += [f"| {x['batch_size']} | {x['tailrl_tok_s']:.1f} | {x['hf_tok_s']:.1f} | {x['speedup']:.2f}x |"
+              for x in r["results"]]
     return lines
 
 
 def _spec(r: dict[str, Any]) -> list[str]:
-    lines = ["| batch | arm | plain tok/s | spec tok/s | speedup | accept_len | same tokens | draft ms | verify ms | "
-             "plain step ms, b rows | plain step ms, b x (N + 1) rows |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {x['batch_size']} | {x['arm']} | {x['plain_tok_s']:.1f} | {x['spec_tok_s']:.1f} | {x['speedup']:.2f}x | "
-              f"{x['accept_len']:.2f} | {'yes' if x['identical'] else 'no'} | {x['draft_ms']:.1f} | {x['verify_ms']:.1f} | "
-              f"{_f(x['plain_ms'], 1)} | {_f(x['wide_plain_ms'], 1)} |" for x in r["results"]]
+    lines = ["| batch | arm | plain tok/s | spec tok/s | speedup | accept_len | same tokens | draft ms | "
+             "verify ms | plain step ms, b rows | plain step ms, b x (N + 1) rows |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {x['batch_size']} | {x['arm']} | {x['plain_tok_s']:.1f} | {x['spec_tok_s']:.1f} | "
+              f"{x['speedup']:.2f}x | {x['accept_len']:.2f} | {'yes' if x['identical'] else 'no'} | "
+              f"{x['draft_ms']:.1f} | {x['verify_ms']:.1f} | {_f(x['plain_ms'], 1)} | {_f(x['wide_plain_ms'], 1)} |"
+              for x in r["results"]]
     return lines
 
 
 def _rollout(r: dict[str, Any]) -> list[str]:
-    lines = ["| mode | seconds (median, min-max) | vs off | tok/s | accept_len | tokens under SD | sequences differing from off |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | seconds (median, min-max) | vs off | tok/s | accept_len | tokens under SD | "
+             "sequences differing from off |", "|---|---|---|---|---|---|---|"]
     for m, j in r["modes"].items():
         lines.append(f"| {m} | {j['seconds_median']:.1f} ({j['seconds_min']:.1f}-{j['seconds_max']:.1f}) | "
-                     f"{r['speedup'][m]:.2f}x | {j['tokens'] / j['seconds_median']:.1f} | {_f(j['accept_len'] or None)} | "
-                     f"{j['sd_fraction']:.0%} | {_differing(j['differing_sequences'])} |")
+                     f"{r['speedup'][m]:.2f}x | {j['tokens'] / j['seconds_median']:.1f} | "
+                     f"{_f(j['accept_len'] or None)} | {j['sd_fraction']:.0%} | "
+                     f"{_differing(j['differing_sequences'])} |")
     lines += ["", f"Ideal time (every token at the full batch's throughput): {r['ideal_seconds']:.1f} s."]
     if "oracle" in r:
         lines += ["", *_oracle(r["oracle"])]
@@ -277,7 +284,8 @@ def _train(r: dict[str, Any]) -> list[str]:
     t = r["runs"][names[-1]]
     lines = [f"End to end over the baseline (SD off, update after the rollout): **{ends}** (TLT per step "
              f"{lo:.2f}-{hi:.2f}x); rollout: {rolls}. Identical tokens in all runs: "
-             f"{'yes' if r['identical_tokens'] else 'no'}, identical rewards: {'yes' if r['identical_rewards'] else 'no'}. "
+             f"{'yes' if r['identical_tokens'] else 'no'}, identical rewards: "
+             f"{'yes' if r['identical_rewards'] else 'no'}. "
              f"The tail's idle time per TLT step: policy gradient {_f(t['idle_policy_s'], 1)} s, drafter training "
              f"{_f(t['idle_drafter_s'], 1)} s, unused {_f(t['idle_unused_s'], 1)} s.", "",
              "| step | baseline s | " + " | ".join(f"{label[n]} s" for n in names)
@@ -286,8 +294,8 @@ def _train(r: dict[str, Any]) -> list[str]:
     for x in r["steps"]:
         cells = " | ".join(f"{x[n + '_step_s']:.1f} ({x[n + '_speedup_step']:.2f}x)" for n in names)
         lines.append(f"| {x['step']} | {x['baseline_step_s']:.1f} | {cells} | {x['baseline_rollout_s']:.1f} | "
-                     f"{x[names[-1] + '_rollout_s']:.1f} | {_f(x[names[-1] + '_accept_len'] or None)} | {x['tokens']} | "
-                     f"{x['reward_mean']:.3f} |")
+                     f"{x[names[-1] + '_rollout_s']:.1f} | {_f(x[names[-1] + '_accept_len'] or None)} | "
+                     f"{x['tokens']} | {x['reward_mean']:.3f} |")
     return lines
 
 
@@ -310,17 +318,19 @@ def _drafter(r: dict[str, Any]) -> list[str]:
 def _peers(r: dict[str, Any]) -> list[str]:
     lines = [f"TRL's step took **{r['speedup_step']:.2f}x** tailrl's ({_f(r['speedup_per_token'])}x per generated "
              "token; each side samples its own tokens, so their lengths differ).", "",
-             "| side | step s (median, min-max) | rollout s | reward s | train s | tokens generated | step s per token |",
-             "|---|---|---|---|---|---|---|"]
+             "| side | step s (median, min-max) | rollout s | reward s | train s | tokens generated | "
+             "step s per token |", "|---|---|---|---|---|---|---|"]
     for name, label in (("trl", "TRL GRPOTrainer"), ("tailrl", "tailrl")):
         x = r[name]
-        lines.append(f"| {label} | {x['step_s']:.1f} ({x['step_s_min']:.1f}-{x['step_s_max']:.1f}) | {x['rollout_s']:.1f} | "
-                     f"{x['reward_s']:.2f} | {x['train_s']:.1f} | {x['tokens_generated']} | {_f(x['s_per_token'], 3)} |")
+        lines.append(f"| {label} | {x['step_s']:.1f} ({x['step_s_min']:.1f}-{x['step_s_max']:.1f}) | "
+                     f"{x['rollout_s']:.1f} | {x['reward_s']:.2f} | {x['train_s']:.1f} | {x['tokens_generated']} | "
+                     f"{_f(x['s_per_token'], 3)} |")
     if "batch1" in r:
         b = r["batch1"]
         lines += ["", "Batch 1, model-free speculation, tokens/s: transformers plain "
-                  f"{b['transformers']['plain']['tok_s']:.1f}, prompt lookup {b['transformers']['lookup']['tok_s']:.1f}; "
-                  f"tailrl plain {b['tailrl']['plain']['tok_s']:.1f}, n-gram drafter {b['tailrl']['ngram']['tok_s']:.1f}."]
+                  f"{b['transformers']['plain']['tok_s']:.1f}, prompt lookup "
+                  f"{b['transformers']['lookup']['tok_s']:.1f}; tailrl plain {b['tailrl']['plain']['tok_s']:.1f}, "
+                  f"n-gram drafter {b['tailrl']['ngram']['tok_s']:.1f}."]
     return lines
 
 

@@ -49,8 +49,8 @@ from tailrl.engine import EngineConfig
 from tailrl.rl.tasks import DEFAULT_TASK
 from tailrl.rl.train import RunConfig, TrainConfig
 from tailrl.rollout import registry
-from tailrl.rollout.workers import WorkerConfig
 from tailrl.rollout.protocol import RolloutConfig
+from tailrl.rollout.workers import WorkerConfig
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
 
@@ -70,16 +70,17 @@ class TwoRunsConfig:
     drafter: str | None = field(
         default=None, metadata={"help": "warmed-up drafter directory (default: warm one up first, ~5 min)"}
     )
-    out: str | None = field(default=None, metadata={"help": "directory for both runs and the PNG (default: runs/bench-<name>-<time>)"})
+    out: str | None = field(default=None, metadata={
+        "help": "directory for both runs and the PNG (default: runs/bench-<name>-<time>)"})
     workers: int = field(default=1, metadata={"help": "rollout workers of every run (1: the default run's; spot "
                                                       "training needs >= 2)"})
     num_prompts: int = field(default=16, metadata={"help": "prompts per step"})
     group_size: int = field(default=4, metadata={"help": "responses per prompt"})
     max_new_tokens: int = field(default=512, metadata={"help": "longest response"})
     seed: int = field(default=0, metadata={"help": "run seed of both runs"})
-    exact: bool = field(default=True, metadata={"help": "row-invariant forwards in both runs, so both sample the same "
-                                                        "tokens bit for bit (slower small-batch steps, see tailrl.model; "
-                                                        "the native engine's)"})
+    exact: bool = field(default=True, metadata={
+        "help": "row-invariant forwards in both runs, so both sample the same tokens bit for bit (slower "
+                "small-batch steps, see tailrl.model; the native engine's)"})
     engine: str = field(default=registry.DEFAULT, metadata={"help": "rollout engine of every run: native or vllm (an "
                                                             "in-process vLLM engine; lossless in distribution only, "
                                                             "so with --no-exact)", "choices": registry.NAMES})
@@ -186,7 +187,8 @@ def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "idle_unused_s": mean("idle_seconds_left"),
         }
     # The runs share a process; a step's peak counts from its start.
-    peaks = {name: [r["peak_rss_gb"] for r in recs if r.get("peak_rss_gb") is not None] for name, recs in records.items()}
+    peaks = {name: [r["peak_rss_gb"] for r in recs if r.get("peak_rss_gb") is not None]
+             for name, recs in records.items()}
     tlt = runs.get("tlt") or runs[others[-1]]
     return {
         "speedup_e2e": tlt["speedup_e2e"],
@@ -199,7 +201,8 @@ def compare(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "runs": runs,
         "peak_rss_gb": {name: max(p) if p else None for name, p in peaks.items()},
         # The budget each run's update was sized to (tailrl.rl.budget), beside its peak.
-        "memory_budget_gb": {name: recs[-1].get("memory_budget_gb") if recs else None for name, recs in records.items()},
+        "memory_budget_gb": {name: recs[-1].get("memory_budget_gb") if recs else None
+                             for name, recs in records.items()},
         "steps": rows,
     }
 

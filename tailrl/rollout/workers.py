@@ -19,7 +19,8 @@ class WorkerConfig:
 
     workers: int = field(default=1, metadata={
         "help": "rollout workers (1 = one engine in the trainer's process); vLLM's run as Ray actors"})
-    ray: bool = field(default=False, metadata={"help": "run the workers as Ray actors (local Ray unless --ray-address)"})
+    ray: bool = field(default=False, metadata={
+        "help": "run the workers as Ray actors (local Ray unless --ray-address)"})
     ray_address: str | None = field(default=None, metadata={"help": "Ray cluster to join (implies --ray)"})
     worker_threads: int = field(default=1, metadata={"help": "torch threads per worker process or actor"})
     worker_timeout_s: float = field(

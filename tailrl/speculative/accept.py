@@ -19,7 +19,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tailrl.sampling import SamplingParams, inverse_cdf, is_top1, next_position, process_logits, token_logprobs, uniforms
+from tailrl.sampling import (
+    SamplingParams,
+    inverse_cdf,
+    is_top1,
+    next_position,
+    process_logits,
+    token_logprobs,
+    uniforms,
+)
 from tailrl.speculative.tree import DraftTree
 
 

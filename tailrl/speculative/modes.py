@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from tailrl.engine import Engine, PlainDecoder
-from tailrl.speculative.tree import max_tree_nodes
 from tailrl.speculative.decoder import NgramProposer, Proposer, StepObserver, fixed, tuned
+from tailrl.speculative.tree import max_tree_nodes
 from tailrl.tuner import PLAIN, Arm, Tuner, TunerConfig
 
 SPEC_MODES = ("off", "on", "auto")
@@ -40,10 +40,13 @@ DRAFTER_ARMS = (Arm("drafter", 2, 1, 2), Arm("drafter", 4, 1, 4), Arm("drafter",
 class SpeculationConfig:
     """Speculative decoding of rollouts."""
 
-    spec: str = field(default="off", metadata={"help": "speculative decoding: off, on (every step) or auto (tuned)", "choices": SPEC_MODES})
-    drafter: str | None = field(default=None, metadata={"help": "learned drafter directory (default: n-gram drafter only)"})
+    spec: str = field(default="off", metadata={
+        "help": "speculative decoding: off, on (every step) or auto (tuned)", "choices": SPEC_MODES})
+    drafter: str | None = field(default=None, metadata={
+        "help": "learned drafter directory (default: n-gram drafter only)"})
     draft_depth: int = field(default=6, metadata={"help": "--spec on: draft depth"})
-    topk: int = field(default=1, metadata={"help": "--spec on: children expanded per draft node (1 with --exact: chains)"})
+    topk: int = field(default=1, metadata={
+        "help": "--spec on: children expanded per draft node (1 with --exact: chains)"})
     num_draft_tokens: int = field(default=6, metadata={"help": "--spec on: draft nodes verified per step"})
 
     def __post_init__(self) -> None:
@@ -66,7 +69,9 @@ class SpeculationConfig:
 class RolloutSpeculationConfig(SpeculationConfig):
     """Speculative decoding of RL rollouts: adaptive by default, as in TLT."""
 
-    spec: str = field(default="auto", metadata={"help": "speculative decoding: auto (tuned, default), off (baseline) or on (every step)", "choices": SPEC_MODES})
+    spec: str = field(default="auto", metadata={
+        "help": "speculative decoding: auto (tuned, default), off (baseline) or on (every step)",
+        "choices": SPEC_MODES})
 
 
 def proposers(cfg: SpeculationConfig, engine: Engine) -> dict[str, Proposer]:

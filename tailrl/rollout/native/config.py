@@ -27,11 +27,11 @@ from tailrl.memory import parameters_gb
 from tailrl.model import KVCache, Transformer, whole_chunks
 from tailrl.rollout.adapt import AdaptiveDrafter
 from tailrl.rollout.native.pool import NativeRolloutState, WorkerPool
-from tailrl.rollout.workers import WorkerConfig
 from tailrl.rollout.native.runtimes import InProcessRuntime, ProcessRuntime, Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig
 from tailrl.rollout.native.worker import WorkerSetup
 from tailrl.rollout.protocol import EngineEntry, HeldMemory, check_state
+from tailrl.rollout.workers import WorkerConfig
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import WEIGHTS_FILE
@@ -107,7 +107,8 @@ class NativeRolloutConfig:
         speculation, workers = self.speculation, self.workers
         drafter = None
         if speculation.drafter and speculation.spec != "off":
-            drafter = DrafterState(0, load_file(Path(speculation.drafter).expanduser() / WEIGHTS_FILE))  # fp32, as saved
+            # fp32, as saved
+            drafter = DrafterState(0, load_file(Path(speculation.drafter).expanduser() / WEIGHTS_FILE))
         adapting = drafter is not None and self.adapt.adapt_drafter
         tuners = state.tuners if state is not None else None
         if tuners is not None and len(tuners) != workers.workers:

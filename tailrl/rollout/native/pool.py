@@ -19,8 +19,8 @@ A worker that dies, raises, or sends nothing for `worker_timeout_s` ends the cal
 WorkerError naming its rank and the step; the RL loop applies nothing of that step.
 
 Knows: shards, the buffer, drafter versions, which way the drafter adapts, spot scheduling,
-timing of idle windows, the decoding report. Does not know: how workers run (runtimes), the engine's internals, rewards or
-the policy update.
+timing of idle windows, the decoding report. Does not know: how workers run (runtimes), the
+engine's internals, rewards or the policy update.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from tailrl.rollout.adapt import AdaptingRollout, AdaptiveDrafter, AdaptStep
 from tailrl.rollout.native.buffer import DataBuffer
 from tailrl.rollout.native.runtimes import Runtime
 from tailrl.rollout.native.spot import DrafterState, SpotConfig, SpotJob, SpotResult
+from tailrl.rollout.native.worker import Beat, Finished, RolloutJob, SetDrafter, ShardResult, WorkerCall, WorkerReply
 from tailrl.rollout.protocol import IdleCore, RolloutState, WorkerError, check_state
+from tailrl.rollout.workers import shard_indices
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
-from tailrl.rollout.workers import shard_indices
 from tailrl.stats import EngineStats
-from tailrl.rollout.native.worker import Beat, Finished, RolloutJob, SetDrafter, ShardResult, WorkerCall, WorkerReply
 
 
 @dataclass

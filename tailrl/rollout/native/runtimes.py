@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 
 from tailrl.model import Transformer
 from tailrl.records import Progress
-from tailrl.rollout.protocol import WorkerError
 from tailrl.rollout.native.worker import Beat, Finished, RolloutWorker, WorkerCall, WorkerReply, WorkerSetup
+from tailrl.rollout.protocol import WorkerError
 
 # Seconds between beats a process worker sends (liveness and the progress line); hang detection
 # waits far longer than this.

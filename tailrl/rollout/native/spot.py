@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-from tailrl.speculative.drafter.model import Drafter
 from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.speculative.drafter.model import Drafter
 from tailrl.speculative.drafter.training import TrainSeq, drafter_optimizer, micro_step, pack
 
 
@@ -43,7 +43,8 @@ class SpotConfig:
     optimizer settings are the [adapt] section's, shared with the other ways of adapting it)."""
 
     buffer_tokens: int = field(
-        default=65536, metadata={"help": "data buffer bound, tokens incl. prompts (E x 4 bytes each: 2.3 KB for SmolLM2)"}
+        default=65536,
+        metadata={"help": "data buffer bound, tokens incl. prompts (E x 4 bytes each: 2.3 KB for SmolLM2)"},
     )
     keep_long: float = field(
         default=0.25, metadata={"help": "share of a step's responses, longest first, kept for the next step's training"}
@@ -108,7 +109,8 @@ def run_spot(
     batches = pack(job.seqs, cfg.drafter_batch_tokens)
     losses: list[float] = []
     while batches and preempted() < job.job_id:
-        stats = micro_step(drafter, opt, params, batches[len(losses) % len(batches)], target_head, cfg.drafter_ce_weight)
+        stats = micro_step(drafter, opt, params, batches[len(losses) % len(batches)], target_head,
+                           cfg.drafter_ce_weight)
         losses.append(stats.loss)
         if on_step is not None:
             on_step(len(losses))

@@ -52,7 +52,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tailrl.model import Transformer
-from tailrl.speculative.drafter.model import WEIGHTS_FILE, Drafter, DrafterConfig, DrafterError, check_target, read_drafter_config
+from tailrl.speculative.drafter.model import (
+    WEIGHTS_FILE,
+    Drafter,
+    DrafterConfig,
+    DrafterError,
+    check_target,
+    read_drafter_config,
+)
 
 ENGINES = ("vllm", "sglang")
 # The architecture each engine's EAGLE-1 loader resolves, per target family it has a class for.
@@ -120,7 +127,8 @@ def write_eagle(out: Path, cfg: DrafterConfig, state: dict[str, torch.Tensor], e
     side.mkdir()
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[d2t] = True
-    head = {"lm_head.weight": state["head.weight"].to(dtype).contiguous(), "d2t": d2t - torch.arange(len(d2t)), "t2d": t2d}
+    head = {"lm_head.weight": state["head.weight"].to(dtype).contiguous(), "d2t": d2t - torch.arange(len(d2t)),
+            "t2d": t2d}
     save_file(head, side / HEAD_FILE, metadata=meta)
     provenance = {"engine": engine, "target_name": cfg.target_name, "version": cfg.version,
                   "fingerprint": list(cfg.fingerprint)}

@@ -40,7 +40,13 @@ import torch
 from tailrl.model import Transformer
 from tailrl.speculative.drafter.model import Drafter, load_drafter
 from tailrl.speculative.drafter.training import (
-    CONTINUE_BATCH_TOKENS, CONTINUE_LR, Packed, TrainSeq, drafter_optimizer, micro_step, pack,
+    CONTINUE_BATCH_TOKENS,
+    CONTINUE_LR,
+    Packed,
+    TrainSeq,
+    drafter_optimizer,
+    micro_step,
+    pack,
 )
 
 
@@ -55,7 +61,8 @@ class AdaptConfig:
     drafter_lr: float = field(default=CONTINUE_LR, metadata={"help": "drafter training: AdamW learning rate"})
     drafter_batch_tokens: int = field(default=CONTINUE_BATCH_TOKENS, metadata={
         "help": "drafter training: entries per micro-step (what the rollout or the update waits at most)"})
-    drafter_ce_weight: float = field(default=0.1, metadata={"help": "weight of the drafter's cross-entropy term (TLT: 0.1)"})
+    drafter_ce_weight: float = field(default=0.1, metadata={
+        "help": "weight of the drafter's cross-entropy term (TLT: 0.1)"})
     drafter_min_steps: int = field(default=8, metadata={"help": (
         "drafter micro-steps per RL step when it trains on the update's idle core: those the idle time "
         "did not run, run after the update, on the step's time (drafter_after_s); 0 = idle time only")})
