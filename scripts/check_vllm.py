@@ -44,8 +44,9 @@ def tailrl_half(args: argparse.Namespace) -> None:
     install(engine, spec)
     out = engine.generate(make_requests(prompts, 1, 0), SamplingParams(temperature=0.0), args.max_new_tokens)
     s = engine.stats.spec
-    result = {"model_dir": str(model_dir), "export": str(args.export), "k": args.k, "max_new_tokens": args.max_new_tokens,
-              "prompts": [list(p) for p in prompts], "tailrl_accept_len": s.accept_len,
+    result = {"model_dir": str(model_dir), "export": str(args.export), "k": args.k,
+              "max_new_tokens": args.max_new_tokens, "prompts": [list(p) for p in prompts],
+              "tailrl_accept_len": s.accept_len,
               "tailrl_verify_steps": s.verify_steps, "tailrl_tokens": [c.token_ids for c in out]}
     Path(args.result).write_text(json.dumps(result))
     print(f"tailrl: mean acceptance length {s.accept_len:.3f} over {s.verify_steps} verifies", file=sys.stderr)

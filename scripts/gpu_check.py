@@ -172,7 +172,8 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
     device = args.device
-    dtype = torch.bfloat16 if device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    dtype = (torch.bfloat16 if device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+             else torch.float32)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "CPU"
     print(f"device {device} ({name}), torch {torch.__version__}, {dtype}", flush=True)
     t0 = time.perf_counter()
@@ -186,8 +187,8 @@ def main() -> None:
         table = costs(cfg, device, dtype)
         projections = [project(table, cfg.num_layers, lens, a) for lens in inputs["batches"]]
         plain_s, spec_s = sum(p for p, _ in projections), sum(s for _, s in projections)
-        print(f"{label}: projected rollout of the CPU-measured batches: plain {plain_s:.2f} s, best arms {spec_s:.2f} s, "
-              f"speed-up {plain_s / spec_s:.2f}x", flush=True)
+        print(f"{label}: projected rollout of the CPU-measured batches: plain {plain_s:.2f} s, "
+              f"best arms {spec_s:.2f} s, speed-up {plain_s / spec_s:.2f}x", flush=True)
         report["models"][label] = {"costs_s": table, "plain_s": plain_s, "spec_s": spec_s, "speedup": plain_s / spec_s}
     print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
     if args.out:

@@ -211,7 +211,8 @@ def main() -> None:
         print(f"| {rows} | {context} | {case['mean_length']:.0f} | {cells} |{speed}", flush=True)
     if args.profile:
         kinds = [k for k, _ in KINDS] + ["other ops", "python, dispatch"]
-        print("\nWhere a step's time goes, ms (one profiled repetition; `other ops` and the rest of the wall time last)")
+        print("\nWhere a step's time goes, ms (one profiled repetition; `other ops` and the rest of the wall time "
+              "last)")
         print("| rows | context | engine | " + " | ".join(kinds) + " |")
         print("|---|---|---|" + "---|" * len(kinds))
         for case in results:

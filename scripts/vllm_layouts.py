@@ -66,8 +66,9 @@ def main() -> None:
                 finally:
                     rollout.close()
                 tokens = sum(len(c.token_ids) for c in out)
-                print(json.dumps({"rep": rep, "spec": spec, "layout": f"{engines}x{threads}", "start_s": round(start, 1),
-                                  "seconds": round(seconds, 1), "tokens": tokens, "tok_s": round(tokens / seconds, 1),
+                print(json.dumps({"rep": rep, "spec": spec, "layout": f"{engines}x{threads}",
+                                  "start_s": round(start, 1), "seconds": round(seconds, 1), "tokens": tokens,
+                                  "tok_s": round(tokens / seconds, 1),
                                   "accept_len": round(report.spec_accept_len, 2)}), flush=True)
 
 

@@ -62,8 +62,15 @@ def main() -> None:
     from tailrl.loading import load_model, load_tokenizer, resolve_model_dir
     from tailrl.speculative.drafter.model import Drafter, save_drafter
     from tailrl.speculative.drafter.training import top1_flags
-    from tailrl.warmup import WarmupConfig, _train, build_draft_vocab, evaluate_accept, prompt_ids, sample_data
-    from tailrl.warmup import solution_data
+    from tailrl.warmup import (
+        WarmupConfig,
+        _train,
+        build_draft_vocab,
+        evaluate_accept,
+        prompt_ids,
+        sample_data,
+        solution_data,
+    )
 
     base = WarmupConfig(model=args.model, task=args.task, num_prompts=args.prompts, group_size=args.group,
                         holdout_prompts=args.holdout, max_new_tokens=args.max_new_tokens, solutions=args.solutions,
@@ -75,7 +82,8 @@ def main() -> None:
     key = [args.model, args.task, args.max_new_tokens, args.prompts, args.group, args.solutions]
     cached = torch.load(data, weights_only=False) if data.is_file() else None
     if cached is not None and cached["key"] == key:
-        groups, solutions, sample_s, solution_s = cached["groups"], cached["solutions"], cached["sample_s"], cached["solution_s"]
+        groups, solutions, sample_s, solution_s = (cached["groups"], cached["solutions"], cached["sample_s"],
+                                                   cached["solution_s"])
     else:
         t0 = time.perf_counter()
         groups = sample_data(target, prompt_ids(base, tokenizer), base)
@@ -86,8 +94,9 @@ def main() -> None:
         torch.save(dict(key=key, groups=groups, solutions=solutions, sample_s=sample_s, solution_s=solution_s), data)
     train_groups, held = groups[: -args.holdout], [s for g in groups[-args.holdout :] for s in g]
     flags = top1_flags(held, target.lm_head.weight.detach())
-    out = {"model": args.model, "task": args.task, "max_new_tokens": args.max_new_tokens, "dtype": str(target.lm_head.weight.dtype),
-           "sample_s": round(sample_s, 1), "solution_s": round(solution_s, 1), "held_responses": len(held),
+    out = {"model": args.model, "task": args.task, "max_new_tokens": args.max_new_tokens,
+           "dtype": str(target.lm_head.weight.dtype), "sample_s": round(sample_s, 1),
+           "solution_s": round(solution_s, 1), "held_responses": len(held),
            "held_tokens": sum(len(f) for f in flags), "recipes": {}}
     print(f"sampled {len(groups)} x {args.group} responses in {sample_s:.0f} s, {len(solutions)} solutions in "
           f"{solution_s:.0f} s", flush=True)
@@ -106,7 +115,8 @@ def main() -> None:
         save_drafter(drafter, Path(args.out).with_suffix("") / name)
         out["recipes"][name] = {"train_sequences": len(train), "steps": len(run.history), "best_step": run.best_step,
                                 "train_s": round(train_s, 1), "accept": accept, "replays": run.replays}
-        chains = ", ".join(f"{k} {v['accept_len']:.2f} of {v['ceiling']:.2f}" for k, v in accept.items() if "ceiling" in v)
+        chains = ", ".join(f"{k} {v['accept_len']:.2f} of {v['ceiling']:.2f}" for k, v in accept.items()
+                           if "ceiling" in v)
         print(f"{name}: {len(run.history)} steps (kept {run.best_step}) in {train_s:.0f} s; {chains}", flush=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
 

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
+from conftest import build_hf
+
 from tailrl.bench.peers import NO_TRL, BenchPeersConfig
 from tailrl.bench.suite import _peers
 from tailrl.cli import main
-
-from conftest import build_hf
 
 
 def test_without_trl_the_bench_says_how_to_install_it_and_exits_2(monkeypatch, capsys):
@@ -38,8 +38,7 @@ def tiny_chat_dir(smollm2_dir, tmp_path_factory):
 
 def test_trl_tokenizes_prompts_as_tailrl_does(smollm2_dir):
     from tailrl.loading import load_tokenizer
-    from tailrl.rl.tasks import format_prompt
-    from tailrl.rl.tasks import encode_question
+    from tailrl.rl.tasks import encode_question, format_prompt
 
     tok = load_tokenizer(smollm2_dir)
     question = "What is 3 + 4?"

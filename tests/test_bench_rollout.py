@@ -36,7 +36,8 @@ def test_bench_rollout_reports_every_mode_with_identical_tokens(smollm2_shallow_
     # The oracle read the modes that ran, and only them: native ones, so the best over every
     # engine is the native engine's and no other engine has an oracle time.
     oracle = report["oracle"]
-    assert report["batches"] == 2 and oracle["native_seconds"] == oracle["any_seconds"] and oracle["vllm_seconds"] is None
+    assert (report["batches"] == 2 and oracle["native_seconds"] == oracle["any_seconds"]
+            and oracle["vllm_seconds"] is None)
     assert {name.split(" ")[0] for b in oracle["buckets"].values() for name in b["rates"]} <= set(report["modes"])
     assert 0 < oracle["auto_efficiency"] < float("inf")
     assert any(line.startswith("Oracle time") for line in _rollout(report))

@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 
 from tailrl.bench.suite import END, START, BenchAllConfig, update_results_md
-from tailrl.cli import main
 from tailrl.cache_dir import shown_path
+from tailrl.cli import main
 from tailrl.config import read_toml
 
 
 def test_bench_all_writes_json_and_rewrites_only_the_results_section(smollm2_shallow_dir, tmp_path, capsys):
     config = tmp_path / "bench.toml"
-    config.write_text(f'[generate]\nmodel = "{smollm2_shallow_dir}"\ndtype = "fp32"\nbatch_sizes = [1, 2]\nmax_new_tokens = 3\n')
+    config.write_text(f'[generate]\nmodel = "{smollm2_shallow_dir}"\ndtype = "fp32"\n'
+                      'batch_sizes = [1, 2]\nmax_new_tokens = 3\n')
     page = tmp_path / "results.md"
     page.write_text(f"# title\n\nbefore\n{START}\nold numbers\n{END}\nafter\n")
     results = tmp_path / "results"

@@ -13,6 +13,7 @@ from tailrl.bench.train import compare
 from tailrl.cli import main
 from tailrl.loading import load_model
 from tailrl.speculative.drafter.model import Drafter, save_drafter
+
 pytestmark = pytest.mark.usefixtures("no_plots")
 
 REWARD = "conftest:high_chars_reward"
@@ -21,14 +22,15 @@ REWARD = "conftest:high_chars_reward"
 def record(step: int, digest: str, rewards: list[float], step_s: float, rollout_s: float | None = None,
            in_rollout: float = 0.0) -> dict:
     rollout_s = step_s / 2 if rollout_s is None else rollout_s
-    return {"step": step, "step_s": step_s, "rollout_s": rollout_s, "train_s": step_s - rollout_s, "tokens_generated": 10,
-            "reward_mean": sum(rewards) / len(rewards), "tokens_sha256": digest, "rewards": rewards,
-            "update_in_rollout_s": in_rollout}
+    return {"step": step, "step_s": step_s, "rollout_s": rollout_s, "train_s": step_s - rollout_s,
+            "tokens_generated": 10, "reward_mean": sum(rewards) / len(rewards), "tokens_sha256": digest,
+            "rewards": rewards, "update_in_rollout_s": in_rollout}
 
 
 def test_compare_sums_step_times_and_flags_the_first_difference():
     base = [record(1, "a", [0.0, 1.0], 4.0), record(2, "b", [1.0, 1.0], 6.0)]
-    overlap = [record(1, "a", [0.0, 1.0], 3.0, 2.0, in_rollout=1.0), record(2, "b", [1.0, 1.0], 4.0, 3.0, in_rollout=2.0)]
+    overlap = [record(1, "a", [0.0, 1.0], 3.0, 2.0, in_rollout=1.0),
+               record(2, "b", [1.0, 1.0], 4.0, 3.0, in_rollout=2.0)]
     tlt = [record(1, "a", [0.0, 1.0], 2.0), record(2, "c", [1.0, 0.5], 3.0)]
     report = compare({"baseline": base, "overlap_only": overlap, "tlt": tlt})
     assert report["speedup_e2e"] == 10.0 / 5.0 and report["speedup_rollout"] == 5.0 / 2.5

@@ -42,7 +42,8 @@ def reference(q, k, v, cos, sin, pos, lens, keys, values):
     out = torch.empty(b, t, q.shape[-1], dtype=torch.float64)
     for j in range(t):
         # The scaled query in the cache's dtype, as the torch path holds it (query head h*G + g reads kv head h).
-        qr = (rope64(q[:, j].reshape(b, -1, d), cos[:, j], sin[:, j]) / d**0.5).to(keys.dtype).double().view(b, kv, -1, d)
+        qr = ((rope64(q[:, j].reshape(b, -1, d), cos[:, j], sin[:, j]) / d**0.5)
+              .to(keys.dtype).double().view(b, kv, -1, d))
         for i in range(b):
             n = int(lens[i, j])
             scores = qr[i] @ keys[i, :, :n].double().transpose(-1, -2)

@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from conftest import build_hf
+
 from tailrl.engine import Engine, EngineConfig
-from tailrl.records import Request
 from tailrl.loading import load_model
+from tailrl.records import Request
 from tailrl.sampling import SamplingParams
+from tailrl.speculative.drafter.export import export, load_exported
 from tailrl.speculative.drafter.model import Drafter, DrafterError, DrafterProposer, load_drafter, save_drafter
 from tailrl.speculative.drafter.training import (
     DrafterTrainConfig,
@@ -31,7 +33,6 @@ from tailrl.speculative.drafter.training import (
     train_drafter,
     windows,
 )
-from tailrl.speculative.drafter.export import export, load_exported
 from tailrl.tuner import Arm
 
 VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in
@@ -155,7 +156,8 @@ def test_a_sequence_longer_than_a_row_trains_every_entry_once_in_windows_with_co
     seq = TrainSeq(torch.arange(100, 112), h, prompt_len=2, offset=50)
     rows = pack([seq], 4)
     assert [r.positions.tolist() for r in rows] == [[[50, 51, 52, 53]], [[53, 54, 55, 56]], [[56, 57, 58, 59]]]
-    assert [r.loss_mask.tolist() for r in rows] == [[[True] * 4], [[False, True, True, True]], [[False, True, True, True]]]
+    assert [r.loss_mask.tolist() for r in rows] == [[[True] * 4], [[False, True, True, True]],
+                                                    [[False, True, True, True]]]
     trained = torch.cat([r.positions[r.loss_mask] for r in rows])
     assert trained.tolist() == list(range(50, 60))
     for r in rows:
@@ -439,7 +441,8 @@ def test_warmup_on_smollm2_writes_a_drafter_and_its_curves(tmp_path, smollm2_dir
         for label, v in arms.items():
             hist = v["accept_hist"]  # each verify emits its accepted drafts and one more, cut at a response's end
             assert sum(hist) == v["verify_steps"]
-            assert v["accept_len"] * v["verify_steps"] <= sum(d * n for d, n in enumerate(hist)) + v["verify_steps"] + 1e-6
+            assert (v["accept_len"] * v["verify_steps"]
+                    <= sum(d * n for d, n in enumerate(hist)) + v["verify_steps"] + 1e-6)
             if "ceiling" in v:
                 assert v["of_ceiling"] == round(v["accept_len"] / v["ceiling"], 3)
 

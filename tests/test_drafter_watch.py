@@ -19,13 +19,13 @@ from conftest import VLLM_TINY, build_hf
 
 from tailrl.engine import EngineConfig
 from tailrl.loading import load_model
+from tailrl.records import Request
 from tailrl.rl.packing import Sample, packed_logprobs_and_hidden
 from tailrl.rl.phases import policy_forwards
 from tailrl.rl.progress import rollback_line, summary_line
 from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.workers import WorkerConfig
-from tailrl.records import Request
 from tailrl.rollout.protocol import DrafterVersionError, Rollback, Rollout, RolloutReport
+from tailrl.rollout.workers import WorkerConfig
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import Drafter, save_drafter
@@ -197,7 +197,8 @@ def run_native(repeater: tuple[Path, Path], steps: int, breaks: Callable[[Rollou
     target, drafter = repeater
     model = load_model(target, "fp32")
     speculation = RolloutSpeculationConfig(drafter=str(drafter), **SPEC)
-    rollout = NativeRolloutConfig(EngineConfig(max_batch=16), speculation, TunerConfig(), adapt, WorkerConfig()).open(model, 0)
+    rollout = NativeRolloutConfig(EngineConfig(max_batch=16), speculation, TunerConfig(), adapt,
+                                  WorkerConfig()).open(model, 0)
     try:
         return run_steps(rollout, model, steps, lambda step: breaks(rollout, step)), rollout
     finally:

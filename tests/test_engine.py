@@ -9,13 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from tailrl import cli
-from tailrl import engine as engine_mod
-from tailrl import model as model_mod
+from tailrl import cli, engine as engine_mod, model as model_mod
 from tailrl.engine import Engine, EngineConfig
-from tailrl.records import Request
 from tailrl.loading import load_model
 from tailrl.model import KV_CHUNK, KVCache
+from tailrl.records import Request
 from tailrl.sampling import SamplingParams, process_logits
 
 
@@ -30,7 +28,8 @@ def _requests(n: int, group_size: int = 1) -> list[Request]:
     return [Request(prompts[i // group_size], seed=1000 + i, group=i // group_size) for i in range(n)]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)])
+@pytest.mark.parametrize("params",
+                         [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)])
 def test_alone_equals_batch_of_64(tiny, params):
     """A sequence's tokens depend on its seed only, not on its batch mates or slot moves."""
     reqs = _requests(64, group_size=4)
@@ -94,7 +93,8 @@ def _chi2_quantile(df: int, z: float) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=10, top_p=0.8)])
+@pytest.mark.parametrize("params",
+                         [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=10, top_p=0.8)])
 def test_sampling_matches_model_distribution(tiny, params):
     """Pearson chi-square goodness of fit of the first sampled token over 6000 seeds.
 
@@ -229,12 +229,15 @@ def test_cli_bad_input(tmp_path, tiny_dir, capsys):
     (bad / "config.json").write_text("{not json")
     assert "not valid JSON" in _cli_error(capsys, ["generate", "--model", str(bad), "--prompt", "x"])
     assert "top_p" in _cli_error(capsys, ["generate", "--model", str(tiny_dir), "--prompt", "x", "--top-p", "0"])
-    assert "temperature" in _cli_error(capsys, ["generate", "--model", str(tiny_dir), "--prompt", "x", "--temperature", "-1"])
-    assert "cannot read prompts" in _cli_error(capsys, ["generate", "--model", str(tiny_dir), "--prompts", str(tmp_path / "none.jsonl")])
+    assert "temperature" in _cli_error(capsys, ["generate", "--model", str(tiny_dir), "--prompt", "x",
+                                                "--temperature", "-1"])
+    assert "cannot read prompts" in _cli_error(capsys, ["generate", "--model", str(tiny_dir),
+                                                        "--prompts", str(tmp_path / "none.jsonl")])
     lines = tmp_path / "p.jsonl"
     lines.write_text('{"prompt": "ok"}\n{"text": 3}\n')
     assert "p.jsonl:2" in _cli_error(capsys, ["generate", "--model", str(tiny_dir), "--prompts", str(lines)])
-    assert "--max-new-tokens" in _cli_error(capsys, ["generate", "--model", str(tiny_dir), "--prompt", "x", "--max-new-tokens", "many"])
+    assert "--max-new-tokens" in _cli_error(capsys, ["generate", "--model", str(tiny_dir), "--prompt", "x",
+                                                     "--max-new-tokens", "many"])
 
 
 def test_cli_prompt_longer_than_context(smollm2_dir, capsys):

@@ -37,6 +37,7 @@ from tailrl.engine import EngineConfig
 from tailrl.loading import load_model
 from tailrl.model import Transformer
 from tailrl.pipeline import TRAIN_SECTIONS, run_config
+from tailrl.records import Completion, Request
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.packing import Sample, packed_logprobs_and_hidden
 from tailrl.rl.phases import policy_forwards
@@ -44,7 +45,6 @@ from tailrl.rl.progress import RolloutProgress
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import TrainConfig, train
 from tailrl.rollout import registry
-from tailrl.records import Completion, Request
 from tailrl.rollout.protocol import Rollout, RolloutReport
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
@@ -190,10 +190,12 @@ class TestPlainDecoding:
         # Every first token comes from a prefill, so decode steps emit the rest at most (vLLM
         # counts a step that also prefilled as prefill: its decode tokens are in neither).
         assert 0 < sum(c["tokens"] for c in cells) <= tokens - len(out)
-        assert set(report.arm_by_bucket.values()) == {"plain"} and report.by_bucket.keys() == report.arm_by_bucket.keys()
+        assert (set(report.arm_by_bucket.values()) == {"plain"}
+                and report.by_bucket.keys() == report.arm_by_bucket.keys())
         assert all(1 <= batch <= SLOTS for _, _, batch, _ in report.batch_timeline)
         # Plain decoding: no speculation, no drafter.
-        assert (report.spec_verify_steps, report.spec_proposed, report.spec_accepted, report.sd_fraction) == (0, 0, 0, 0)
+        assert (report.spec_verify_steps, report.spec_proposed, report.spec_accepted,
+                report.sd_fraction) == (0, 0, 0, 0)
         assert (report.draft_s, report.verify_s, sum(report.accept_hist)) == (0, 0, 0)
         assert (report.spec_accept_ceiling, report.spec_draft_depth) == (None, 0.0)
         assert (report.drafter_version, report.drafter_published, report.drafter_accept_len) == (0, 0, None)
@@ -355,7 +357,8 @@ def test_a_run_stopped_by_ctrl_c_and_resumed_is_the_uninterrupted_run(engine, tm
     # must pick up from the step number. lr: a far larger step moves the embedding off the
     # drafter's fingerprint (Drafter.attach refuses).
     configs["grpo"] = GRPOConfig(lr=1e-3, lr_warmup_steps=1, micro_batch=5, kl_coef=0.05, clip_high=0.28)
-    configs["speculation"] = RolloutSpeculationConfig(spec="on", drafter=str(drafter), draft_depth=3, num_draft_tokens=3)
+    configs["speculation"] = RolloutSpeculationConfig(spec="on", drafter=str(drafter), draft_depth=3,
+                                                      num_draft_tokens=3)
     configs["adapt"] = AdaptConfig(drafter_batch_tokens=256, drafter_min_steps=3)  # a row holds a group
     configs.update(own_sections(engine, same_run=True))
     train(run_config(configs), tmp_path / "straight")

@@ -3,13 +3,14 @@ run whose floor passes what the machine has stops before it starts, naming the s
 
 import pytest
 
+from conftest import tiny_configs
+
 from tailrl.loading import load_model
+from tailrl.pipeline import run_config
 from tailrl.rl import train as train_mod
 from tailrl.rl.floor import update_gb
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.train import train
-from conftest import tiny_configs
-from tailrl.pipeline import run_config
 
 
 def test_the_update_floor_is_the_kept_tensors_and_one_logits_chunk(tiny_dir):

@@ -26,7 +26,8 @@ def test_the_gain_is_paired_by_problem():
     g = gain([record(10, [1.0, 1.0, 1.0, 0.0]), record(0, [1.0, 0.0, 1.0, 0.0])])
     assert (g.first_step, g.last_step, g.before, g.after, g.problems) == (0, 10, 0.5, 0.75, 4)
     assert g.delta == pytest.approx(0.25) and g.se == pytest.approx(0.25)
-    assert g.line() == "held-out reward 0.500 at step 0 -> 0.750 at step 10: +0.250 +- 0.250 (one standard error, 4 problems)"
+    assert g.line() == ("held-out reward 0.500 at step 0 -> 0.750 at step 10: +0.250 +- 0.250 "
+                        "(one standard error, 4 problems)")
 
 
 def test_records_without_per_problem_rewards_fall_back_to_independent_means():

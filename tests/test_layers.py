@@ -45,7 +45,8 @@ def test_the_size_check_names_each_module_over_its_budget(tmp_path):
     spec = importlib.util.spec_from_file_location("check_sizes", SCRIPT.parent / "check_sizes.py")
     check_sizes = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check_sizes)
-    for name, lines in {"tailrl/a.py": 500, "tailrl/x/b.py": 501, "tests/test_c.py": 600, "tests/test_d.py": 601}.items():
+    for name, lines in {"tailrl/a.py": 500, "tailrl/x/b.py": 501,
+                        "tests/test_c.py": 600, "tests/test_d.py": 601}.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x = 1\n" * lines)
     assert check_sizes.over_budget(tmp_path) == ["tests/test_d.py: 601 lines, over the tests/ budget of 600",

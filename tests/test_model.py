@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build_hf
+
+import tailrl.model as model_module
 from tailrl import decode_kernels
 from tailrl.engine import EngineConfig
-from tailrl.loading import ModelError, load_model
 from tailrl.linears import PACKED_DTYPES
-import tailrl.model as model_module
+from tailrl.loading import ModelError, load_model
 from tailrl.model import CacheView, KVCache, row_segments
 
 ATOL = 1e-4
@@ -81,7 +82,8 @@ def test_row_segments_minimise_keys_read_plus_calls():
 
 # The decode steps' attention: the compiled kernel (tailrl.decode_kernels), or SDPA over row
 # groups with `cost` (0: a group per distinct length).
-@pytest.mark.parametrize("kernel,cost", [("1", model_module.SEGMENT_COST_KEYS), ("0", 0), ("0", model_module.SEGMENT_COST_KEYS)])
+@pytest.mark.parametrize("kernel,cost",
+                         [("1", model_module.SEGMENT_COST_KEYS), ("0", 0), ("0", model_module.SEGMENT_COST_KEYS)])
 @torch.no_grad()  # as the engine decodes: the kernels have no backward
 def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkeypatch, kernel, cost):
     """A right-padded prefill of prompts of 7, 30 and 15 tokens, then 5 decode steps each at its
@@ -183,13 +185,15 @@ def test_one_row_with_a_hidden_key_is_masked(tiny_dir):
     ids = torch.randint(0, 96, (2, 21))
     pos = torch.arange(21).expand(2, 21)
     cache = KVCache(model.cfg, slots=2, capacity=64, dtype=torch.float32, device="cpu")
-    model(ids[:, :20], pos[:, :20], CacheView(cache, 0, pos[:, :20], 20, torch.ones(20, 20).tril().bool().expand(2, 20, 20)))
+    model(ids[:, :20], pos[:, :20],
+          CacheView(cache, 0, pos[:, :20], 20, torch.ones(20, 20).tril().bool().expand(2, 20, 20)))
     m = torch.ones(2, 1, 21, dtype=torch.bool)
     m[0, 0, 5] = False
     both = model(ids[:, 20:], pos[:, 20:], CacheView(cache, 0, pos[:, 20:], 21, m))
     alone = model(ids[:1, 20:], pos[:1, 20:], CacheView(cache, 0, pos[:1, 20:], 21, m[:1]))
     assert (alone - both[:1]).abs().max().item() <= ATOL
-    unmasked = model(ids[:1, 20:], pos[:1, 20:], CacheView(cache, 0, pos[:1, 20:], 21, torch.ones(1, 1, 21, dtype=torch.bool)))
+    unmasked = model(ids[:1, 20:], pos[:1, 20:],
+                     CacheView(cache, 0, pos[:1, 20:], 21, torch.ones(1, 1, 21, dtype=torch.bool)))
     assert (alone - unmasked).abs().max().item() > 100 * ATOL  # the hidden key mattered
 
 
@@ -246,7 +250,8 @@ def test_token_logits_do_not_depend_on_the_forward_shape(smollm2_shallow_dir, dt
         for b in range(rows):
             n = prompt_lens[b]
             pos = torch.arange(n)[None]
-            model.hidden(tokens[b : b + 1, :n], pos, CacheView(cache, b, pos, n, torch.ones(1, n, n).tril().bool()), exact=True)
+            model.hidden(tokens[b : b + 1, :n], pos, CacheView(cache, b, pos, n, torch.ones(1, n, n).tril().bool()),
+                         exact=True)
         return cache
 
     def logits_of_row0(rows: int, t: int) -> torch.Tensor:  # [token, t - 1 drafts] per row, causal
@@ -375,7 +380,8 @@ OTHER_CPU_PATHS = {
     # avx512_bf16 without AMX (AMD Zen 4 / Zen 5): oneDNN's AVX512-BF16 kernels, MKL's AVX2 ones.
     "avx512_bf16": ("amx_bf16", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
     # AVX2 only (AMD Zen 1): MKL's AVX2 kernels; bf16 falls to torch's own AVX2 kernels (emulated).
-    "avx2": ("avx512f", {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}),
+    "avx2": ("avx512f", {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                         "ATEN_CPU_CAPABILITY": "avx2"}),
 }
 
 
@@ -391,7 +397,8 @@ def test_exact_mode_holds_on_the_code_paths_of_other_cpu_kinds(path):
         pytest.skip(f"this CPU has no {above}: its own code path is {path}'s or below it, and the suite runs that one")
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | caps
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "forward_shape or thread_count"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "forward_shape or thread_count"],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

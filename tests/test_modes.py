@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.records import Request
 from tailrl.loading import load_model
+from tailrl.records import Request
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.model import Drafter, save_drafter
 from tailrl.speculative.modes import SpeculationConfig, install
@@ -52,10 +52,12 @@ def test_exact_mode_drafts_chains_only(tiny, tmp_path):
     """Trees are not exact on every CPU (modes.EXACT_CHAINS): exact mode refuses --spec on with a
     tree; the tuner's arms are chains in both modes, so exact and ordinary runs choose among the same."""
     with pytest.raises(ValueError, match="chains only"):
-        install(Engine(tiny, EngineConfig(exact=True)), SpeculationConfig(spec="on", draft_depth=3, topk=2, num_draft_tokens=6))
+        install(Engine(tiny, EngineConfig(exact=True)),
+                SpeculationConfig(spec="on", draft_depth=3, topk=2, num_draft_tokens=6))
     drafter = save_drafter(Drafter.from_target(tiny, list(range(1, 96, 2)), "tiny"), tmp_path / "drafter")
     for exact in (True, False):
-        tuner = install(Engine(tiny, EngineConfig(exact=exact)), SpeculationConfig(spec="auto", drafter=str(drafter)), TunerConfig())
+        tuner = install(Engine(tiny, EngineConfig(exact=exact)), SpeculationConfig(spec="auto", drafter=str(drafter)),
+                        TunerConfig())
         assert all(a.topk <= 1 for a in tuner.arms)  # plain has none
         assert {a.kind for a in tuner.arms} == {"plain", "ngram", "drafter"}
 
@@ -65,7 +67,8 @@ def test_every_rollout_starts_with_the_gate_closed(tiny):
     # epsilon 1 makes an open gate explore; the first patience - 1 steps of the second rollout
     # must still decode plain.
     engine = Engine(tiny, EngineConfig(max_batch=12))
-    install(engine, SpeculationConfig(spec="auto"), TunerConfig(switch_patience=5, epsilon=1.0, loser_margin=1.0), seed=1)
+    install(engine, SpeculationConfig(spec="auto"), TunerConfig(switch_patience=5, epsilon=1.0, loser_margin=1.0),
+            seed=1)
     for _ in range(2):
         engine.generate(_requests(), SamplingParams(temperature=1.0), 30)
         arms = [r.arm for r in engine.stats.timeline]

@@ -6,13 +6,13 @@ plot is drawn from metrics records."""
 import pytest
 
 from tailrl import pipeline
+from tailrl.pipeline import TRAIN_SECTIONS, run_config
 from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import Notice
 from tailrl.rl.sft import SFTConfig
-from tailrl.pipeline import TRAIN_SECTIONS, run_config
 from tailrl.rl.train import TrainConfig
-from tailrl.warmup import WarmupConfig
 from tailrl.speculative.modes import RolloutSpeculationConfig
+from tailrl.warmup import WarmupConfig
 
 
 @pytest.fixture

@@ -14,21 +14,35 @@ import signal
 
 import pytest
 
+from test_engine_contract import (  # noqa: F401 - model is a fixture
+    GREEDY,
+    drafting,
+    is_greedy_chain,
+    model,
+    opened,
+    perturbed,
+    requests as contract_requests,
+)
+from test_workers import (  # noqa: F401 - target and straight_fp32 are fixtures
+    PARAMS,
+    exact_fp32_configs,
+    reference,
+    requests,
+    same_run,
+    start_pool,
+    straight_fp32,
+    target,
+)
+
+from tailrl.pipeline import run_config
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
-from tailrl.pipeline import run_config
-from tailrl.rollout.workers import WorkerConfig
-from tailrl.rollout.protocol import WorkerError
 from tailrl.rollout.native.spot import SpotConfig
+from tailrl.rollout.protocol import WorkerError
+from tailrl.rollout.workers import WorkerConfig
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import Drafter, save_drafter
 from tailrl.speculative.modes import RolloutSpeculationConfig
-from test_engine_contract import (  # noqa: F401 - model is a fixture
-    GREEDY, drafting, is_greedy_chain, model, opened, perturbed, requests as contract_requests,
-)
-from test_workers import (  # noqa: F401 - target and straight_fp32 are fixtures
-    PARAMS, exact_fp32_configs, reference, requests, same_run, start_pool, straight_fp32, target,
-)
 
 pytestmark = pytest.mark.usefixtures("no_plots")
 

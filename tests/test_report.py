@@ -1,9 +1,9 @@
 """rollout_report and chain_ceiling against hand-computed summaries of made-up steps and flags."""
 
-from tailrl.stats import EngineStats, SpecStats, StepRecord
 import pytest
 
 from tailrl.speculative.report import chain_ceiling, rollout_report
+from tailrl.stats import EngineStats, SpecStats, StepRecord
 
 EDGES = (1, 2, 4, 8, 16, 32)
 

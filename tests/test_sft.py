@@ -10,7 +10,18 @@ import torch
 from safetensors.torch import load_file
 
 from tailrl.loading import load_model, load_tokenizer
-from tailrl.rl.sft import SFT_FILE, SFTConfig, SFTProgress, cache_key, cached, example, lr_at, nll_sums, sft, worked_task
+from tailrl.rl.sft import (
+    SFT_FILE,
+    SFTConfig,
+    SFTProgress,
+    cache_key,
+    cached,
+    example,
+    lr_at,
+    nll_sums,
+    sft,
+    worked_task,
+)
 
 TASK = "sums(max_terms=3, max_value=9)"
 

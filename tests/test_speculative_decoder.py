@@ -22,8 +22,8 @@ import torch
 
 from tailrl import decode_kernels
 from tailrl.engine import Engine, EngineConfig, Seq
-from tailrl.records import Request
 from tailrl.loading import load_model, resolve_dtype
+from tailrl.records import Request
 from tailrl.sampling import SamplingParams
 from tailrl.speculative import decoder as decoder_mod
 from tailrl.speculative.decoder import NgramProposer, SpecDecoder, fixed, tuned

@@ -53,7 +53,8 @@ def test_train_report_to_tensorboard_has_the_metrics_jsonl_scalars(tmp_path, cha
     assert [e["step"] for e in evals] == [0, 2]  # before the first step and after the last
     for key in evals[0]:
         if key != "step" and isinstance(evals[0][key], (int, float)):
-            assert [(e.step, e.value) for e in ea.Scalars(key)] == [(r["step"], float(np.float32(r[key]))) for r in evals]
+            assert ([(e.step, e.value) for e in ea.Scalars(key)]
+                    == [(r["step"], float(np.float32(r[key]))) for r in evals])
     assert [h.step for h in ea.Histograms("heldout_rewards")] == [0, 2]  # per problem
     for r, h in zip(records, ea.Histograms("response_lens")):
         v = h.histogram_value
@@ -106,8 +107,8 @@ class _Recorder:
 
 
 def test_warmup_tracking_logs_each_step_loss_then_the_report():
-    from tailrl.warmup import WarmupProgress, WarmupReport
     from tailrl.tracking import WarmupTracking
+    from tailrl.warmup import WarmupProgress, WarmupReport
 
     rec = _Recorder()
     tracking = WarmupTracking(rec)

@@ -78,7 +78,8 @@ def test_bucket_ranges():
     tuner = Tuner([PLAIN])  # edges (1, 2, 4, 8, 16, 32)
     expected = {1: 0, 2: 1, 3: 2, 4: 2, 5: 3, 8: 3, 9: 4, 16: 4, 17: 5, 32: 5, 33: 6, 1000: 6}
     assert {b: tuner.bucket(b) for b in expected} == expected
-    assert [bucket_label(tuner.config.bucket_edges, i) for i in range(7)] == ["1", "2", "3-4", "5-8", "9-16", "17-32", "33+"]
+    assert ([bucket_label(tuner.config.bucket_edges, i) for i in range(7)]
+            == ["1", "2", "3-4", "5-8", "9-16", "17-32", "33+"])
 
 
 def test_converges_to_best_arm_per_bucket():

@@ -55,7 +55,8 @@ def target(tiny_dir):
 def _sampled(target, n: int, seed: int, temperature: float = 1.0):
     """n responses with their hidden states as the warm-up keeps them, and the engine's completions."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [tuple(torch.randint(2, 96, (int(k),), generator=g).tolist()) for k in torch.randint(3, 9, (n,), generator=g)]
+    prompts = [tuple(torch.randint(2, 96, (int(k),), generator=g).tolist())
+               for k in torch.randint(3, 9, (n,), generator=g)]
     reqs = [Request(p, seed=seed * 100 + i, group=i) for i, p in enumerate(prompts)]
     outs = Engine(target, EngineConfig(capture_hidden=True)).generate(reqs, SamplingParams(temperature=temperature), 24)
     seqs = []

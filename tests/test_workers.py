@@ -14,31 +14,31 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import comparable, tiny_configs
+
 from tailrl.engine import Engine, EngineConfig
+from tailrl.loading import load_model
+from tailrl.model import Transformer
+from tailrl.pipeline import run_config
 from tailrl.records import Completion, Request
-from tailrl.stats import EngineStats, SpecStats
 from tailrl.rl.progress import RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
-from tailrl.loading import load_model
-from tailrl.model import Transformer
+from tailrl.rollout.native import pool as pool_module
+from tailrl.rollout.native.buffer import DataBuffer, train_seq
+from tailrl.rollout.native.config import NativeRolloutConfig
+from tailrl.rollout.native.pool import NativeRolloutState, WorkerPool
+from tailrl.rollout.native.spot import DrafterState, SpotJob, run_spot
+from tailrl.rollout.native.worker import RolloutWorker, ShardResult, SpotBeat, WorkerSetup
+from tailrl.rollout.protocol import IdleCore, RolloutReport, WorkerError
+from tailrl.rollout.workers import WorkerConfig, shard_indices
 from tailrl.sampling import SamplingParams, derive_seed
+from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import Drafter, save_drafter
 from tailrl.speculative.drafter.training import TrainSeq
 from tailrl.speculative.modes import SpeculationConfig
+from tailrl.stats import EngineStats, SpecStats, merge_stats
 from tailrl.tuner import TunerConfig
-from tailrl.rollout.native.buffer import DataBuffer, train_seq
-from tailrl.pipeline import run_config
-from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.native.pool import NativeRolloutState, WorkerPool
-from tailrl.rollout.workers import WorkerConfig, shard_indices
-from tailrl.stats import merge_stats
-from tailrl.rollout.protocol import IdleCore, RolloutReport, WorkerError
-from tailrl.speculative.drafter.learner import AdaptConfig
-from tailrl.rollout.native.spot import DrafterState, SpotJob, run_spot
-from tailrl.rollout.native import pool as pool_module
-from tailrl.rollout.native.worker import RolloutWorker, ShardResult, SpotBeat, WorkerSetup
-from conftest import comparable, tiny_configs
 
 pytestmark = pytest.mark.usefixtures("no_plots")
 
@@ -359,7 +359,8 @@ def test_a_hung_worker_is_detected_by_timeout(target, monkeypatch):
 # ---- in the GRPO loop -------------------------------------------------------------------------
 
 # Wall-clock measurements, and counts that depend on how the work was split between workers.
-SPLIT = {"decode_steps", "idle_seconds_harvested", "idle_seconds_left", "preempt_latency_s", "arm_by_bucket"}  # batch sizes per worker
+SPLIT = {"decode_steps", "idle_seconds_harvested", "idle_seconds_left", "preempt_latency_s",
+         "arm_by_bucket"}  # batch sizes per worker
 
 
 def exact_fp32_configs(char_model_dir, task_file) -> dict:
