@@ -16,12 +16,17 @@ that is less.
 
 `parameters_gb` is what a module's parameters hold.
 
+`lazy_zeros` is a zero tensor whose pages become resident only as they are written (a KV cache
+sized for every sequence's worst case holds only the positions its sequences reach).
+
 Knows: /proc, /sys/fs/cgroup, glibc's mallopt. Does not know: what the phases are.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import os
 from pathlib import Path
 
@@ -121,3 +126,14 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
 def parameters_gb(module: torch.nn.Module) -> float:
     """GiB a module's parameters hold (tied ones once)."""
     return sum(p.numel() * p.element_size() for p in module.parameters()) / 2**30
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Zeros; on the CPU on an anonymous mapping of their own, which the kernel maps to its shared
+    zero page until written: only the pages written are resident (torch.zeros writes, and so
+    holds, every page). Unmapped with the tensor."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared ones fill on reading
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)

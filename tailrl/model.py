@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tailrl import decode_kernels
+from tailrl import decode_kernels, memory
 from tailrl.linears import FusedLinears, Head, Linear, blocked, packed_path
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
@@ -166,8 +166,8 @@ class KVCache:
         self.v = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
 
     def _empty(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        # Zeros, not torch.empty: exact mode's chunked_pv multiplies unwritten positions by 0.
-        return torch.zeros(self.slots, cfg.num_kv_heads, self.capacity, cfg.head_dim, dtype=dtype, device=device)
+        # Zeros (exact mode's chunked_pv multiplies unwritten positions by 0), resident as written.
+        return memory.lazy_zeros((self.slots, cfg.num_kv_heads, self.capacity, cfg.head_dim), dtype, device)
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:

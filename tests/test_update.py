@@ -107,7 +107,10 @@ def test_the_group_sum_is_the_token_mean_gradient_of_the_batch(tiny_dir):
 def test_overlapped_update_equals_the_synchronous_one(policy):
     groups = _groups(policy.cfg.vocab_size, seed=3)
     cfg = GRPOConfig(micro_batch=3)
-    stats_sync = accumulate_gradients(policy, [s for g in groups for s in g], cfg, 0.8)
+    sync = GroupGradients(policy, cfg, 0.8, len(groups))  # the step's groups, the skipped one too: the tree's leaves
+    for g, group in enumerate(groups):
+        sync.add(g, group)
+    stats_sync = sync.finish()
     want = _grads(policy)
     gg = GroupGradients(policy, cfg, 0.8, len(groups))
     update = BackgroundUpdate(gg)

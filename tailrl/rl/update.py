@@ -9,9 +9,12 @@ group was computed:
   per-token PPO-clip loss against the log-probs the rollout sampled with,
   tailrl.rl.grpo.policy_loss with num_tokens=1), taken with torch.autograd.grad into a buffer of
   its own: nothing is accumulated into shared `.grad`.
-- Buffers are added in group order (a prefix fold: group g is added once groups 0..g-1 are).
-  Floating-point addition is not associative, so a fixed order is what makes the sum's bits
-  independent of the order groups finish in. Buffers of groups that finished early wait.
+- Buffers are added along a fixed binary tree over the groups (tailrl.rl.fold.TreeSum).
+  Floating-point addition is not associative, so a fixed association is what makes the sum's
+  bits independent of the order groups finish in; a tree, unlike a left-to-right fold, adds two
+  finished subtrees at once, so at most ceil(log2 groups) buffers wait for a group still
+  decoding (a fold in group order held one per group finished before it). The stats and the
+  hidden states are folded in group order (they are small).
 - At the end the sum is divided by the batch's token count (known only then): the token-mean over
   the whole batch: unnormalised sums accumulated, divided once.
 
@@ -48,6 +51,7 @@ import torch
 
 from tailrl.loading import resolve_dtype
 from tailrl.model import Transformer
+from tailrl.rl.fold import TreeSum
 from tailrl.rl.grpo import GRPOConfig, policy_loss
 from tailrl.rl.packing import (
     PackMemory, Sample, packed_behaviour, packed_logprobs, packed_logprobs_and_hidden, packs,
@@ -138,7 +142,7 @@ def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig,
 
 
 class GroupGradients:
-    """Gradient shares of `num_groups` groups, folded into the policy's .grad in group order.
+    """Gradient shares of `num_groups` groups, summed into the policy's .grad along a fixed tree.
 
     Groups may be added in any order, from any thread (one group at a time per thread), and a
     group without samples (skipped: no reward spread) is added as empty. `finish` waits for
@@ -154,8 +158,8 @@ class GroupGradients:
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.num_groups = num_groups
         self._ready: dict[int, _Share] = {}
-        self._next = 0  # the first group not yet folded
-        self._sum: list[torch.Tensor] | None = None
+        self._next = 0  # the first group whose stats are not yet folded
+        self._sum: TreeSum[list[torch.Tensor]] = TreeSum(num_groups, _add_buffers)
         self._sums = dict.fromkeys(STAT_NAMES, 0.0)
         self._tokens = 0
         self._ratio_max = 0.0
@@ -169,6 +173,8 @@ class GroupGradients:
         with self._lock:
             if group in self._ready or group < self._next:
                 raise ValueError(f"group {group} was added twice")
+            self._sum.put(group, share.grads)
+            share.grads = None  # the tree holds them now
             self._ready[group] = share
             while self._next in self._ready:
                 self._fold(self._ready.pop(self._next))
@@ -181,13 +187,12 @@ class GroupGradients:
         self._ratio_max = max(self._ratio_max, share.ratio_max)
         if share.samples and self.on_hidden is not None:
             self.on_hidden(share.samples, share.hidden)
-        if share.grads is None:
-            return
-        if self._sum is None:
-            self._sum = share.grads  # 0 + x is x: taking the first buffer keeps the same bits
-        else:
-            for acc, g in zip(self._sum, share.grads):
-                acc.add_(g)
+
+    @property
+    def held_buffers(self) -> int:
+        """Gradient buffers of finished groups waiting to be added (tailrl.rl.fold.most_held bounds them)."""
+        with self._lock:
+            return self._sum.held
 
     @property
     def done(self) -> bool:
@@ -201,11 +206,17 @@ class GroupGradients:
             for p in self.params:
                 p.grad = None
             return UpdateStats()
-        for p, g in zip(self.params, self._sum):
+        for p, g in zip(self.params, self._sum.result()):
             p.grad = g.div_(self._tokens)
-        self._sum = None
+        self._sum = TreeSum(self.num_groups, _add_buffers)
         t = self._tokens
         return UpdateStats(tokens=t, ratio_max=self._ratio_max, **{name: v / t for name, v in self._sums.items()})
+
+
+def _add_buffers(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    for x, y in zip(a, b):
+        x.add_(y)
+    return a
 
 
 def by_prompt(samples: Sequence[Sample]) -> list[list[Sample]]:

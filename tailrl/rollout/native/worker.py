@@ -170,6 +170,9 @@ class RolloutWorker:
             finished = lambda i, c: self.beat(Finished(i, dataclasses.replace(c, hidden=None, prompt_hidden=None)))  # noqa: E731
         out = self.engine.generate(job.requests, job.params, job.max_new_tokens, stop=job.stop, on_progress=self.beat,
                                    on_finished=finished)
+        # The cache goes with the rollout: the update after it runs without it, and the next
+        # rollout's fresh cache is resident only where its sequences write (tailrl.memory.lazy_zeros).
+        self.engine.cache = None
         seqs = [train_seq(c) for c in out] if self.setup.collect else []
         for c in out:
             c.hidden = c.prompt_hidden = None
