@@ -16,6 +16,8 @@ that is less.
 
 `parameters_gb` is what a module's parameters hold.
 
+`trim` hands the free pages malloc keeps in its arenas back to the kernel.
+
 `lazy_zeros` is a zero tensor whose pages become resident only as they are written (a KV cache
 sized for every sequence's worst case holds only the positions its sequences reach).
 
@@ -121,6 +123,16 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
     except OSError:  # not glibc
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+
+
+def trim() -> bool:
+    """Return the free memory of every malloc arena to the kernel (glibc's malloc_trim): a
+    thread's arena grows to the most its tensors below the mmap threshold ever held at once and
+    keeps it when they are freed (the update's, after a step). True where glibc did so."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def parameters_gb(module: torch.nn.Module) -> float:

@@ -60,7 +60,7 @@ import torch
 
 from tailrl.loading import (DEVICES, DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_device, resolve_dtype,
                             resolve_model_dir)
-from tailrl.memory import Peak, available_gb, fix_mmap_threshold, parameters_gb, total_gb
+from tailrl.memory import Peak, available_gb, fix_mmap_threshold, parameters_gb, total_gb, trim
 from tailrl.model import Transformer
 from tailrl.records import Completion, Request
 from tailrl.rl import heldout
@@ -462,6 +462,7 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
                         group["lr"] = trainer.gc.lr_at(step)
                     trainer.optimizer.step()
                     trainer.optimizer.zero_grad(set_to_none=True)  # a policy-sized buffer, unused until the next step
+                trim()  # the update's freed tensors, kept by its thread's malloc arena (tailrl.memory)
                 update_peak = peak.gb  # from the rollout's end: what is left of the gradient, the optimizer step
                 trainer.rollout.publish(trainer.policy)  # 4. the next rollout samples from the updated policy
                 t_train = time.perf_counter()

@@ -321,7 +321,10 @@ class BackgroundUpdate:
                     return None
                 if self._queue and (self._gate or not wait_for_gate):
                     self._busy += 1
-                    return self._queue.popleft()
+                    # The lowest group first: it lets the most finished groups' buffers be added.
+                    item = min(self._queue, key=lambda queued: queued[0])
+                    self._queue.remove(item)
+                    return item
                 if not wait_for_gate:
                     return None
                 if self._gate and self.idle is not None and self.idle.has_idle_work():
