@@ -72,42 +72,45 @@ class Peak:
         return kb / 2**20 if kb is not None else None
 
 
+def _meminfo_gb(key: str) -> float | None:
+    """A /proc/meminfo entry in GiB; None where the kernel does not say."""
+    try:
+        for line in _MEMINFO.read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_gb(left: bool) -> float | None:
+    """This process's cgroup memory limit in GiB (left: less what the cgroup uses); None where
+    there is no limit or the kernel does not say."""
+    try:
+        limit = (_CGROUP / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        used = int((_CGROUP / "memory.current").read_text()) if left else 0
+        return (int(limit) - used) / 2**30
+    except (OSError, ValueError):
+        return None
+
+
+def _least(*gbs: float | None) -> float | None:
+    known = [g for g in gbs if g is not None]
+    return min(known) if known else None
+
+
 def available_gb() -> float | None:
     """GiB this process may still allocate before the kernel's OOM killer acts; None where
     the kernel does not say."""
-    known = []
-    try:
-        for line in _MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                known.append(int(line.split()[1]) / 2**20)
-    except OSError:
-        pass
-    try:
-        limit = (_CGROUP / "memory.max").read_text().strip()
-        if limit != "max":
-            known.append((int(limit) - int((_CGROUP / "memory.current").read_text())) / 2**30)
-    except (OSError, ValueError):
-        pass
-    return min(known) if known else None
+    return _least(_meminfo_gb("MemAvailable"), _cgroup_gb(left=True))
 
 
 def total_gb() -> float | None:
     """GiB of memory this process runs in: the machine's, or its cgroup's limit where less; None
     where the kernel does not say."""
-    known = []
-    try:
-        for line in _MEMINFO.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                known.append(int(line.split()[1]) / 2**20)
-    except OSError:
-        pass
-    try:
-        limit = (_CGROUP / "memory.max").read_text().strip()
-        if limit != "max":
-            known.append(int(limit) / 2**30)
-    except (OSError, ValueError):
-        pass
-    return min(known) if known else None
+    return _least(_meminfo_gb("MemTotal"), _cgroup_gb(left=False))
 
 
 def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
