@@ -166,3 +166,41 @@ def test_a_stop_inside_a_multi_token_step_cuts_the_step_there():
     assert (seq.tokens, seq.logprobs, seq.top1) == ([5, 6, 8, 7], [-0.5] * 4, [True, True, True, False])
     at_eos = SequenceOutput()
     assert not at_eos.extend(step([1], [-3.0]), lambda tokens: True, eos={1}) and at_eos.tokens == [1]
+
+
+
+def test_a_speculating_engines_plain_steps_sample_as_an_engine_without_a_drafter(tmp_path, monkeypatch):
+    """--spec auto's plain steps (the draft-length lookup at 0) go to vLLM's plain sampler, not
+    its rejection sampler (internals.sample_plainly_without_drafts: cheaper, docs/vllm.md), and
+    sample what an engine without a drafter samples: the same seeded requests at T = 1 give the
+    same tokens and log-probs. The rejection sampler still verifies the steps that have drafts."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    from tailrl.tuner import PLAIN
+
+    own, verified = RejectionSampler.forward, []
+    monkeypatch.setattr(RejectionSampler, "forward",
+                        lambda self, metadata, *a: verified.append(metadata.max_spec_len) or own(self, metadata, *a))
+    write_sharp_llama(tmp_path / "model")
+    model = load_model(tmp_path / "model", "fp32")
+    drafter = save_drafter(Drafter.from_target(model, list(range(96)), "model"), tmp_path / "d")
+    reqs, params = requests(), SamplingParams(temperature=1.0)
+    out = {}
+    for spec in ("off", "auto"):
+        r = VllmRolloutConfig(VllmSettings(**SMALL), RolloutSpeculationConfig(spec=spec, drafter=str(drafter))).open(
+            model, seed=0)
+        try:
+            if spec == "auto":
+                tuner = r.steering.schedule.tuner
+                monkeypatch.setattr(tuner, "step", lambda batch: PLAIN)
+                out[spec] = r.generate(1, reqs, params, 12)
+                assert verified == []  # no step had drafts: none went through verification
+                drafting = next(arm for arm in r.steering.schedule.arms if arm != PLAIN)
+                monkeypatch.setattr(tuner, "step", lambda batch: drafting)
+                r.generate(2, reqs, params, 12)
+            else:
+                out[spec] = r.generate(1, reqs, params, 12)
+        finally:
+            r.close()
+    assert [(c.token_ids, c.logprobs) for c in out["auto"]] == [(c.token_ids, c.logprobs) for c in out["off"]]
+    assert verified and min(verified) > 0  # the steps with drafts, and only they, were verified

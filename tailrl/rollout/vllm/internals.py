@@ -7,6 +7,9 @@ collective_rpc, reset_prefix_cache, stat loggers) and, for what that API lacks, 
   (`draft_length_lookup`: vLLM has no call to change the draft length of a running engine);
 - the EAGLE drafter model on the worker, whose logits tailrl's draft head replaces
   (`set_drafter_logits`);
+- the worker's rejection sampler, which a step in which no request has drafts skips for the
+  plain sampler (`sample_plainly_without_drafts`: vLLM runs its whole verification, full-vocabulary
+  noise included, on such a step);
 - the layerwise weight reload, which writes new weights into a running engine's model whose CPU
   linear layers have repacked theirs (`reload_weights`, for the policy and the drafter);
 - the engine core's shutdown (`shutdown`: LLMEngine has no close);
@@ -120,6 +123,38 @@ def set_logits(model: nn.Module, head: nn.Module) -> None:
     compute_logits method (which vLLM's proposer calls). Set past nn.Module.__setattr__, which
     would register it as a submodule that the method shadows and the layerwise reload would walk."""
     object.__setattr__(model, "compute_logits", head)
+
+
+def sample_plainly_without_drafts(worker: WorkerBase) -> None:
+    """On the engine's worker: a step in which no request has drafts (the tuner's plain steps,
+    prefill steps) samples as an engine without speculation does, with the runner's plain
+    sampler, instead of through the rejection sampler. With no drafts, vLLM's verification emits
+    each request's bonus token, a sample of the same sampler on the same logits (one row per
+    request) with the same draws from each request's generator, and would spend the rest on
+    nothing: an exponential noise row over the whole vocabulary per request for recovered tokens
+    that no draft needs (rejection_sampler.py, sample_recovered_tokens), and the log-probs
+    gathered again from a copy of the logits. Steps with drafts verify as before."""
+    import vllm
+
+    rejection = getattr(worker.model_runner, "rejection_sampler", None)
+    if not callable(getattr(rejection, "sampler", None)):
+        raise _missing("GPUModelRunner.rejection_sampler.sampler", vllm.__version__)
+    if isinstance(rejection.forward, _PlainWithoutDrafts):
+        return
+    # An instance attribute shadowing the module's forward (which nn.Module.__call__ calls).
+    object.__setattr__(rejection, "forward", _PlainWithoutDrafts(rejection.forward, rejection.sampler))
+
+
+class _PlainWithoutDrafts:
+    """A rejection sampler's forward (`verify`) that hands a step without drafts to `sample`."""
+
+    def __init__(self, verify: Callable, sample: Callable):
+        self.verify, self.sample = verify, sample
+
+    def __call__(self, metadata, draft_probs, logits, sampling_metadata):
+        if metadata.max_spec_len == 0:  # logits: one row per request, its bonus position
+            return self.sample(logits=logits, sampling_metadata=sampling_metadata)
+        return self.verify(metadata, draft_probs, logits, sampling_metadata)
 
 
 def drafter_logits(worker: WorkerBase) -> nn.Module:

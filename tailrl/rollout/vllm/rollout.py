@@ -270,6 +270,8 @@ class VllmRollout(AdaptingRollout):
         cls.running = True
         try:
             internals.check_engine(engine, speculative=drafting is not None)
+            if drafting is not None:  # the tuner's plain steps sample as a plain engine's do
+                engine.collective_rpc(internals.sample_plainly_without_drafts)
         except BaseException:
             internals.shutdown(engine)
             cls.running = False
