@@ -13,9 +13,10 @@ from safetensors.torch import load_file
 
 from tailrl.engine import EngineConfig
 from tailrl.kernels import request_reproducible_kernels
+from tailrl.pipeline import run_config
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.run_dir import RunDir
-from tailrl.rl.train import TrainConfig
+from tailrl.rl.train import TrainConfig, train
 
 # Exact-mode and ordinary tests share this process, and MKL reads its reproducibility mode once,
 # at its first call: ask for it before any test runs a matmul, as EngineConfig(exact=True) does.
@@ -221,3 +222,31 @@ def no_plots(request, monkeypatch):
     `pytestmark = pytest.mark.usefixtures("no_plots")`."""
     if "straight_run" not in request.fixturenames:
         monkeypatch.setattr("tailrl.rl.train.write_plots", lambda *args: [])
+
+
+# ---- runs on several workers against one in-process run (test_workers.py, test_ray.py) ----------
+
+# Wall-clock measurements, and counts that depend on how the work was split between workers.
+SPLIT = {"decode_steps", "idle_seconds_harvested", "idle_seconds_left", "preempt_latency_s",
+         "arm_by_bucket"}  # batch sizes per worker
+
+
+def exact_fp32_configs(char_model_dir, task_file) -> dict:
+    """fp32 rollouts in exact mode (tiny_configs' engine): row-invariant forwards, so how a batch
+    is split between workers changes neither the tokens nor the log-probs the engine records for
+    them, which the update's importance ratio reads (docs/lossless.md)."""
+    return tiny_configs(char_model_dir, task_file, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def straight_fp32(tmp_path_factory, char_model_dir, task_file):
+    """Three steps with the in-process engine (exact_fp32_configs): the reference for runs on
+    several workers."""
+    out = tmp_path_factory.mktemp("runs") / "straight"
+    train(run_config(exact_fp32_configs(char_model_dir, task_file)), out)
+    return out
+
+
+def same_run(a: list[dict], b: list[dict]) -> bool:
+    return [{k: v for k, v in r.items() if k not in SPLIT} for r in comparable(a)] == \
+        [{k: v for k, v in r.items() if k not in SPLIT} for r in comparable(b)]

@@ -18,8 +18,6 @@ closes what it opens before the next opens another."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -30,23 +28,20 @@ from typing import Iterator, Mapping
 
 import pytest
 import torch
+from rollout_helpers import GREEDY, SLOTS, drafting, is_greedy_chain, opened, own_sections, paired_requests, perturbed
 
 from conftest import VLLM_TINY, comparable, comparable_evals, final_state, write_char_model, write_sharp_llama
 
-from tailrl.engine import EngineConfig
 from tailrl.loading import load_model
 from tailrl.model import Transformer
 from tailrl.pipeline import TRAIN_SECTIONS, run_config
 from tailrl.records import Completion, Request
 from tailrl.rl.grpo import GRPOConfig
-from tailrl.rl.packing import Sample, packed_logprobs_and_hidden
-from tailrl.rl.phases import policy_forwards
 from tailrl.rl.progress import RolloutProgress
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import TrainConfig, train
 from tailrl.rollout import registry
 from tailrl.rollout.protocol import Rollout, RolloutReport
-from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import Drafter, save_drafter
 from tailrl.speculative.modes import RolloutSpeculationConfig
@@ -54,35 +49,7 @@ from tailrl.speculative.report import chain_ceiling
 
 pytestmark = pytest.mark.usefixtures("no_plots")
 
-GREEDY = SamplingParams(temperature=0.0)
 MAX_NEW = 16
-SLOTS = 8  # fewer than the requests: sequences queue, and slots are refilled
-
-
-def own_sections(engine: str, same_run: bool = False) -> dict[str, object]:
-    """Each engine's own section, small: a vLLM engine starts in ~2 s with 64 MiB of KV cache
-    instead of ~10 s with its default share of memory. same_run: what makes two runs of one
-    seed the same run (resume): exact mode on the native engine (its recorded log-probs
-    otherwise move with the batch's split), greedy drafts on vLLM (its probabilistic drafts come
-    from torch's global generator, which a restarted engine does not repeat: docs/vllm.md)."""
-    if engine == "vllm":
-        from tailrl.rollout.vllm.settings import VllmSettings
-
-        return {"vllm": VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=SLOTS,
-                                     draft_sampling="greedy" if same_run else "probabilistic")}
-    return {"engine": EngineConfig(max_batch=SLOTS, exact=same_run)}
-
-
-@contextlib.contextmanager
-def opened(engine: str, model: Transformer, **sections: object) -> Iterator[Rollout]:
-    """The engine's rollout as a run opens it, from its sections by name, on a copy of `model`
-    (an in-process engine decodes with the model it is given, and publishing writes into it)."""
-    config = registry.rollout_config(engine, {**own_sections(engine), **sections}, GREEDY)
-    rollout = config.open(copy.deepcopy(model), seed=0)
-    try:
-        yield rollout
-    finally:
-        rollout.close()
 
 
 @dataclass(frozen=True)
@@ -93,30 +60,6 @@ class EndsWith:
 
     def __call__(self, tokens: list[int]) -> bool:
         return tokens[-1] == self.token
-
-
-def requests(prompt_len: int = 6, n: int = 12) -> list[Request]:
-    """n requests in groups of 2 (siblings share a prompt)."""
-    g = torch.Generator().manual_seed(prompt_len)
-    prompts = [tuple(torch.randint(2, 96, (prompt_len,), generator=g).tolist()) for _ in range(n // 2)]
-    return [Request(prompts[i // 2], seed=1000 + i, group=i // 2) for i in range(n)]
-
-
-def argmax_chain(model: Transformer, c: Completion) -> list[int]:
-    """The argmax of the reference forward (one no-cache forward over prompt + response) at each
-    of the response's positions. Greedy decoding emitted token k from the prefix before it, so
-    its tokens are the chain exactly when they equal these (by induction over k)."""
-    ids = torch.tensor([list(c.prompt_ids) + c.token_ids[:-1]])
-    with torch.no_grad():
-        logits = model(ids, torch.arange(ids.shape[1])[None])[0, len(c.prompt_ids) - 1:]
-    return logits.argmax(-1).tolist()
-
-
-def is_greedy_chain(model: Transformer, c: Completion, max_new_tokens: int) -> bool:
-    """Tokens equal the argmax chain, ending at EOS (1) or at the length limit."""
-    ended = c.finish_reason == "eos" and c.token_ids[-1] == 1 or \
-        c.finish_reason == "length" and len(c.token_ids) == max_new_tokens
-    return c.token_ids == argmax_chain(model, c) and ended
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +92,7 @@ def rollout(engine, model) -> Iterator[Rollout]:
 def greedy(rollout) -> tuple[list[Completion], RolloutReport, list, list]:
     """One greedy call: its completions, report, on_finished calls and on_progress reports."""
     finished, progress = [], []
-    out = rollout.generate(1, requests(), GREEDY, MAX_NEW, on_progress=progress.append,
+    out = rollout.generate(1, paired_requests(), GREEDY, MAX_NEW, on_progress=progress.append,
                            on_finished=lambda i, c: finished.append((i, c)))
     return out, rollout.report(), finished, progress
 
@@ -159,7 +102,7 @@ class TestPlainDecoding:
 
     def test_greedy_tokens_are_the_reference_forwards_argmax_chain(self, greedy, model):
         out, _, finished, progress = greedy
-        reqs = requests()
+        reqs = paired_requests()
         assert [(c.prompt_ids, c.seed, c.group) for c in out] == [(r.prompt_ids, r.seed, r.group) for r in reqs]
         assert all(is_greedy_chain(model, c, MAX_NEW) for c in out)
         assert {c.finish_reason for c in out} == {"eos", "length"}  # both endings are checked
@@ -215,7 +158,7 @@ class TestPlainDecoding:
         # The token most greedy responses reach before their last: most of them stop there.
         target = Counter(t for c in out for t in set(c.token_ids[:-1])).most_common(1)[0][0]
         finished = []
-        stopped = rollout.generate(4, requests(), GREEDY, MAX_NEW, stop=EndsWith(target),
+        stopped = rollout.generate(4, paired_requests(), GREEDY, MAX_NEW, stop=EndsWith(target),
                                    on_finished=lambda i, c: finished.append(i))
         cuts = [c.token_ids.index(target) + 1 if target in c.token_ids else None for c in out]
         assert sum(cut is not None for cut in cuts) >= len(out) // 2
@@ -235,7 +178,7 @@ class TestPlainDecoding:
     ], ids=["empty", "too-long", "no-tokens"])
     def test_a_bad_request_fails_in_one_line_and_the_engine_decodes_on(self, rollout, greedy, model, prompt,
                                                                         max_new_tokens, word):
-        reqs = requests()
+        reqs = paired_requests()
         with pytest.raises(ValueError) as e:
             rollout.generate(2, [*reqs[:3], Request(prompt, seed=7)], GREEDY, max_new_tokens)
         assert word in str(e.value) and "\n" not in str(e.value)
@@ -244,38 +187,6 @@ class TestPlainDecoding:
 
 
 # ---- publishing ----------------------------------------------------------------------------------
-
-
-def perturbed(model: Transformer, scale: float = 0.3) -> Transformer:
-    """A copy of `model` with every weight moved by `scale` of its spread: an update's new policy."""
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
-    return out
-
-
-def drafting(rollout: Rollout, reqs: list[Request], step: int, observed_by: Transformer | None = None
-             ) -> tuple[tuple[list[list[int]], int, list[int], int], list[Completion]]:
-    """A greedy call's tokens and how it drafted (verifies, acceptance histogram, drafter
-    version), and its completions; observed_by: the policy whose forwards of these responses the
-    rollout is then handed, as the loop hands them."""
-    out, report = rollout.generate(step, reqs, GREEDY, 24), rollout.report()
-    # Every verify drafted a 3-chain (the tests' fixed shape), so the ceiling beside its accept_len
-    # is the target's own 3-chain on these responses.
-    assert report.spec_draft_depth == 3.0
-    assert report.spec_accept_ceiling == pytest.approx(chain_ceiling([c.top1 for c in out], 3), rel=1e-12)
-    if observed_by is not None:
-        observe(rollout, observed_by, out)
-    return ([c.token_ids for c in out], report.spec_verify_steps, report.accept_hist, report.drafter_version), out
-
-
-def observe(rollout: Rollout, policy: Transformer, out: list[Completion]) -> None:
-    """Hand the rollout what the trainer's forwards compute for these responses, as the loop does."""
-    samples = [Sample(c.prompt_ids, c.token_ids, 1.0, c.logprobs) for c in out]
-    with torch.no_grad():
-        rollout.feed().observe(policy_forwards(samples, packed_logprobs_and_hidden(policy, samples, 1.0)[1]))
 
 
 def test_a_published_policy_and_drafter_version_are_what_the_next_rollout_decodes_with(engine, model, tmp_path):
@@ -288,7 +199,7 @@ def test_a_published_policy_and_drafter_version_are_what_the_next_rollout_decode
     gives step 1's tokens."""
     save_drafter(Drafter.from_target(model, list(range(96)), "target", seed=0), tmp_path / "v0")
     new = perturbed(model)
-    reqs = requests(8, 16)
+    reqs = paired_requests(8, 16)
 
     def sections(drafter: Path, adapt: bool) -> Mapping[str, object]:
         # A fixed draft length: the tuner's would follow measured time, not a function of the inputs.

@@ -13,27 +13,23 @@ import os
 import signal
 
 import pytest
-
-from test_engine_contract import (  # noqa: F401 - model is a fixture
+from rollout_helpers import (
     GREEDY,
-    drafting,
-    is_greedy_chain,
-    model,
-    opened,
-    perturbed,
-    requests as contract_requests,
-)
-from test_workers import (  # noqa: F401 - target and straight_fp32 are fixtures
     PARAMS,
-    exact_fp32_configs,
+    drafting,
+    grouped_requests,
+    is_greedy_chain,
+    opened,
+    paired_requests,
+    perturbed,
     reference,
-    requests,
-    same_run,
     start_pool,
-    straight_fp32,
-    target,
 )
 
+from conftest import exact_fp32_configs, same_run, write_sharp_llama
+
+from tailrl.loading import load_model
+from tailrl.model import Transformer
 from tailrl.pipeline import run_config
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
@@ -56,8 +52,22 @@ def local_ray():
     ray.shutdown()
 
 
-def test_ray_workers_give_the_in_process_tokens(target):  # noqa: F811
-    reqs = requests()
+@pytest.fixture(scope="module")
+def target(tiny_dir) -> Transformer:
+    """The tiny random model in fp32 (as test_workers.py's workers decode it)."""
+    return load_model(tiny_dir, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Transformer:
+    """conftest.write_sharp_llama's model (as test_engine_contract.py's engines decode it)."""
+    path = tmp_path_factory.mktemp("contract-llama")
+    write_sharp_llama(path)
+    return load_model(path, "fp32")
+
+
+def test_ray_workers_give_the_in_process_tokens(target):
+    reqs = grouped_requests()
     pool = start_pool(WorkerConfig(workers=2, ray=True), SpotConfig(), target)
     try:
         got = pool.generate(1, reqs, PARAMS, 20)
@@ -73,7 +83,7 @@ def test_ray_workers_give_the_in_process_tokens(target):  # noqa: F811
             for p in changed.parameters():
                 p.add_(0.05 * torch.randn_like(p))
         pool.publish(changed)
-        reqs2 = requests(step=2)
+        reqs2 = grouped_requests(step=2)
         got2 = pool.generate(2, reqs2, PARAMS, 20)
         assert [c.token_ids for c in got2] == [c.token_ids for c in reference(changed, reqs2)]
         assert [c.token_ids for c in got2] != [c.token_ids for c in reference(target, reqs2)]
@@ -81,24 +91,24 @@ def test_ray_workers_give_the_in_process_tokens(target):  # noqa: F811
         pool.close()
 
 
-def test_a_killed_ray_actor_is_reported_with_rank_and_step(target):  # noqa: F811
+def test_a_killed_ray_actor_is_reported_with_rank_and_step(target):
     pool = start_pool(WorkerConfig(workers=2, ray=True), SpotConfig(), target)
     try:
         os.kill(pool.runtime.pids[1], signal.SIGKILL)
         with pytest.raises(WorkerError, match=r"^worker 1 died \(Ray actor: .*\) in step 5$"):
-            pool.generate(5, requests(), PARAMS, 20)
+            pool.generate(5, grouped_requests(), PARAMS, 20)
     finally:
         pool.close()
 
 
-def test_a_run_on_ray_actors_is_the_local_run(straight_fp32, tmp_path, char_model_dir, task_file):  # noqa: F811
+def test_a_run_on_ray_actors_is_the_local_run(straight_fp32, tmp_path, char_model_dir, task_file):
     configs = exact_fp32_configs(char_model_dir, task_file)
     configs["workers"] = WorkerConfig(workers=2, ray=True)
     train(run_config(configs), tmp_path / "ray")
     assert same_run(RunDir(tmp_path / "ray").read_metrics(), RunDir(straight_fp32).read_metrics())
 
 
-def test_vllm_on_ray_is_chosen_sized_and_refuses_another_layouts_checkpoint(model):  # noqa: F811
+def test_vllm_on_ray_is_chosen_sized_and_refuses_another_layouts_checkpoint(model):
     """What a run asks of `--engine vllm --workers 2` before any engine starts: engines on Ray,
     each holding its KV cache and a copy of the weights, plus the object store's copy; a
     checkpoint of another layout refused in one line. (No actor starts: the default selection's
@@ -122,7 +132,7 @@ def test_vllm_on_ray_is_chosen_sized_and_refuses_another_layouts_checkpoint(mode
 
 
 @pytest.mark.slow  # ~50 s on a 2-core AVX2 EPYC: three engine starts, each importing vLLM (~10 s)
-def test_an_engine_killed_mid_rollout_is_replaced_and_drafts_with_the_current_version(model, tmp_path):  # noqa: F811
+def test_an_engine_killed_mid_rollout_is_replaced_and_drafts_with_the_current_version(model, tmp_path):
     """Two engines, a learned drafter adapting on the trainer's forwards (version 1 published
     after step 2, as in the contract suite). Both engines' shares hold the same prompts, so
     each engine's drafting counts are half a step's: step 2 (version 0) and step 3 (version 1)
@@ -134,7 +144,7 @@ def test_an_engine_killed_mid_rollout_is_replaced_and_drafts_with_the_current_ve
     pytest.importorskip("vllm", reason="the vllm engine needs vLLM installed (pip install 'tailrl[vllm]')")
     save_drafter(Drafter.from_target(model, list(range(96)), "target", seed=0), tmp_path / "v0")
     new = perturbed(model)
-    half = contract_requests(8, 8)
+    half = paired_requests(8, 8)
     reqs = half + [dataclasses.replace(r, seed=r.seed + 100) for r in half]
     spec = RolloutSpeculationConfig(spec="on", drafter=str(tmp_path / "v0"), draft_depth=3, num_draft_tokens=3)
     with opened("vllm", model, speculation=spec, workers=WorkerConfig(workers=2),

@@ -13,26 +13,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from rollout_helpers import PARAMS, grouped_requests, reference, start_pool
 
-from conftest import comparable, tiny_configs
+from conftest import exact_fp32_configs, same_run
 
 from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import load_model
-from tailrl.model import Transformer
 from tailrl.pipeline import run_config
-from tailrl.records import Completion, Request
+from tailrl.records import Completion
 from tailrl.rl.progress import RolloutProgress, StepDone
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
 from tailrl.rollout.native import pool as pool_module
 from tailrl.rollout.native.buffer import DataBuffer, train_seq
-from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rollout.native.pool import NativeRolloutState, WorkerPool
+from tailrl.rollout.native.pool import NativeRolloutState
 from tailrl.rollout.native.spot import DrafterState, SpotJob, run_spot
 from tailrl.rollout.native.worker import RolloutWorker, ShardResult, SpotBeat, WorkerSetup
 from tailrl.rollout.protocol import IdleCore, RolloutReport, WorkerError
 from tailrl.rollout.workers import WorkerConfig, shard_indices
-from tailrl.sampling import SamplingParams, derive_seed
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import Drafter, save_drafter
 from tailrl.speculative.drafter.training import TrainSeq
@@ -43,7 +41,6 @@ from tailrl.tuner import TunerConfig
 pytestmark = pytest.mark.usefixtures("no_plots")
 
 VOCAB = list(range(1, 96, 2)) + [2, 4, 6, 8]  # 52 of the tiny model's 96 tokens, EOS (1) in
-PARAMS = SamplingParams(temperature=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -56,27 +53,11 @@ def drafter_dir(target, tmp_path_factory):
     return save_drafter(Drafter.from_target(target, VOCAB, "tiny", seed=0), tmp_path_factory.mktemp("drafter"))
 
 
-def requests(step: int = 1, prompts: int = 3, group: int = 4) -> list[Request]:
-    g = torch.Generator().manual_seed(step)
-    ps = [tuple(torch.randint(2, 96, (4 + 3 * i,), generator=g).tolist()) for i in range(prompts)]
-    return [Request(ps[i], derive_seed(7, step, i, j), group=i) for i in range(prompts) for j in range(group)]
-
-
-def reference(target, reqs, max_new_tokens=20):
-    return Engine(target, EngineConfig()).generate(reqs, PARAMS, max_new_tokens)
-
-
 def emitted_per_verify(completions: list[Completion], report: RolloutReport) -> float:
     """The drafter's accept_len as the completions count it where every decode step verified a
     draft (--spec on): each response's tokens but its first (sampled at its prefill) came from a
     verify."""
     return (sum(len(c.token_ids) for c in completions) - len(completions)) / report.spec_verify_steps
-
-
-def start_pool(workers: WorkerConfig, adapt: AdaptConfig, target: Transformer,
-               spec: SpeculationConfig = SpeculationConfig(), state: NativeRolloutState | None = None) -> WorkerPool:
-    """The native rollout on `workers`, as a run opens it (seed 0)."""
-    return NativeRolloutConfig(EngineConfig(max_batch=8), spec, TunerConfig(), adapt, workers).open(target, 0, state)
 
 
 # ---- pieces -----------------------------------------------------------------------------------
@@ -127,7 +108,7 @@ def test_buffer_trains_on_this_step_first_then_the_previous_steps_longest():
 
 
 def test_train_seq_holds_the_prompt_hidden_states_of_a_prompt_forward(target):
-    reqs = requests(prompts=2, group=2)
+    reqs = grouped_requests(prompts=2, group=2)
     out = Engine(target, EngineConfig(capture_hidden=True)).generate(reqs, PARAMS, 10)
     for r, c in zip(reqs, out):
         s = train_seq(c)
@@ -140,7 +121,7 @@ def test_train_seq_holds_the_prompt_hidden_states_of_a_prompt_forward(target):
 
 
 def test_spot_training_stops_before_the_next_micro_step(target):
-    out = Engine(target, EngineConfig(capture_hidden=True)).generate(requests(), PARAMS, 20)
+    out = Engine(target, EngineConfig(capture_hidden=True)).generate(grouped_requests(), PARAMS, 20)
     seqs = [train_seq(c) for c in out]
     drafter = Drafter.from_target(target, VOCAB, "tiny")
     head = target.lm_head.weight.detach()[drafter.d2t].float()
@@ -168,7 +149,7 @@ def test_spot_training_stops_before_the_next_micro_step(target):
 
 def test_a_job_without_state_trains_on_from_what_the_worker_holds(target, drafter_dir):
     """Sending the state again or not gives the same drafter: the worker keeps what it ended with."""
-    out = Engine(target, EngineConfig(capture_hidden=True)).generate(requests(), PARAMS, 20)
+    out = Engine(target, EngineConfig(capture_hidden=True)).generate(grouped_requests(), PARAMS, 20)
     seqs = [train_seq(c) for c in out]
     start = DrafterState(0, {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny").state_dict().items()})
     cfg = AdaptConfig(drafter_batch_tokens=64)
@@ -193,7 +174,7 @@ def test_a_job_without_state_trains_on_from_what_the_worker_holds(target, drafte
 
 
 def test_process_workers_give_the_in_process_tokens(target, tiny_dir):
-    reqs = requests()
+    reqs = grouped_requests()
     want = reference(target, reqs)
     for workers in (1, 2, 3):
         pool = start_pool(WorkerConfig(workers=workers), AdaptConfig(), target)
@@ -214,13 +195,13 @@ def test_worker_tuners_learn_from_each_others_rollouts(target):
     # also counts the other's rewards, and a checkpoint keeps what is not delivered yet.
     pool = start_pool(WorkerConfig(workers=2), AdaptConfig(), target, SpeculationConfig(spec="auto"))
     try:
-        pool.generate(1, requests(step=1), PARAMS, 20)
+        pool.generate(1, grouped_requests(step=1), PARAMS, 20)
         first = pool.stats.steps
         pulls = lambda rank: sum(map(sum, pool.tuners[rank]["pulls"]))  # noqa: E731
         assert pulls(0) + pulls(1) == first and pulls(0) > 0 and pulls(1) > 0
         state = pool.state_dict()
         assert [len(p) for p in state.tuner_pending] == [pulls(1), pulls(0)]
-        pool.generate(2, requests(step=2), PARAMS, 20)
+        pool.generate(2, grouped_requests(step=2), PARAMS, 20)
         assert pulls(0) + pulls(1) == 2 * first + pool.stats.steps
     finally:
         pool.close()
@@ -240,7 +221,7 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
             seen.set()
 
     pool.runtime.on_beat = watch
-    reqs = requests(prompts=2)
+    reqs = grouped_requests(prompts=2)
     try:
         rank0 = pool.runtime.pids[0]
         os.kill(rank0, signal.SIGSTOP)
@@ -258,7 +239,7 @@ def test_spot_training_in_a_long_tail_publishes_a_new_drafter_version(target, dr
         assert pool.drafter.version == 1 and pool.drafter.micro_steps == m["drafter_micro_steps"]
         assert [c.token_ids for c in result["out"]] == [c.token_ids for c in reference(target, reqs)]
         # The next rollout drafts with version 1 on every worker; still the same tokens.
-        reqs2 = requests(step=2, prompts=2)
+        reqs2 = grouped_requests(step=2, prompts=2)
         out2 = pool.generate(2, reqs2, PARAMS, 20)
         assert pool.report().drafter_version == 1 and pool.published == 1
         assert pool.report().drafter_accept_len == emitted_per_verify(out2, pool.report())
@@ -275,7 +256,7 @@ def test_a_checkpointed_drafter_version_is_what_workers_draft_with(target, draft
     weights = {k: v.clone() for k, v in Drafter.from_target(target, VOCAB, "tiny", seed=5).state_dict().items()}
     buffer = DataBuffer(1000, 0.5)
     buffer.add([_seq(5, 9, e=64)])
-    reqs = requests(prompts=2)
+    reqs = grouped_requests(prompts=2)
     for workers in (1, 2):
         state = NativeRolloutState([None] * workers, [[] for _ in range(workers)], DrafterState(3, weights, None, 7),
                                    buffer.state_dict())
@@ -308,7 +289,7 @@ def test_an_in_process_rollout_lends_a_core_and_takes_it_back(target):
             seen.append(torch.get_num_threads())
             core.lent = p.done < 6 or p.done == p.total  # lent early, back, lent again at the end
 
-        pool.generate(1, requests(), PARAMS, 20, on_progress=on_progress, core=core)
+        pool.generate(1, grouped_requests(), PARAMS, 20, on_progress=on_progress, core=core)
         assert seen[0] == 2 and 1 in seen[1:] and 2 in seen[seen.index(1):]
         assert torch.get_num_threads() == 2
     finally:
@@ -321,7 +302,7 @@ def test_a_killed_worker_is_reported_with_rank_and_step(target):
     try:
         os.kill(pool.runtime.pids[1], signal.SIGKILL)
         with pytest.raises(WorkerError, match=r"^worker 1 died \(exit code -9\) in step 4$"):
-            pool.generate(4, requests(), PARAMS, 20)
+            pool.generate(4, grouped_requests(), PARAMS, 20)
     finally:
         pool.close()
 
@@ -350,39 +331,13 @@ def test_a_hung_worker_is_detected_by_timeout(target, monkeypatch):
         os.kill(stopped, signal.SIGSTOP)
         guard.start()
         with pytest.raises(WorkerError, match=r"^worker 0 sent nothing for 10 s \(hung\) in step 3$"):
-            pool.generate(3, requests(), PARAMS, 20)
+            pool.generate(3, grouped_requests(), PARAMS, 20)
     finally:
         guard.cancel()
         pool.close()  # kills the stopped process
 
 
 # ---- in the GRPO loop -------------------------------------------------------------------------
-
-# Wall-clock measurements, and counts that depend on how the work was split between workers.
-SPLIT = {"decode_steps", "idle_seconds_harvested", "idle_seconds_left", "preempt_latency_s",
-         "arm_by_bucket"}  # batch sizes per worker
-
-
-def exact_fp32_configs(char_model_dir, task_file) -> dict:
-    """fp32 rollouts in exact mode (tiny_configs' engine): row-invariant forwards, so how a batch
-    is split between workers changes neither the tokens nor the log-probs the engine records for
-    them, which the update's importance ratio reads (docs/lossless.md)."""
-    return tiny_configs(char_model_dir, task_file, dtype="fp32")
-
-
-@pytest.fixture(scope="module")
-def straight_fp32(tmp_path_factory, char_model_dir, task_file):
-    """Three steps with the in-process engine (exact_fp32_configs): the reference for runs on
-    several workers."""
-    out = tmp_path_factory.mktemp("runs") / "straight"
-    train(run_config(exact_fp32_configs(char_model_dir, task_file)), out)
-    return out
-
-
-def same_run(a: list[dict], b: list[dict]) -> bool:
-    return [{k: v for k, v in r.items() if k not in SPLIT} for r in comparable(a)] == \
-        [{k: v for k, v in r.items() if k not in SPLIT} for r in comparable(b)]
-
 
 def test_killing_a_worker_stops_the_run_resumably(straight_fp32, tmp_path, char_model_dir, task_file):
     import multiprocessing
