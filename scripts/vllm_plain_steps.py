@@ -10,7 +10,9 @@ internals.sample_plainly_without_drafts). A repetition adds `rows` requests with
 of `--prompt` tokens to each engine, EOS ignored, and decodes them `--steps` tokens, the engines
 stepped in turn (so a machine's drift reaches each alike), each step steered and counted as the
 rollout does (Steering: the lookup set, the stat logger's counters taken) and its outputs read
-as the rollout reads them (SequenceOutput); the steps that still computed a prompt are not timed.
+as the rollout reads them (SequenceOutput). Only the steps that decode the whole batch are timed
+(not those that still compute a prompt, nor the last ones, after the requests admitted first
+have finished).
 
 A case's time is the median decode step over its repetitions, ms, beside its ratio to `off`.
 `--profile` adds, per case, the ops and vLLM's named phases of a step (sample, draft, ...) whose
@@ -123,7 +125,9 @@ def main() -> None:
 
     def step(rollout: VllmRollout, seqs: dict[str, SequenceOutput]) -> tuple[float, bool]:
         """One engine step, steered and read as the rollout's (VllmCall.step); its time and
-        whether it was a decode step (every request had its first token before it)."""
+        whether it was a decode step of the whole batch (every request had its first token
+        before it and got one more token in it: requests admitted in different steps finish in
+        different steps)."""
         steering, decoding = rollout.steering, all(s.tokens for s in seqs.values())
         steering.before(len(seqs))
         t = time.perf_counter()
@@ -136,9 +140,7 @@ def main() -> None:
             seq.extend(o.outputs[0], None, eos)
             tokens += len(seq.tokens) - before
         steering.after(seconds, len(outs), tokens, not decoding)
-        if decoding and tokens != len(seqs):  # a plain step: one token a request
-            raise SystemExit(f"a decode step emitted {tokens} tokens for {len(seqs)} requests (preempted?)")
-        return seconds, decoding
+        return seconds, decoding and tokens == len(seqs)
 
     def rep(names: list[str], rows: int, prof=None) -> dict[str, list[float]]:
         """One repetition: `rows` requests in each engine, the engines stepped in turn (so a
@@ -169,7 +171,7 @@ def main() -> None:
     rep(list(engines), 2)  # warm the kernels
     names = list(engines)
     print(f"dtype {dtype}, {torch.get_num_threads()} threads, prompts of {args.prompt} tokens; ms per plain decode "
-          f"step (median of {args.reps} x {args.steps - 1} steps a case)")
+          f"step (median of a case's {args.reps} repetitions' whole-batch decode steps)")
     print("| rows | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} / off" for n in names[1:])
           + " |\n|---|" + "---|" * (2 * len(names) - 1))
     cases = []
