@@ -250,3 +250,89 @@ def straight_fp32(tmp_path_factory, char_model_dir, task_file):
 def same_run(a: list[dict], b: list[dict]) -> bool:
     return [{k: v for k, v in r.items() if k not in SPLIT} for r in comparable(a)] == \
         [{k: v for k, v in r.items() if k not in SPLIT} for r in comparable(b)]
+
+
+# ---- TLT inside TRL (tests/test_trl*.py) -------------------------------------------------------
+
+TRL_STEPS = 3  # GRPO steps of tiny_trl_run's run
+TRL_MIN_STEPS = 4  # drafter micro-steps per RL step
+
+
+def trl_prompts(n: int) -> list[tuple[int, ...]]:
+    """n prompts of six random characters of the char model's vocabulary."""
+    g = torch.Generator().manual_seed(5)
+    return [tuple(torch.randint(3, 98, (6,), generator=g).tolist()) for _ in range(n)]
+
+
+def tiny_trl_run(tmp: Path, **overrides) -> dict:
+    """A tiny random Llama with a character-level tokenizer (its head sharpened so that greedy
+    choices are no near-ties between two engines' fp32 kernels), a fresh learned drafter over half
+    its vocabulary, 16 prompts, a reward, and TRL's and TLT's configs for a TRL_STEPS-step run into
+    tmp / "out" (`overrides` to GRPOConfig): a TLTGRPOTrainer's arguments. The model and drafter
+    are written once into tmp ("m", "drafter")."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig
+
+    from tailrl.loading import load_model
+    from tailrl.speculative.drafter.learner import AdaptConfig
+    from tailrl.speculative.drafter.model import Drafter, save_drafter
+    from tailrl.trl import TLTConfig
+    from tailrl.tuner import TunerConfig
+
+    if not (tmp / "m").exists():
+        write_char_model(tmp / "m", tie_word_embeddings=False, **VLLM_TINY)
+        hf = AutoModelForCausalLM.from_pretrained(tmp / "m", dtype=torch.float32)
+        with torch.no_grad():
+            hf.lm_head.weight.mul_(12.0)  # sharp: p(argmax) well above its rivals (write_sharp_llama)
+        hf.save_pretrained(tmp / "m")
+        save_drafter(Drafter.from_target(load_model(tmp / "m", "fp32"), list(range(0, 128, 2)), "char", seed=0),
+                     tmp / "drafter")
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i}="}]} for i in range(16)])
+
+    def reward(completions, **_):  # a spread in every group: no group sits out
+        return [c[-1]["content"].count("a") / (1 + len(c[-1]["content"])) + 0.01 * len(c[-1]["content"])
+                for c in completions]
+
+    args = GRPOConfig(**{
+        "output_dir": str(tmp / "out"), "use_cpu": True, "bf16": False, "seed": 0, "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2, "num_generations": 4, "max_steps": TRL_STEPS, "max_completion_length": 24,
+        "temperature": 1.0, "learning_rate": 1e-3, "beta": 0.0, "use_vllm": True, "vllm_mode": "colocate",
+        "vllm_max_model_length": 128, "gradient_checkpointing": False, "logging_steps": 1, "report_to": "none",
+        "save_strategy": "no", "disable_tqdm": True, **overrides})
+    # An exploring tuner: every step's draft length a seeded uniform draw among plain and the three
+    # lengths, whatever the steps cost, so where it drafts does not depend on timing.
+    tlt = TLTConfig(drafter=tmp / "drafter", draft_sampling="greedy", dtype="float32", kv_cache_gb=1 / 16,
+                    adapt=AdaptConfig(drafter_min_steps=TRL_MIN_STEPS, drafter_batch_tokens=64),
+                    tuner=TunerConfig(epsilon=1.0, loser_margin=1.0, switch_patience=1))
+    hf = AutoModelForCausalLM.from_pretrained(tmp / "m", dtype=torch.float32)
+    return dict(model=hf, reward_funcs=reward, args=args, train_dataset=data, tlt=tlt)
+
+
+def engine_drafter(llm) -> dict[str, torch.Tensor]:
+    """The weights in a vLLM engine's EAGLE drafter (its embedding, the target's, left out) and its
+    draft head."""
+
+    def read(worker):
+        model = worker.model_runner.drafter.model
+        out = {k: v.detach().clone() for k, v in model.state_dict().items() if "embed_tokens" not in k}
+        out["draft_head"] = model.compute_logits.weight.detach().clone()
+        return out
+
+    return llm.llm_engine.collective_rpc(read)[0]
+
+
+def assert_same(a, b, where: str = "state") -> None:
+    """a and b equal, tensors bit for bit (a checkpoint's tuples may come back as lists)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

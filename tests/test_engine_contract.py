@@ -28,9 +28,9 @@ from typing import Iterator, Mapping
 
 import pytest
 import torch
-from rollout_helpers import GREEDY, SLOTS, drafting, is_greedy_chain, opened, own_sections, paired_requests, perturbed
 
 from conftest import VLLM_TINY, comparable, comparable_evals, final_state, write_char_model, write_sharp_llama
+from rollout_helpers import GREEDY, SLOTS, drafting, is_greedy_chain, opened, own_sections, paired_requests, perturbed
 
 from tailrl.loading import load_model
 from tailrl.model import Transformer

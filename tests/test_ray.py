@@ -13,6 +13,8 @@ import os
 import signal
 
 import pytest
+
+from conftest import exact_fp32_configs, same_run, write_sharp_llama
 from rollout_helpers import (
     GREEDY,
     PARAMS,
@@ -25,8 +27,6 @@ from rollout_helpers import (
     reference,
     start_pool,
 )
-
-from conftest import exact_fp32_configs, same_run, write_sharp_llama
 
 from tailrl.loading import load_model
 from tailrl.model import Transformer

@@ -12,7 +12,6 @@ bound on sqrt(n) D, as tests/test_vllm_cpu_fix.py); the equalities are exact.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,28 +19,18 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("vllm")
 
-from conftest import VLLM_TINY, write_char_model  # noqa: E402
-from test_vllm_cpu_fix import KS_CRIT, ks_distance, pit  # noqa: E402
+from conftest import TRL_MIN_STEPS, TRL_STEPS, tiny_trl_run, trl_prompts  # noqa: E402
+from distribution_checks import KS_CRIT, ks_distance, pit  # noqa: E402
 
-from tailrl.loading import load_model  # noqa: E402
 from tailrl.records import Request  # noqa: E402
 from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402
 from tailrl.rollout.vllm.internals import draft_length_lookup  # noqa: E402
 from tailrl.rollout.vllm.settings import VllmSettings  # noqa: E402
 from tailrl.sampling import SamplingParams  # noqa: E402
 from tailrl.speculative.drafter.learner import AdaptConfig  # noqa: E402
-from tailrl.speculative.drafter.model import Drafter, save_drafter  # noqa: E402
 from tailrl.speculative.modes import SpeculationConfig  # noqa: E402
-from tailrl.tuner import TunerConfig  # noqa: E402
 
 K = 4  # draft tokens per verify
-STEPS = 3
-MIN_STEPS = 4  # drafter micro-steps per RL step
-
-
-def _prompts(n: int) -> list[tuple[int, ...]]:
-    g = torch.Generator().manual_seed(5)
-    return [tuple(torch.randint(3, 98, (6,), generator=g).tolist()) for _ in range(n)]
 
 
 def spec_counters(llm) -> tuple[int, int]:
@@ -68,49 +57,9 @@ def count_generate_calls(gen) -> list[tuple[int, int]]:
     return counted
 
 
-def tiny_run(tmp: Path, **overrides):
-    """A tiny random Llama with a character-level tokenizer (its head sharpened so that greedy
-    choices are no near-ties between two engines' fp32 kernels), a fresh learned drafter over half
-    its vocabulary, 16 prompts, a reward, and TRL's and TLT's configs for a STEPS-step run into
-    tmp / "out" (`overrides` to GRPOConfig): a TLTGRPOTrainer's arguments."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig
-
-    from tailrl.trl import TLTConfig
-
-    if not (tmp / "m").exists():
-        write_char_model(tmp / "m", tie_word_embeddings=False, **VLLM_TINY)
-        hf = AutoModelForCausalLM.from_pretrained(tmp / "m", dtype=torch.float32)
-        with torch.no_grad():
-            hf.lm_head.weight.mul_(12.0)  # sharp: p(argmax) well above its rivals (conftest.write_sharp_llama)
-        hf.save_pretrained(tmp / "m")
-        save_drafter(Drafter.from_target(load_model(tmp / "m", "fp32"), list(range(0, 128, 2)), "char", seed=0),
-                     tmp / "drafter")
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i}="}]} for i in range(16)])
-
-    def reward(completions, **_):  # a spread in every group: no group sits out
-        return [c[-1]["content"].count("a") / (1 + len(c[-1]["content"])) + 0.01 * len(c[-1]["content"])
-                for c in completions]
-
-    args = GRPOConfig(**{
-        "output_dir": str(tmp / "out"), "use_cpu": True, "bf16": False, "seed": 0, "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 2, "num_generations": 4, "max_steps": STEPS, "max_completion_length": 24,
-        "temperature": 1.0, "learning_rate": 1e-3, "beta": 0.0, "use_vllm": True, "vllm_mode": "colocate",
-        "vllm_max_model_length": 128, "gradient_checkpointing": False, "logging_steps": 1, "report_to": "none",
-        "save_strategy": "no", "disable_tqdm": True, **overrides})
-    # An exploring tuner: every step's draft length a seeded uniform draw among plain and the three
-    # lengths, whatever the steps cost, so where it drafts does not depend on timing.
-    tlt = TLTConfig(drafter=tmp / "drafter", draft_sampling="greedy", dtype="float32", kv_cache_gb=1 / 16,
-                    adapt=AdaptConfig(drafter_min_steps=MIN_STEPS, drafter_batch_tokens=64),
-                    tuner=TunerConfig(epsilon=1.0, loser_margin=1.0, switch_patience=1))
-    hf = AutoModelForCausalLM.from_pretrained(tmp / "m", dtype=torch.float32)
-    return dict(model=hf, reward_funcs=reward, args=args, train_dataset=data, tlt=tlt)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """Train STEPS GRPO steps with TLT; then, with the trained policy and the adapted drafter:
+    """Train TRL_STEPS GRPO steps with TLT; then, with the trained policy and the adapted drafter:
     greedy and T = 1 responses of the TRL trainer's engine, the trainer model's own greedy
     responses, and greedy responses of tailrl's vLLM engine started from the saved drafter version."""
     from vllm import SamplingParams as VllmSampling
@@ -120,14 +69,14 @@ def run(tmp_path_factory):
     from tailrl.trl.policy import policy_view
 
     tmp = tmp_path_factory.mktemp("trl")
-    kwargs = tiny_run(tmp)
+    kwargs = tiny_trl_run(tmp)
     hf = kwargs["model"]
     trainer = TLTGRPOTrainer(**kwargs)
     counted = count_generate_calls(trainer.vllm_generation)
     trainer.train()
     gen = trainer.vllm_generation
     gen.sync_weights()  # the last step's weights, as the next generation would
-    prompts = _prompts(16)
+    prompts = trl_prompts(16)
     try:
         gen.steps.begin()
         # One seed per response: four responses to a prompt under one seed would be one response four times.
@@ -159,21 +108,22 @@ def run(tmp_path_factory):
         hist = rollout.report().accept_hist
     finally:
         rollout.close()
-    return dict(logs=trainer.state.log_history, counted=counted, version=version, shapes=shapes, greedy=[list(o.outputs[0].token_ids) for o in greedy],
+    return dict(logs=trainer.state.log_history, counted=counted, version=version, shapes=shapes,
+                greedy=[list(o.outputs[0].token_ids) for o in greedy],
                 greedy_counts=greedy_counts, sampled=sampled, hf_greedy=hf_greedy, policy=policy,
                 fresh=[c.token_ids for c in fresh], fresh_counts=(sum(hist), sum(i * h for i, h in enumerate(hist))))
 
 
 def test_the_drafter_adapts_and_trls_metrics_say_so(run):
     steps = [h for h in run["logs"] if "loss" in h]
-    assert len(steps) == STEPS
+    assert len(steps) == TRL_STEPS
     # One generate call a step; its logged accept_len is tokens per verify as vLLM's own counters
     # give it (float32 in TRL's logs).
     assert [h["tlt/accept_len"] for h in steps] == pytest.approx([1 + a / d for d, a in run["counted"]], rel=1e-6)
     # Training lags a step: the first step's data trains at the end of the second, and version 1
     # drafts at step 3; the micro-steps are logged with the step that ran them.
     assert [h["tlt/drafter_version"] for h in steps] == [0.0, 0.0, 1.0]
-    assert [h["tlt/drafter_micro_steps"] for h in steps] == [0.0, float(MIN_STEPS), float(MIN_STEPS)]
+    assert [h["tlt/drafter_micro_steps"] for h in steps] == [0.0, float(TRL_MIN_STEPS), float(TRL_MIN_STEPS)]
     assert run["version"] == 2  # trained at the end of the last step, pushed by the sync after it
 
 

@@ -1,7 +1,7 @@
 """TLT inside TRL's GRPOTrainer with a LoRA-wrapped policy (tailrl.trl.lora): the engine decodes
 the merged weights, and the drafter trains on the hidden states of the model under the adapter.
 
-One one-step run on test_trl.py's tiny model, drafter and configs, the policy wrapped in LoRA on
+One one-step run on the tiny model, drafter and configs, the policy wrapped in LoRA on
 every linear layer of the decoder with random B factors (PEFT starts them at zero, where merged
 and unmerged weights are the same), so the adapter changes the model's greedy tokens from the
 first sync on; the step's optimizer step moves the adapters again. After a sync, the engine's
@@ -22,7 +22,7 @@ pytest.importorskip("trl")
 pytest.importorskip("vllm")
 pytest.importorskip("peft")
 
-from test_trl import _prompts, tiny_run  # noqa: E402
+from conftest import tiny_trl_run, trl_prompts  # noqa: E402
 
 NEW = 24  # greedy tokens per prompt
 
@@ -72,7 +72,7 @@ def test_a_lora_policy_syncs_merged_and_its_hidden_states_train_the_drafter(tmp_
 
     from tailrl.trl import TLTGRPOTrainer
 
-    kwargs = tiny_run(tmp_path, max_steps=1)
+    kwargs = tiny_trl_run(tmp_path, max_steps=1)
     model = lora_policy(kwargs["model"])
     base = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n}
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" in n}
@@ -81,7 +81,7 @@ def test_a_lora_policy_syncs_merged_and_its_hidden_states_train_the_drafter(tmp_
     trainer = TLTGRPOTrainer(**{**kwargs, "model": model, "tlt": tlt})
     gen, checked = trainer.vllm_generation, []
     check_observed_hidden(gen, model, checked)
-    prompts = _prompts(16)
+    prompts = trl_prompts(16)
     try:
         trainer.train()
         gen.sync_weights()  # the adapters the optimizer step left

@@ -1,7 +1,7 @@
 """TLT inside TRL's GRPOTrainer resumed from one of TRL's checkpoints (tailrl.trl): the resumed
 run drafts from the next step on with the drafter and the tuner the uninterrupted run had.
 
-Two runs on test_trl.py's tiny model, drafter and configs: four steps saving a checkpoint after
+Two runs on the tiny model, drafter and configs: four steps saving a checkpoint after
 the second, then a second trainer resumed from that checkpoint. As each generate call starts
 (after TRL's weight sync), the test reads what the engine drafts with: the drafting version, the
 adapting drafter's whole state (weights, optimizer, version, the next step's data), the weights
@@ -17,26 +17,13 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 pytest.importorskip("trl")
 pytest.importorskip("vllm")
 
-from test_trl import MIN_STEPS, tiny_run  # noqa: E402
+from conftest import TRL_MIN_STEPS, assert_same, engine_drafter, tiny_trl_run  # noqa: E402
 
 STEPS, SAVE = 4, 2
-
-
-def engine_drafter(llm) -> dict[str, torch.Tensor]:
-    """The weights in vLLM's EAGLE drafter (its embedding, the target's, left out) and its draft head."""
-
-    def read(worker):
-        model = worker.model_runner.drafter.model
-        out = {k: v.detach().clone() for k, v in model.state_dict().items() if "embed_tokens" not in k}
-        out["draft_head"] = model.compute_logits.weight.detach().clone()
-        return out
-
-    return llm.llm_engine.collective_rpc(read)[0]
 
 
 def watch_generations(trainer) -> dict[int, dict]:
@@ -67,40 +54,25 @@ def train(resume: str | None = None, **kwargs) -> tuple[dict[int, dict], dict[in
     return seen, {h["step"]: h for h in trainer.state.log_history if "loss" in h}
 
 
-def same(a, b, where: str = "state") -> None:
-    """a and b equal, tensors bit for bit (a checkpoint's tuples may come back as lists)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 @pytest.mark.slow
 def test_a_resumed_run_drafts_with_the_drafter_and_tuner_it_had(tmp_path):
-    straight, straight_log = train(**tiny_run(tmp_path, max_steps=STEPS, save_strategy="steps", save_steps=SAVE))
+    straight, straight_log = train(**tiny_trl_run(tmp_path, max_steps=STEPS, save_strategy="steps", save_steps=SAVE))
     checkpoint = tmp_path / "out" / f"checkpoint-{SAVE}"
     assert (checkpoint / "tlt_state.pt").is_file()
-    resumed, resumed_log = train(str(checkpoint), **tiny_run(tmp_path, max_steps=STEPS, output_dir=str(tmp_path / "re")))
+    resumed, resumed_log = train(str(checkpoint),
+                                 **tiny_trl_run(tmp_path, max_steps=STEPS, output_dir=str(tmp_path / "re")))
     assert sorted(resumed) == [3, 4]
     # The uninterrupted run drafts at step 3 with a version trained at the end of step 2: the
     # comparison is of an adapted drafter, not of the drafter's files.
     assert straight[3]["version"] == 1
     with pytest.raises(AssertionError):
-        same(straight[1]["engine"], straight[3]["engine"])
+        assert_same(straight[1]["engine"], straight[3]["engine"])
     for key in ("version", "adapt", "engine", "tuner"):
-        same(straight[3][key], resumed[3][key], key)
+        assert_same(straight[3][key], resumed[3][key], key)
     # At step 4, the version trained at the end of step 3 on the checkpoint's data, on the
     # policy as step 3 moved it (its responses the same: TRL's checkpoint restores the random
     # generators the in-process engine samples from).
     assert resumed[4]["version"] == straight[4]["version"] == 2
     for key in ("adapt", "engine"):
-        same(straight[4][key], resumed[4][key], key)
-    assert resumed_log[3]["tlt/drafter_micro_steps"] == straight_log[3]["tlt/drafter_micro_steps"] == MIN_STEPS
+        assert_same(straight[4][key], resumed[4][key], key)
+    assert resumed_log[3]["tlt/drafter_micro_steps"] == straight_log[3]["tlt/drafter_micro_steps"] == TRL_MIN_STEPS

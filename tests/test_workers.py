@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from rollout_helpers import PARAMS, grouped_requests, reference, start_pool
 
 from conftest import exact_fp32_configs, same_run
+from rollout_helpers import PARAMS, grouped_requests, reference, start_pool
 
 from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import load_model

@@ -9,15 +9,22 @@ own mechanism (tailrl.rollout.vllm):
 - the weight sync is vLLM's layerwise reload (internals.reload_weights): TRL's
   parameter-by-parameter `load_weights` fails on CPU, where vLLM repacks its linear weights; a
   LoRA wrapper's weights go in merged (tailrl.trl.lora.merged_weights), the model left unmerged;
-- at the end of each optimizer step the adapting drafter closes its step (`end_drafter_step`;
-  tailrl.rollout.adapt: the floor of micro-steps on what the trainer's loss forwards observed,
-  a new version when it trained, a collapsed one rolled back), and the next sync puts a new
-  version into the engine's drafter in place;
+- at the end of each optimizer step the adapting drafter publishes (`end_drafter_step`;
+  tailrl.rollout.adapt.AdaptiveDrafter.publish: the floor of micro-steps on what the trainer's
+  loss forwards observed, a new version when it trained, a collapsed one rolled back), and the
+  next sync puts the version it published into the engine's drafter in place;
 - with spec "auto", TLT's tuner chooses each engine step's draft length (tailrl.trl.steps).
 
-Each generate call's speculation becomes `stats` (accept_len, the drafter version drafted
-with); `save_drafter` writes the drafting version as tailrl's drafter files; `state_dict` is
-what a checkpoint needs to resume the drafter and the tuner where they were (`load_state_dict`).
+Several processes (`accelerate launch`, tailrl.trl.processes): each has its engine and its tuner
+(steering by its own engine's steps); process 0 alone holds the adapting drafter (`adapt`). At
+the end of each optimizer step it gets every process's observed forwards and rollback tallies,
+publishes, and hands the published version to the others, whose next sync loads it: every
+engine drafts with the same version, the same weights.
+
+Each generate call's speculation becomes `stats` (accept_len over every process's engine, the
+drafter version drafted with); `save_drafter` writes the drafting version as tailrl's drafter
+files; `state_dict` is what a checkpoint needs to resume the drafter and the tuner where they
+were (`load_state_dict`).
 
 Knows: TRL's VLLMGeneration (trl 1.16), the vLLM rollout's pieces. Does not know: GRPO's loss,
 TRL's trainer (tailrl.trl.trainer).
@@ -38,18 +45,19 @@ from vllm import LLM
 
 from tailrl.rollout.adapt import AdaptiveDrafter, AdaptStep
 from tailrl.rollout.protocol import PolicyForward
-from tailrl.rollout.vllm import cpu_fix
-from tailrl.rollout.vllm import internals as vllm_internals
+from tailrl.rollout.vllm import cpu_fix, internals as vllm_internals
 from tailrl.rollout.vllm.checks import DRAFT_SAMPLING, prepare_process, process_state_kept
 from tailrl.rollout.vllm.speculation import Schedule, install_draft_head, load_drafter_version, write_learned_drafter
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.drafter.model import read_drafter_config, save_drafter
 from tailrl.speculative.modes import DRAFTER_ARMS
-from tailrl.trl.steps import EngineSteps
-from tailrl.tuner import TunerConfig
-from tailrl.trl import internals
+from tailrl.speculative.watch import Tallies, add_tallies
+from tailrl.trl import internals, processes
 from tailrl.trl.lora import is_peft, merged_weights
 from tailrl.trl.policy import policy_view
+from tailrl.trl.steps import EngineSteps
+from tailrl.tuner import TunerConfig
+
 
 @dataclass(frozen=True)
 class TLTConfig:
@@ -102,9 +110,9 @@ class TLTConfig:
 class GenerationStats:
     """One generate call's speculation."""
 
-    accept_len: float | None  # tokens per verify; None: no step drafted
+    accept_len: float | None  # tokens per verify over every process's engine; None: no step drafted
     drafter_version: int
-    seconds: float  # the call's wall time (the sync before it not included)
+    seconds: float  # the call's wall time, the slowest process's (the sync before it not included)
 
 
 def _load_policy(worker, weights: dict[str, torch.Tensor]) -> None:
@@ -127,8 +135,11 @@ class TLTGeneration(VLLMGeneration):
         prepare_process()
         vllm_internals.check_supported()
         self.policy = policy_view(self.model)
-        self.adapt: AdaptiveDrafter | None = None
+        self.adapt: AdaptiveDrafter | None = None  # process 0's, with a drafter (module doc)
         self.drafter_version = 0  # the version in the engine (0: the drafter's files)
+        self._published: tuple[int, dict[str, torch.Tensor]] | None = None  # for the next sync to load
+        self._forwards: list[PolicyForward] = []  # observed since the last publish, and
+        self._tallies: Tallies = {}  # the engine's verifies by the drafting version since then
         # Per-step stats on, for EngineSteps; dtype, eagerness and KV cache where asked.
         llm_kwargs: dict[str, object] = {"disable_log_stats": False}
         if self.tlt.dtype:
@@ -142,7 +153,8 @@ class TLTGeneration(VLLMGeneration):
             self.steps = EngineSteps(self.llm.llm_engine, None, "plain")
             return
         drafter = Path(self.tlt.drafter)
-        self.adapt = AdaptiveDrafter.open(drafter, self.policy, self.tlt.adapt, None)
+        if processes.rank() == 0:
+            self.adapt = AdaptiveDrafter.open(drafter, self.policy, self.tlt.adapt, None)
         lengths = self.tlt.lengths()
         with tempfile.TemporaryDirectory(prefix="tailrl-trl-") as tmp:
             # fp32 on disk: vLLM casts the drafter to the engine's dtype as it loads it.
@@ -158,7 +170,9 @@ class TLTGeneration(VLLMGeneration):
         vocab = torch.tensor(cfg.draft_vocab, dtype=torch.long)
         engine.collective_rpc(install_draft_head, args=(state["head.weight"].to(self.dtype), vocab))
         vllm_internals.check_engine(engine, speculative=True)
-        schedule = Schedule(engine, lengths, self.tlt.tuner, None, self.tlt.seed) if self.tlt.spec == "auto" else None
+        # Each process's tuner explores with its own seed, as TRL seeds each process's engine.
+        seed = self.tlt.seed + processes.rank()
+        schedule = Schedule(engine, lengths, self.tlt.tuner, None, seed) if self.tlt.spec == "auto" else None
         self.steps = EngineSteps(engine, schedule, f"eagle-{lengths[0]}")
 
     def _start(self, llm_kwargs: dict[str, object]) -> None:
@@ -169,29 +183,50 @@ class TLTGeneration(VLLMGeneration):
             super()._init_vllm()
         self.dtype = self.llm.llm_engine.model_config.dtype
 
+    @property
+    def drafts(self) -> bool:
+        """Whether the engine drafts with a learned drafter (spec "auto" or "on")."""
+        return self.tlt.drafter is not None
+
     def observe(self, forwards: list[PolicyForward]) -> None:
         """What the trainer's loss forward computed: the drafter's data for the step after next
-        (it trains one step behind, tailrl.speculative.drafter.learner)."""
-        if self.adapt is not None:
-            self.adapt.observe(forwards)
+        (it trains one step behind, tailrl.speculative.drafter.learner), handed over at publish."""
+        if self.drafts:
+            self._forwards += forwards
 
     def end_drafter_step(self) -> AdaptStep | None:
-        """The adapting drafter's step closes on the policy as the optimizer step left it (module
-        doc; None: no drafter). The trainer calls it before TRL saves a checkpoint, so the
-        checkpoint holds the drafter as the next step starts from it."""
-        return self.adapt.end_step(self.policy) if self.adapt is not None else None
+        """The adapting drafter publishes on the policy as the optimizer step left it (module
+        doc; None: no drafter), on every process: a collective. The trainer calls it before TRL
+        saves a checkpoint, so the checkpoint holds the drafter as the next step starts from it."""
+        if not self.drafts:
+            return None
+        data = processes.to_first((self._forwards, self._tallies))
+        self._forwards, self._tallies = [], {}
+        step = None
+        if self.adapt is not None:  # process 0: every process's data, in process order
+            for forwards, tallies in data:
+                self.adapt.record(tallies)
+                self.adapt.observe(forwards)
+            step = self.adapt.publish(self.policy, self._publish)
+        step, self._published = processes.from_first((step, self._published))
+        return step
+
+    def _publish(self, step: AdaptStep, weights: dict[str, torch.Tensor]) -> None:
+        """How a published version reaches the engine: at the next sync, with the policy's weights."""
+        self._published = (step.drafting, weights)
 
     def sync_weights(self) -> None:
-        """The policy's weights (a LoRA wrapper's merged) and, when it is not the engine's, the
-        drafting version go into the engine in place; the prefix cache is reset."""
+        """The policy's weights (a LoRA wrapper's merged) and the version published since the
+        last sync, if any, go into the engine in place; the prefix cache is reset."""
         engine = self.llm.llm_engine
         # A LoRA wrapper's weights merged into new tensors (tailrl.trl.lora), not TRL's merge in place.
         named = merged_weights(self.model).items() if is_peft(self.model) else self._iter_named_params()
         weights = {name: p.detach().to(self.dtype) for name, p in named}
         engine.collective_rpc(_load_policy, args=(weights,))
-        if self.adapt is not None and self.adapt.version != self.drafter_version:
-            load_drafter_version(engine, self.adapt.version, self.adapt.drafting_weights(), self.dtype)
-            self.drafter_version = self.adapt.version
+        if self._published is not None:
+            version, drafter = self._published
+            load_drafter_version(engine, version, drafter, self.dtype)
+            self.drafter_version, self._published = version, None
         self.llm.reset_prefix_cache()
 
     def generate(self, *args, **kwargs):
@@ -199,37 +234,47 @@ class TLTGeneration(VLLMGeneration):
         t0 = time.perf_counter()
         out = super().generate(*args, **kwargs)
         seconds = time.perf_counter() - t0
-        if self.adapt is not None:  # the drafting version's acceptance, for its rollback watch
-            self.adapt.record(self.steps.tallies)
-        self.stats = GenerationStats(self.steps.accept_len, self.drafter_version, seconds)
+        if self.drafts:  # the drafting version's acceptance, for its rollback watch
+            add_tallies(self._tallies, self.steps.tallies)
+        calls = processes.across((self.steps.drafts, self.steps.accepted, seconds))
+        drafts, accepted = sum(c[0] for c in calls), sum(c[1] for c in calls)
+        accept_len = 1.0 + accepted / drafts if drafts else None
+        self.stats = GenerationStats(accept_len, self.drafter_version, max(c[2] for c in calls))
         return out
 
     def save_drafter(self, path: Path) -> Path:
         """The drafting version as tailrl drafter files (what `vllm serve` and tailrl load)."""
         if self.adapt is None:
-            raise ValueError("no drafter: TLT runs with spec 'off'")
+            raise ValueError("no drafter: TLT runs with spec 'off'" if not self.drafts else
+                             "the adapting drafter is process 0's: save it there")
         drafter = copy.deepcopy(self.adapt.learner.drafter)
         drafter.load_state_dict(self.adapt.drafting_weights())
         return save_drafter(drafter, path)
 
     def state_dict(self) -> dict[str, object] | None:
         """TLT's state for a checkpoint: the adapting drafter's (its learner's weights, optimizer,
-        version and next step's data; the rollback watch) and the tuner's; None without a drafter."""
-        if self.adapt is None:
+        version and next step's data; the rollback watch) and this process's tuner's; on a process
+        other than 0, which holds no adapting drafter, its tuner's alone; None without a drafter."""
+        if not self.drafts:
             return None
         schedule = self.steps.schedule
-        return {"adapt": self.adapt.state_dict(), "tuner": schedule.tuner.state_dict() if schedule else None}
+        tuner = schedule.tuner.state_dict() if schedule else None
+        return {"adapt": self.adapt.state_dict(), "tuner": tuner} if self.adapt is not None else {"tuner": tuner}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Resume state_dict()'s drafter and tuner; the next sync puts the drafting version into
-        the engine (which holds version 0, the drafter's files)."""
+        """Resume state_dict()'s drafter (process 0's, on every process) and tuner; the next sync
+        puts the drafting version into the engine (which holds version 0, the drafter's files)."""
         # The trainer's resume put the checkpoint's weights into other tensors than those the
         # view was made on: a new view, or the drafter would go on reading the old ones.
         self.policy = policy_view(self.model)
-        self.adapt = AdaptiveDrafter.open(Path(self.tlt.drafter), self.policy, self.tlt.adapt, state["adapt"])
-        # What end_step did after its checkpointed state: the next step trains on the data that
-        # state holds, on the policy as the trainer just loaded it.
-        self.adapt.learner.begin_step(self.policy)
+        adapt = AdaptiveDrafter.open(Path(self.tlt.drafter), self.policy, self.tlt.adapt, state["adapt"])
+        if adapt.version != self.drafter_version:
+            self._published = (adapt.version, adapt.drafting_weights())
+        if self.adapt is not None:
+            self.adapt = adapt
+            # What end_step did after its checkpointed state: the next step trains on the data that
+            # state holds, on the policy as the trainer just loaded it.
+            self.adapt.learner.begin_step(self.policy)
         if self.steps.schedule is not None and state["tuner"] is not None:
             self.steps.schedule.tuner.load_state_dict(state["tuner"])
 

@@ -74,7 +74,8 @@ def policy_forwards(chunks: list[torch.Tensor], input_ids: torch.Tensor, attenti
     (prompt, then completion) and the hidden states at all of them but the last."""
     hidden = torch.cat(chunks)  # (B, T, E)
     if hidden.shape[:2] != input_ids.shape:
-        raise ValueError(f"captured hidden states {tuple(hidden.shape)} do not match the batch {tuple(input_ids.shape)}")
+        raise ValueError(f"captured hidden states {tuple(hidden.shape)} do not match the batch "
+                         f"{tuple(input_ids.shape)}")
     out = []
     for ids, mask, h, prompt in zip(input_ids, attention_mask.bool(), hidden, prompt_mask.sum(1).tolist()):
         tokens = ids[mask]

@@ -18,6 +18,10 @@ from it (`TLT_STATE`: the adapting drafter, its learner's optimizer and data, th
 watch, the tuner); resuming loads it, as TRL resumes its own optimizer (the hooks TRL's
 GRPOTrainer uses for its entropy controller's state).
 
+Several processes (`accelerate launch --num_processes N`): each process's engine drafts with the
+version process 0 publishes, trained on the forwards of every process (tailrl.trl.generation);
+a checkpoint holds process 0's state in `TLT_STATE` and each other process's tuner beside it.
+
 Knows: where GRPOTrainer builds its engine, runs its loss forward, keeps its metrics and writes
 and reads its checkpoints (trl 1.16). Does not know: vLLM, the drafter's training.
 """
@@ -37,7 +41,12 @@ from tailrl.trl import internals
 from tailrl.trl.generation import TLTConfig, TLTGeneration
 from tailrl.trl.policy import HiddenCapture, policy_forwards
 
-TLT_STATE = "tlt_state.pt"  # TLT's state, in each of TRL's checkpoint folders
+TLT_STATE = "tlt_state.pt"  # TLT's state, in each of TRL's checkpoint folders (process 0's)
+
+
+def tuner_file(process: int) -> str:
+    """The checkpoint file of process `process`'s tuner, for a process other than 0."""
+    return f"tlt_state_{process}.pt"
 
 
 class _DrafterStepEnd(TrainerCallback):
@@ -64,7 +73,7 @@ class TLTGRPOTrainer(GRPOTrainer):
         self.add_callback(_DrafterStepEnd(self))
 
     def _compute_loss(self, model, inputs):
-        if self.vllm_generation.adapt is None:  # spec "off": no drafter to feed
+        if not self.vllm_generation.drafts:  # spec "off": no drafter to feed
             return super()._compute_loss(model, inputs)
         with self._capture.capturing() as chunks:
             loss = super()._compute_loss(model, inputs)
@@ -93,22 +102,40 @@ class TLTGRPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         state = self.vllm_generation.state_dict()
-        if state is not None and self.args.should_save:
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            torch.save(state, folder / TLT_STATE)
+        if state is None:
+            return
+        # Process 0's state (the adapting drafter and its tuner) where TRL saves; every other
+        # process's tuner beside it, as each process's random generators (process_index).
+        process = self.accelerator.process_index
+        if process == 0 and not self.args.should_save:
+            return
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(state, folder / (TLT_STATE if process == 0 else tuner_file(process)))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None or self.vllm_generation.adapt is None:
+        if checkpoint is None or not self.vllm_generation.drafts:
             return
         path = Path(checkpoint) / TLT_STATE
         if not path.is_file():  # a checkpoint of TRL's own trainer, or of a run without a drafter
             warnings.warn(f"{checkpoint} holds no {TLT_STATE}: the drafter starts again from "
                           f"{self.vllm_generation.tlt.drafter}, the tuner from nothing", stacklevel=2)
             return
-        self.vllm_generation.load_state_dict(torch.load(path, weights_only=True))
+        # Every process reads process 0's drafter; a process's own tuner, or process 0's where
+        # the checkpoint has none for it (a run saved with fewer processes).
+        state = torch.load(path, weights_only=True)
+        own = Path(checkpoint) / tuner_file(self.accelerator.process_index)
+        if self.accelerator.process_index > 0 and own.is_file():
+            state["tuner"] = torch.load(own, weights_only=True)["tuner"]
+        self.vllm_generation.load_state_dict(state)
 
     def save_drafter(self, path: str | Path) -> Path:
         """The adapted drafter (the version the engine drafts with next) as tailrl drafter files,
-        for `vllm serve` (tailrl drafter export) or a next run."""
-        return self.vllm_generation.save_drafter(Path(path))
+        for `vllm serve` (tailrl drafter export) or a next run; written by process 0, as TRL's
+        save_model, and the path returned on every process."""
+        path = Path(path)
+        if self.vllm_generation.adapt is not None or not self.vllm_generation.drafts:
+            path = self.vllm_generation.save_drafter(path)
+        self.accelerator.wait_for_everyone()
+        return path
