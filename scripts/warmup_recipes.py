@@ -22,7 +22,8 @@ Recipes (name: train prompts, solutions, rule):
 - plateau-unroll: plateau, trained one draft step deeper too (`unroll`: the drafter reads its
   own prediction, as a chain's later tokens do);
 - plateau-ce1: plateau with the cross-entropy term weighted 1.0 (the default 0.1): acceptance is
-  the draft's argmax agreeing with the target's, which the feature loss serves only indirectly.
+  the draft's argmax agreeing with the target's, which the feature loss serves only indirectly;
+- plateau-ce003, plateau-ce001: the other way, the cross-entropy term weighted 0.03 and 0.01.
 Not part of the tests.
 """
 
@@ -42,6 +43,8 @@ RECIPES = {
     "plateau-data": (None, None, {}),
     "plateau-unroll": (20, 256, dict(unroll=True)),
     "plateau-ce1": (20, 256, dict(ce_weight=1.0)),
+    "plateau-ce003": (20, 256, dict(ce_weight=0.03)),
+    "plateau-ce001": (20, 256, dict(ce_weight=0.01)),
 }
 
 
