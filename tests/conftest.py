@@ -4,6 +4,7 @@ training runs' task, configs and comparisons that several test modules share."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -256,6 +257,26 @@ def same_run(a: list[dict], b: list[dict]) -> bool:
 
 TRL_STEPS = 3  # GRPO steps of tiny_trl_run's run
 TRL_MIN_STEPS = 4  # drafter micro-steps per RL step
+
+# What TRL's colocated engine leaves in the process's environment: with them set, every later
+# trainer in the process is a one-process DDP job (accelerate's MULTI_CPU), whose prepare wraps
+# the model and sets torch's thread count.
+TRL_PROCESS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def trl_process():
+    """The process as a TRL test found it, after it: TRL_PROCESS_VARIABLES and torch's thread
+    count restored, so that a TRL test's trainers run alike whichever tests ran before them. A TRL
+    test module takes it with `pytestmark = pytest.mark.usefixtures("trl_process")`."""
+    saved, threads = {k: os.environ.get(k) for k in TRL_PROCESS_VARIABLES}, torch.get_num_threads()
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    torch.set_num_threads(threads)
 
 
 def trl_prompts(n: int) -> list[tuple[int, ...]]:

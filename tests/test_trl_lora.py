@@ -24,6 +24,8 @@ pytest.importorskip("peft")
 
 from conftest import tiny_trl_run, trl_prompts  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("trl_process")
+
 NEW = 24  # greedy tokens per prompt
 
 

@@ -23,6 +23,8 @@ pytest.importorskip("vllm")
 
 from conftest import TRL_MIN_STEPS, assert_same, engine_drafter, tiny_trl_run  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("trl_process")
+
 STEPS, SAVE = 4, 2
 
 
@@ -55,7 +57,15 @@ def train(resume: str | None = None, **kwargs) -> tuple[dict[int, dict], dict[in
 
 
 @pytest.mark.slow
-def test_a_resumed_run_drafts_with_the_drafter_and_tuner_it_had(tmp_path):
+def test_a_resumed_run_drafts_with_the_drafter_and_tuner_it_had(tmp_path, monkeypatch):
+    from trl.trainer.utils import ensure_master_addr_port
+
+    # Both runs one-process DDP jobs, as under `accelerate launch`, whatever ran before in this
+    # process: the trainer then trains other tensors than those the model held when the engine
+    # started, and the drafter must read those it trains.
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    ensure_master_addr_port()
     straight, straight_log = train(**tiny_trl_run(tmp_path, max_steps=STEPS, save_strategy="steps", save_steps=SAVE))
     checkpoint = tmp_path / "out" / f"checkpoint-{SAVE}"
     assert (checkpoint / "tlt_state.pt").is_file()

@@ -204,6 +204,10 @@ class TLTGeneration(VLLMGeneration):
         self._forwards, self._tallies = [], {}
         step = None
         if self.adapt is not None:  # process 0: every process's data, in process order
+            # A view on the model's tensors now: under DDP (any process group, which TRL's engine
+            # start leaves in os.environ) the view made at start reads other tensors than those the
+            # optimizer steps, and the drafter would train on the initial weights.
+            self.policy = policy_view(self.model)
             for forwards, tallies in data:
                 self.adapt.record(tallies)
                 self.adapt.observe(forwards)
