@@ -35,6 +35,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from tailrl import memory
 from tailrl.kernels import check_thread_invariance, request_reproducible_kernels
 from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer, whole_chunks
 from tailrl.records import Completion, Progress, Request, Stop
@@ -383,12 +384,17 @@ class Engine:
             self._leave(running, i)
 
     def _leave(self, running: list[Seq], i: int) -> None:
-        """Take slot i's sequence out of the batch; the last running sequence moves into its slot."""
+        """Take slot i's sequence out of the batch; the last running sequence moves into its slot,
+        and the slot it leaves is handed back to the kernel (tailrl.memory.release: a lazily
+        zeroed cache reads zeros there again, and holds no memory for it until it is written)."""
         last = running.pop()
         if i < len(running):
             self.cache.copy_slot(len(running), i, last.length)
             self.decoder.moved(len(running), i, last)
             running[i] = last
+        if memory.is_lazy(self.cache.k[0]):  # a resized cache is not
+            for kv in (*self.cache.k, *self.cache.v):
+                memory.release(kv[len(running)])
 
     # ---- what decoders use ----------------------------------------------------------------
 

@@ -19,7 +19,8 @@ that is less.
 `trim` hands the free pages malloc keeps in its arenas back to the kernel.
 
 `lazy_zeros` is a zero tensor whose pages become resident only as they are written (a KV cache
-sized for every sequence's worst case holds only the positions its sequences reach).
+sized for every sequence's worst case holds only the positions its sequences reach); `release`
+zeroes a piece of one again and hands its pages back (a cache slot whose sequence finished).
 
 Knows: /proc, /sys/fs/cgroup, glibc's mallopt. Does not know: what the phases are.
 """
@@ -30,6 +31,7 @@ import ctypes
 import math
 import mmap
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -38,6 +40,7 @@ _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _MEMINFO = Path("/proc/meminfo")
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
+_MADV_DONTNEED = 4  # Linux mman.h
 MMAP_THRESHOLD = 4 * 2**20
 _CGROUP = Path("/sys/fs/cgroup")
 
@@ -151,4 +154,53 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared ones fill on reading
-    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
+    t = torch.frombuffer(pages, dtype=torch.uint8)
+    start = t.data_ptr()
+    _LAZY[start] = nbytes
+    weakref.finalize(pages, _forget, start)  # the mapping lives while a tensor on it does
+    return t.view(dtype).view(shape)
+
+
+_LAZY: dict[int, int] = {}  # start address -> length of the mappings lazy_zeros made and still holds
+_libc: ctypes.CDLL | None = None
+
+
+def _forget(start: int) -> None:
+    _LAZY.pop(start, None)
+
+
+def _madvise_dontneed(start: int, length: int) -> bool:
+    global _libc
+    try:
+        _libc = _libc or ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not glibc
+        return False
+    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED) == 0
+
+
+def is_lazy(t: torch.Tensor) -> bool:
+    """Whether t lies on a mapping of `lazy_zeros` (so `release` may hand its pages back)."""
+    if t.device.type != "cpu":
+        return False
+    begin = t.untyped_storage().data_ptr()
+    end = begin + t.untyped_storage().nbytes()
+    return any(start <= begin and end <= start + length for start, length in _LAZY.items())
+
+
+def release(t: torch.Tensor) -> int:
+    """Zero a contiguous piece of a `lazy_zeros` tensor and return its whole pages to the kernel
+    (madvise MADV_DONTNEED: they read as zeros again, resident only once written). Bytes handed
+    back; 0 for any other tensor (left as it is) or where the kernel refuses."""
+    if not t.is_contiguous() or t.numel() == 0 or not is_lazy(t):
+        return 0
+    begin = t.data_ptr()
+    end = begin + t.numel() * t.element_size()
+    first, last = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    flat = t.view(-1).view(torch.uint8)
+    if last <= first or not _madvise_dontneed(first, last - first):
+        flat.zero_()
+        return 0
+    # Bytes of the piece outside its whole pages are zeroed by hand: the whole piece reads as zeros.
+    flat[: first - begin].zero_()
+    flat[last - begin :].zero_()
+    return last - first

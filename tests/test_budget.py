@@ -13,12 +13,14 @@ from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.run_dir import RunDir
 from tailrl.rl.train import train
 
-WEIGHTS = 2**20 / 2**30  # a gradient buffer of 1 MiB per update thread
+WEIGHTS = 2**20 / 2**30  # a gradient buffer of 1 MiB
+WAITING = GRPOConfig().waiting_gradients  # gradient buffers waiting to be added, the sum among them
 
 
 def _budget(room_bytes: float, fixed_gb: float = 3.0) -> Budget:
-    """A budget leaving each of the update's two threads its gradient buffer and room_bytes more."""
-    return Budget(fixed_gb + 2 * (WEIGHTS + room_bytes / 2**30), {"models and optimizer": fixed_gb})
+    """A budget leaving, beside WAITING buffers, each of the update's two threads its gradient
+    buffer and room_bytes more."""
+    return Budget(fixed_gb + WAITING * WEIGHTS + 2 * (WEIGHTS + room_bytes / 2**30), {"models and optimizer": fixed_gb})
 
 
 def test_the_budget_sizes_checkpointing_and_micro_batches_by_hand(tiny_dir):
@@ -37,20 +39,26 @@ def test_the_budget_sizes_checkpointing_and_micro_batches_by_hand(tiny_dir):
     # bf16 autocast: matmul outputs at 2 bytes, the log-softmax stays fp32: whole (2 x 1,088 x 2 +
     # 96 x 6) x 1.25 = 6,160 bytes a token; checkpointed (2 x 256 + 1,088 x 2 + 96 x 6) x 1.25 = 4,080.
     room = 6_160 * 500.5
-    sized = size_update(GRPOConfig(), _budget(room), m, WEIGHTS, True, 100)
+    sized = size_update(GRPOConfig(micro_batch_tokens=8192), _budget(room), m, WEIGHTS, True, 100)
     assert (sized.checkpoint_tokens, sized.micro_batch_tokens) == (500, 755)  # 3,083,080 / 4,080 = 755.7
 
 
-def test_a_budget_that_cannot_hold_one_checkpointed_response_refuses(tiny_dir):
+def test_a_budget_that_cannot_hold_one_checkpointed_response_waits_for_fewer_groups_then_refuses(tiny_dir):
     m = load_model(tiny_dir, dtype="fp32").cfg
-    # Room for 1,682 checkpointed tokens a thread (above): a response of 1,682 tokens fits, 1,683 not.
+    # Room for 1,682 checkpointed tokens a thread (above): a response of 1,682 tokens fits as configured.
     room = 11_840 * 1000.5
-    size_update(GRPOConfig(), _budget(room), m, WEIGHTS, False, 1682)
-    # The budget it needs: the fixed part and two threads' buffers and 1,683 checkpointed tokens.
-    need = 3.0 + 2 * (WEIGHTS + 1683 * 7_040 / 2**30)
+    assert size_update(GRPOConfig(), _budget(room), m, WEIGHTS, False, 1682).waiting_gradients == WAITING
+    # A longer one: fewer buffers wait, down to the gradient sum alone, which leaves each thread
+    # (WAITING - 1) x 1 MiB / 2 more: 1,757 checkpointed tokens fit ((11,845,920 + 524,288) / 7,040 = 1,757.1).
+    assert WAITING >= 2
+    sized = size_update(GRPOConfig(micro_batch_tokens=8192), _budget(room), m, WEIGHTS, False, 1757)
+    assert sized.waiting_gradients == 1 and sized.micro_batch_tokens == 1757
+    # The budget it needs: the fixed part, the gradient sum, two threads' buffers and 1,758 checkpointed tokens.
+    need = 3.0 + WEIGHTS + 2 * (WEIGHTS + 1758 * 7_040 / 2**30)
     with pytest.raises(ValueError, match=rf"memory budget of 3\.0 GiB cannot hold this run: it needs at least "
-                                         rf"{need:.1f} GiB \(models and optimizer 3\.0, and 2 update threads"):
-        size_update(GRPOConfig(), _budget(room), m, WEIGHTS, False, 1683)
+                                         rf"{need:.1f} GiB \(models and optimizer 3\.0, the gradient sum 0\.0, and 2 "
+                                         rf"update threads"):
+        size_update(GRPOConfig(), _budget(room), m, WEIGHTS, False, 1758)
     # No room at all beside the fixed parts.
     with pytest.raises(ValueError, match="cannot hold this run"):
         size_update(GRPOConfig(), Budget(2.0, {"models and optimizer": 3.0}), m, WEIGHTS, False, 1)
@@ -65,7 +73,9 @@ def test_a_run_is_sized_to_its_budget_and_reports_it(char_model_dir, task_file, 
     # The tiny run holds ~0.50 GiB beside its update (RUNTIME_GB the most): 0.51 leaves room for few tokens: its settings are lowered,
     # and written down, so that a resume computes with them.
     sized = [line for line in saved.splitlines() if line.startswith(("micro_batch_tokens", "checkpoint_tokens"))]
-    assert sized and all(int(line.split("=")[1]) < 1024 for line in sized), sized
+    defaults = GRPOConfig()
+    assert sized and all(int(line.split("=")[1]) < min(defaults.micro_batch_tokens, defaults.checkpoint_tokens)
+                         for line in sized), sized
     (record,) = run.read_metrics()
     assert record["memory_budget_gb"] == 0.51
     # A resume is sized again: to the same budget it goes on; to a smaller one it would compute

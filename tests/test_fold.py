@@ -1,6 +1,7 @@
 """The fixed-tree sum: its association by hand, the same bits in every arrival order, at most
 ceil(n / 2) partial sums waiting, fewer than a fold in order on average; and a lazily zeroed
-tensor is zeros, resident only as written."""
+tensor is zeros, resident only as written, and a piece of it released is zeros and not resident
+again: the engine releases every cache slot its sequences leave, without changing a token."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ import random
 import pytest
 import torch
 
+from tailrl import memory
+from tailrl.engine import Engine, EngineConfig
+from tailrl.loading import load_model
 from tailrl.memory import lazy_zeros
+from tailrl.records import Request
 from tailrl.rl.fold import TreeSum, most_held
+from tailrl.sampling import SamplingParams
 
 
-def _trace(n: int, order) -> tuple[str, int]:
+def _trace(n: int, order, keys=None) -> tuple[str, int]:
     """The sum as a string of its association, and the most partial sums held at once."""
-    tree: TreeSum[str] = TreeSum(n, lambda a, b: f"({a}+{b})")
+    tree: TreeSum[str] = TreeSum(n, lambda a, b: f"({a}+{b})", keys)
     most = 0
     for i in order:
         tree.put(i, str(i))
@@ -98,6 +104,17 @@ def test_misuse_is_refused():
     assert TreeSum(0, lambda a, b: a + b).result() is None
 
 
+def test_a_keyed_sum_folds_over_ascending_keys_each_tie_on_the_balanced_tree():
+    keys = [5, 1, 1, 3, 9, 1]  # by (key, term): 1, 2, 5 (tied), 3, 0, 4
+    want = "(((((1+2)+5)+3)+0)+4)"
+    assert all(_trace(6, order, keys)[0] == want for order in itertools.permutations(range(6)))
+    assert _trace(4, range(4), [7] * 4)[0] == _trace(4, range(4))[0] == "((0+1)+(2+3))"  # all tied: the balanced tree
+    # Terms arriving in the keys' order never wait but the running sum: one partial sum held.
+    assert _trace(6, sorted(range(6), key=lambda i: (keys[i], i)), keys)[1] == 1
+    with pytest.raises(ValueError, match="2 keys for 3 terms"):
+        TreeSum(3, lambda a, b: a, [1, 2])
+
+
 def _rss_kb() -> int:
     with open("/proc/self/smaps_rollup") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("Rss:"))
@@ -113,3 +130,39 @@ def test_lazy_zeros_are_zeros_resident_only_where_written():
     assert 1536 <= grown < 8 * 1024, grown
     assert t.sum().item() == 3 * 2048 * 64
     assert lazy_zeros((2, 3), torch.bfloat16).tolist() == [[0.0] * 3] * 2
+
+
+def _anonymous_kb() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Anonymous:"))
+
+
+def test_a_released_piece_reads_zeros_and_is_no_longer_resident():
+    t = lazy_zeros((64, 3, 2048, 64), torch.float32)  # slots of 1.5 MiB, whole pages
+    t[0].fill_(1.0)
+    t[1].fill_(2.0)
+    before = _anonymous_kb()  # (Rss counts files too: loading libc for madvise maps some)
+    assert memory.release(t[0]) == 3 * 2048 * 64 * 4
+    assert before - _anonymous_kb() >= 1536 - 64, before - _anonymous_kb()
+    assert t[0].abs().sum().item() == 0.0 and t[1].sum().item() == 2.0 * 3 * 2048 * 64
+    t[0, 0, 0, 0] = 5.0  # written again: an ordinary page
+    assert t[0].sum().item() == 5.0
+    # A piece that is not whole pages reads zeros too (its partial pages zeroed by hand).
+    assert memory.release(t[1, 0, :3]) == 0 and t[1, 0, :3].abs().sum().item() == 0.0 and t[1, 0, 3].sum() == 128.0
+    # Only lazy_zeros' own mappings: any other tensor is left as it is.
+    other = torch.ones(1 << 20)
+    assert memory.release(other) == 0 and other.sum().item() == 1 << 20
+    assert not memory.is_lazy(other) and memory.is_lazy(t[5])
+
+
+def test_the_engine_hands_back_every_slot_its_sequences_leave_without_changing_a_token(tiny_dir, monkeypatch):
+    tiny = load_model(tiny_dir, dtype="fp32")
+    requests = [Request((3 + i, 7, 11 + i % 3), seed=100 + i, group=i // 2) for i in range(10)]
+    params = SamplingParams(temperature=1.0)
+    engine = Engine(tiny, EngineConfig(max_batch=4, exact=True))  # slots refilled as sequences leave
+    released = engine.generate(requests, params, 40)
+    # Every slot was left last by a finished sequence, and handed back: the whole cache reads zeros.
+    assert all(kv.abs().sum().item() == 0.0 for kv in (*engine.cache.k, *engine.cache.v))
+    monkeypatch.setattr(memory, "release", lambda t: 0)
+    kept = Engine(tiny, EngineConfig(max_batch=4, exact=True)).generate(requests, params, 40)
+    assert [(c.token_ids, c.logprobs) for c in released] == [(c.token_ids, c.logprobs) for c in kept]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import weakref
 
 import pytest
@@ -15,6 +16,7 @@ from tailrl.records import Completion, Request
 from tailrl.loading import load_model
 from tailrl.rl.grpo import GRPOConfig, chunked_logprobs, sequence_logprobs
 from tailrl.rl.packing import ON_POLICY, Sample, pack_tokens, packed_logprobs, packs
+from tailrl.rl import gradients as gradients_mod, update as update_mod
 from tailrl.rl.update import GroupGradients, BackgroundUpdate, accumulate_gradients, by_prompt, group_share
 from tailrl.sampling import SamplingParams
 
@@ -45,22 +47,23 @@ def _grads(policy) -> list[torch.Tensor]:
     return [p.grad.clone() for p in policy.parameters()]
 
 
-def _in_order(policy, groups, cfg, order) -> list[torch.Tensor]:
-    gg = GroupGradients(policy, cfg, 0.8, len(groups))
+def _in_order(policy, groups, cfg, order, keys=None) -> list[torch.Tensor]:
+    gg = GroupGradients(policy, cfg, 0.8, len(groups), keys=keys)
     for g in order:
         gg.add(g, groups[g])
     gg.finish()
     return _grads(policy)
 
 
-def test_any_finishing_order_gives_the_same_bits(policy):
+@pytest.mark.parametrize("keys", [None, [3, 1, 2, 1, 0]])  # the summing order: by group, by key (fold_keys)
+def test_any_finishing_order_gives_the_same_bits(policy, keys):
     groups = _groups(policy.cfg.vocab_size)
     cfg = GRPOConfig(micro_batch=3)
-    want = _in_order(policy, groups, cfg, range(len(groups)))
+    want = _in_order(policy, groups, cfg, range(len(groups)), keys)
     for seed in range(4):
         order = list(range(len(groups)))
         random.Random(seed).shuffle(order)
-        got = _in_order(policy, groups, cfg, order)
+        got = _in_order(policy, groups, cfg, order, keys)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), order
 
 
@@ -397,3 +400,74 @@ def test_chunking_and_checkpointing_lower_what_the_update_keeps_for_its_backward
     plain = peak()
     assert plain - peak(logprob_chunk=8) >= tokens * policy.cfg.vocab_size * 4  # one fp32 (N, V) fewer
     assert peak(checkpoint_tokens=1) < plain / 4
+
+
+@pytest.mark.parametrize("model", ["tiny_dir", "char_model_dir"])  # untied head, tied head (as SmolLM2)
+def test_a_groups_micro_batches_are_added_as_their_backward_produces_them(model, request, monkeypatch):
+    policy = load_model(request.getfixturevalue(model), dtype="fp32").requires_grad_(True)
+    group = _groups(policy.cfg.vocab_size, sizes=(7,), seed=3)[0]
+    cfg = GRPOConfig(micro_batch=2, autocast="fp32")  # four micro-batches
+    returned: list[tuple[torch.Tensor, ...]] = []
+    grad = torch.autograd.grad
+
+    def spy(*args, **kwargs):
+        returned.append(grad(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    routed = group_share(policy, group, cfg, 0.8)
+    # Nothing autograd.grad returned holds a gradient: each went into the share as it was produced.
+    assert len(returned) == 4 and all(x.stride() == (0,) * x.dim() for out in returned for x in out)
+
+    # The same bits as adding what autograd.grad returns, a micro-batch at a time (the update before).
+    def whole(loss, params, sink):
+        for p, x in zip(params, grad(loss, params, allow_unused=True)):
+            sink.take(id(p), torch.zeros_like(p) if x is None else x)
+
+    monkeypatch.setattr(update_mod, "differentiate", whole)
+    plain = group_share(policy, group, cfg, 0.8)
+    assert all(torch.equal(a, b) for a, b in zip(routed.grads, plain.grads))
+    # No hook is left on the policy: a backward outside the update is autograd's own.
+    assert not gradients_mod._hooks
+
+
+class _Watched(GroupGradients):
+    """GroupGradients that records the buffers waiting after every group it adds."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.waiting: list[int] = []
+
+    def add(self, group, samples):
+        super().add(group, samples)
+        self.waiting.append(self.held_buffers)
+
+
+def _settle(update: BackgroundUpdate) -> None:
+    """Wait until the background thread may compute nothing more now."""
+    deadline = time.monotonic() + 120  # guards a hang only
+    while update.has_work:
+        assert time.monotonic() < deadline, "the background thread did not settle"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("cap", [0, 1, 2])
+def test_groups_whose_buffers_would_wait_past_the_cap_are_computed_later_with_the_same_bits(policy, cap):
+    groups = _groups(policy.cfg.vocab_size, sizes=(2,) * 8, seed=4)  # group 2 has no samples
+    cfg = GRPOConfig(micro_batch=2, waiting_gradients=cap)
+    want = _in_order(policy, groups, cfg, range(len(groups)))
+    gg = _Watched(policy, cfg, 0.8, len(groups))
+    update = BackgroundUpdate(gg)
+    update.open_gate()  # the tail: every group is computed as it finishes, if it may be
+    for g in (7, 5, 6, 3, 4, 1):  # the worst order for the tree: every buffer waits for group 0
+        update.submit(g, groups[g])
+        _settle(update)
+    # While the rollout runs no more than `cap` buffers wait: the rest stay queued.
+    assert max(gg.waiting, default=0) <= cap and len(gg.waiting) < 6
+    deferred = 6 - len(gg.waiting)
+    update.submit(0, groups[0])  # the group every other one waits for
+    update.submit(2, groups[2])
+    update.drain()
+    gg.finish()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
+    assert len(gg.waiting) == 8 and deferred > 0

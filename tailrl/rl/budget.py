@@ -1,19 +1,24 @@
 """The run's memory budget: the update's micro-batches sized to fit it, checked before the run starts.
 
-A step holds, whatever the update's settings, the loaded models, AdamW's two moments, the
-gradient sum and the rollout's KV caches and model copies (`fixed`, GiB); the update adds, per
-group it computes at once (two once the rollout is over: tailrl.rl.update.BackgroundUpdate), the
-group's gradient buffer and what its largest micro-batch keeps for the backward (`update_thread`).
-What is left of the budget after the fixed part, shared by the update's threads, sizes:
+A step holds, whatever the update's settings, the loaded models, AdamW's two moments and the
+rollout's KV caches and model copies (`fixed`, GiB); the update holds the finished groups'
+gradient buffers waiting to be added, the gradient sum among them (at most `waiting_gradients`,
+tailrl.rl.update), and, per group it computes at once (two once the rollout is over:
+tailrl.rl.update.BackgroundUpdate), the group's gradient buffer and what its largest micro-batch
+keeps for the backward (`update_thread`). What is left of the budget after the fixed part and
+the waiting buffers, shared by the update's threads, sizes:
 
 - `checkpoint_tokens`: the most tokens a micro-batch may keep every layer's activations for; a
   longer one is checkpointed (tailrl.rl.packing: its layers' inputs only, ~1.3x the compute);
-- `micro_batch_tokens`: the most tokens even a checkpointed micro-batch may hold.
+- `micro_batch_tokens`: the most tokens even a checkpointed micro-batch may hold;
+- `waiting_gradients`, last, and only where a checkpointed response would not fit otherwise
+  (down to 1, the gradient sum alone: groups are then computed in the summing order only).
 
 Each only ever lowers what the config asks for, so a budget that holds the config's settings
 changes nothing, and a resumed run, whose config holds the settings it was sized to, keeps them.
-A budget that cannot hold one response at max_new_tokens in a checkpointed micro-batch stops the
-run before it starts (ValueError, one line, naming the budget it needs). Kept tensors are counted
+A budget that cannot hold one response at max_new_tokens in a checkpointed micro-batch beside
+the gradient sum stops the run before it starts (ValueError, one line, naming the budget it
+needs). Kept tensors are counted
 from shapes (tailrl.rl.floor) times SLACK, the allocator's and autograd's transients on top of
 them, as measured (docs/memory.md): an estimate, not a floor.
 
@@ -50,10 +55,10 @@ class Budget:
     gb: float
     fixed: dict[str, float]  # by part: models, optimizer, rollout, runtime
 
-    @property
-    def per_thread_gb(self) -> float:
-        """What one update thread may hold: the budget left after the fixed parts, shared."""
-        return (self.gb - sum(self.fixed.values())) / UPDATE_THREADS
+    def per_thread_gb(self, waiting_gb: float = 0.0) -> float:
+        """What one update thread may hold: the budget left after the fixed parts and the
+        gradient buffers waiting (waiting_gb), shared."""
+        return (self.gb - sum(self.fixed.values()) - waiting_gb) / UPDATE_THREADS
 
 
 def default_budget_gb(machine_gb: float | None) -> float | None:
@@ -83,19 +88,25 @@ def _most_tokens(m: ModelConfig, weights_gb: float, room_gb: float, checkpointed
 
 def size_update(cfg: GRPOConfig, budget: Budget, m: ModelConfig, weights_gb: float, bf16: bool,
                 longest_response: int) -> GRPOConfig:
-    """cfg with checkpoint_tokens and micro_batch_tokens lowered to what `budget` holds; ValueError
-    where even one response of `longest_response` tokens (its prompt included) in a checkpointed
-    micro-batch does not fit."""
-    room = budget.per_thread_gb
-    whole = _most_tokens(m, weights_gb, room, False, bf16, cfg.logprob_chunk)
-    checkpointed = _most_tokens(m, weights_gb, room, True, bf16, cfg.logprob_chunk)
+    """cfg with checkpoint_tokens, micro_batch_tokens and (last) waiting_gradients lowered to what
+    `budget` holds; ValueError where even one response of `longest_response` tokens (its prompt
+    included) in a checkpointed micro-batch does not fit beside the gradient sum alone."""
+    waiting = cfg.waiting_gradients
+    while True:
+        room = budget.per_thread_gb(waiting * weights_gb)
+        checkpointed = _most_tokens(m, weights_gb, room, True, bf16, cfg.logprob_chunk)
+        if checkpointed >= longest_response or waiting <= 1:
+            break
+        waiting -= 1
     if checkpointed < longest_response:
-        need = (sum(budget.fixed.values()) + UPDATE_THREADS * update_thread_gb(
+        need = (sum(budget.fixed.values()) + waiting * weights_gb + UPDATE_THREADS * update_thread_gb(
             m, weights_gb, longest_response, True, bf16, cfg.logprob_chunk))
         raise ValueError(
             f"a memory budget of {budget.gb:.1f} GiB cannot hold this run: it needs at least {need:.1f} GiB "
-            f"({', '.join(f'{k} {v:.1f}' for k, v in budget.fixed.items())}, and {UPDATE_THREADS} update threads "
-            f"with a checkpointed response of {longest_response} tokens each); raise --memory-gb or lower "
-            f"--max-new-tokens, --kv-budget-gb")
+            f"({', '.join(f'{k} {v:.1f}' for k, v in budget.fixed.items())}, the gradient sum {waiting * weights_gb:.1f}, "
+            f"and {UPDATE_THREADS} update threads with a checkpointed response of {longest_response} tokens each); "
+            f"raise --memory-gb or lower --max-new-tokens, --kv-budget-gb")
+    whole = _most_tokens(m, weights_gb, room, False, bf16, cfg.logprob_chunk)
     return dataclasses.replace(cfg, checkpoint_tokens=max(1, min(cfg.checkpoint_tokens, whole)),
-                               micro_batch_tokens=min(cfg.micro_batch_tokens, checkpointed))
+                               micro_batch_tokens=min(cfg.micro_batch_tokens, checkpointed),
+                               waiting_gradients=waiting)

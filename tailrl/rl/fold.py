@@ -10,6 +10,15 @@ term first), and over random orders of 16 terms 7.2 at the worst moment on avera
 11.5 for the fold in order (tests/test_fold.py). In the update (tailrl.rl.update) each is a
 policy-sized gradient buffer.
 
+Where the order terms arrive in can be guessed before the first one does (`keys`: a term with a
+smaller key tends to arrive earlier), the terms are summed in the guessed order: a left-to-right
+fold over the distinct keys, ascending, each run of terms with one key (tied: no guess) summed
+along the balanced tree. Then the waiting ones are only those that arrive before a term guessed
+earlier. The guess decides the bits, so it must be fixed before any term is put (the update's:
+each GRPO group's prompt length, which in the default task predicts its longest response, hence
+when it finishes, with correlation 0.96; docs/memory.md). Without keys, or with all keys equal,
+the tree is the balanced one.
+
 A term may be None (nothing to add: a group without tokens); `add(a, b)` combines two present
 ones and may reuse a's storage (a + b == b + a in IEEE arithmetic, so only the tree's shape
 decides the bits).
@@ -19,7 +28,7 @@ Knows: the tree. Does not know: what the values are.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -29,44 +38,90 @@ def most_held(n: int) -> int:
     return n // 2 + n % 2 if n >= 2 else 0
 
 
+def _runs(keys: Sequence[Any]) -> list[tuple[int, int]]:
+    """The ranges of equal consecutive keys."""
+    runs: list[tuple[int, int]] = []
+    for at in range(len(keys)):
+        if runs and keys[at] == keys[runs[-1][0]]:
+            runs[-1] = (runs[-1][0], at + 1)
+        else:
+            runs.append((at, at + 1))
+    return runs
+
+
 def _split(lo: int, hi: int) -> int:
     """The tree's cut of [lo, hi) (hi - lo >= 2): the left part the largest power of two below its size."""
     return lo + (1 << ((hi - lo - 1).bit_length() - 1))
 
 
 class TreeSum(Generic[T]):
-    """Terms 0..n-1 `put` in any order; `result` once all are in: the same bits for every order."""
+    """Terms 0..n-1 `put` in any order; `result` once all are in: the same bits for every order.
 
-    def __init__(self, n: int, add: Callable[[T, T], T]):
+    Nodes are ranges of positions in the summing order: term i at position `position[i]` (the
+    terms sorted by (key, index); without keys, i)."""
+
+    def __init__(self, n: int, add: Callable[[T, T], T], keys: Sequence[Any] | None = None):
         if n < 0:
             raise ValueError(f"a sum of {n} terms")
+        if keys is not None and len(keys) != n:
+            raise ValueError(f"{len(keys)} keys for {n} terms")
         self.n, self._add = n, add
+        order = sorted(range(n), key=lambda i: (keys[i], i)) if keys is not None else list(range(n))
+        self.position = [0] * n
+        for at, i in enumerate(order):
+            self.position[i] = at
         self._parent: dict[tuple[int, int], tuple[int, int]] = {}
         self._sibling: dict[tuple[int, int], tuple[int, int]] = {}
-        stack = [(0, n)]
+        runs = _runs([keys[i] for i in order] if keys is not None else [None] * n)
+        for lo, hi in runs[1:]:
+            self._join((0, lo), (lo, hi))  # the fold over runs: the runs before lo, then this one
+        stack = list(runs)
         while stack:
             lo, hi = stack.pop()
             if hi - lo < 2:
                 continue
             mid = _split(lo, hi)
-            left, right = (lo, mid), (mid, hi)
-            self._parent[left] = self._parent[right] = (lo, hi)
-            self._sibling[left], self._sibling[right] = right, left
-            stack += [left, right]
+            self._join((lo, mid), (mid, hi))
+            stack += [(lo, mid), (mid, hi)]
         self._held: dict[tuple[int, int], T | None] = {}  # complete subtrees whose sibling is not
         self._done = n == 0  # an empty sum: None
         self._result: T | None = None
+
+    def _join(self, left: tuple[int, int], right: tuple[int, int]) -> None:
+        self._parent[left] = self._parent[right] = (left[0], right[1])
+        self._sibling[left], self._sibling[right] = right, left
 
     @property
     def held(self) -> int:
         """Partial sums waiting for their sibling subtree."""
         return len(self._held)
 
+    @property
+    def held_values(self) -> int:
+        """Partial sums waiting that hold a value (a subtree of None terms holds nothing)."""
+        return sum(v is not None for v in self._held.values())
+
+    def held_values_after(self, i: int, present: bool) -> int:
+        """held_values once term i is put (a value if `present`, else None), the sums it completes
+        added: whether putting it now makes a value wait, or lets one go."""
+        at = self.position[i]
+        node, waiting = (at, at + 1), self.held_values
+        while node != (0, self.n):
+            sibling = self._sibling[node]
+            if sibling not in self._held:
+                return waiting + present
+            other = self._held[sibling] is not None
+            waiting -= other
+            present = present or other
+            node = self._parent[node]
+        return waiting
+
     def put(self, i: int, value: T | None) -> None:
         if not 0 <= i < self.n:
             raise ValueError(f"term {i} out of range for {self.n} terms")
-        node = (i, i + 1)
-        if node in self._held or self._done or any(lo <= i < hi for lo, hi in self._held):
+        at = self.position[i]
+        node = (at, at + 1)
+        if node in self._held or self._done or any(lo <= at < hi for lo, hi in self._held):
             raise ValueError(f"term {i} was put twice")
         while node != (0, self.n):
             sibling = self._sibling[node]

@@ -41,7 +41,7 @@ from tailrl.sampling import SamplingParams
 from tailrl.rl.grpo import GRPOConfig, group_advantages
 from tailrl.rl.packing import Sample
 from tailrl.rl.rewards import RewardBatch, safe_rewards
-from tailrl.rl.update import GroupGradients, BackgroundUpdate, UpdateStats
+from tailrl.rl.update import BackgroundUpdate, GroupGradients, UpdateStats, fold_keys
 from tailrl.rl.tasks import Problem, Tokenizer
 
 
@@ -130,7 +130,8 @@ def run_step(rollout: Rollout, step: int, inputs: StepInputs, policy: Transforme
     on_hidden, feed = None, rollout.feed()
     if feed is not None:
         on_hidden = lambda samples, hidden: feed.observe(policy_forwards(samples, hidden))  # noqa: E731
-    grads = GroupGradients(policy, cfg, temperature, len(inputs.problems), ref, on_hidden)
+    grads = GroupGradients(policy, cfg, temperature, len(inputs.problems), ref, on_hidden,
+                           fold_keys([r.prompt_ids for r in inputs.requests[:: inputs.group_size]]))
     if overlap_batch > 0:
         return _overlapped(rollout, step, inputs, grads, overlap_batch, on_progress, peak)
     t0 = time.perf_counter()

@@ -384,7 +384,7 @@ def fit_memory(cfg: RunConfig, task: Task, tokenizer: Tokenizer, models: Sequenc
         weights = parameters_gb(policy)
         rollout = cfg.rollout.memory(rollout_model, tc.num_prompts * tc.group_size, max(prompts) + tc.max_new_tokens)
         fixed = {"models": sum(parameters_gb(m) for m in {id(m): m for m in models}.values()),
-                 "optimizer and gradient sum": 3 * weights, "rollout": rollout.gb, "runtime": RUNTIME_GB}
+                 "optimizer": 2 * weights, "rollout": rollout.gb, "runtime": RUNTIME_GB}
         gc = size_update(gc, Budget(budget_gb, fixed), policy.cfg, weights, bf16, max(prompts) + tc.max_new_tokens)
     held = cfg.rollout.memory(rollout_model, tc.num_prompts * tc.group_size, min(prompts) + tc.max_new_tokens)
     step_floor(policy, gc, bf16, tc.group_size, tc.max_new_tokens, held).check(available_gb(), tc.max_new_tokens)

@@ -8,13 +8,20 @@ group was computed:
 - A group's gradient is the gradient of its *unnormalised* loss (the sum over its tokens of the
   per-token PPO-clip loss against the log-probs the rollout sampled with,
   tailrl.rl.grpo.policy_loss with num_tokens=1), taken with torch.autograd.grad into a buffer of
-  its own: nothing is accumulated into shared `.grad`.
-- Buffers are added along a fixed binary tree over the groups (tailrl.rl.fold.TreeSum).
+  its own: nothing is accumulated into shared `.grad`. A parameter's gradient is added to the
+  buffer as soon as the backward has it (tailrl.rl.gradients), so a group of several
+  micro-batches holds one buffer, not a second for the micro-batch being added.
+- Buffers are added along a fixed tree (tailrl.rl.fold.TreeSum) over the groups in the order
+  of their prompts' lengths (`fold_keys`): a left-to-right fold, ties on a balanced tree.
   Floating-point addition is not associative, so a fixed association is what makes the sum's
-  bits independent of the order groups finish in; a tree, unlike a left-to-right fold, adds two
-  finished subtrees at once, so at most ceil(log2 groups) buffers wait for a group still
-  decoding (a fold in group order held one per group finished before it). The stats and the
+  bits independent of the order groups finish in; a buffer waits while a group earlier in the
+  order is still decoding, and a longer question tends to take a longer answer, so that order
+  is about the order groups finish in and few wait (the default run: 1-2 buffers, the sum among
+  them, against 4-5 on a balanced tree in group order; docs/memory.md). The stats and the
   hidden states are folded in group order (they are small).
+- At most `waiting_gradients` buffers wait (tailrl.rl.grpo.GRPOConfig, the gradient sum among
+  them): a group whose buffer would wait beyond them stays queued until it would not (only when
+  it is computed changes: the same bits).
 - At the end the sum is divided by the batch's token count (known only then): the token-mean over
   the whole batch: unnormalised sums accumulated, divided once.
 
@@ -31,9 +38,9 @@ learn from; the gradient is the same bits either way. Groups that sit out (no re
 not forwarded, so they hand out nothing.
 
 Idle work. Given a `DrafterFeed` (the rollout's drafter, which trains on a lent core), the
-background thread runs it while the gate is open and no group is queued: policy work first, the
-idle work stopping between its units as soon as a group is queued, the gate closes or the
-rollout ends.
+background thread runs it while the gate is open and no group may be computed: policy work
+first, the idle work stopping between its units as soon as a group may be, the gate closes or
+the rollout ends.
 
 Knows: samples, the GRPO loss, autograd, threads. Does not know: how tokens were produced,
 rewards, workers, the optimizer.
@@ -52,6 +59,7 @@ import torch
 from tailrl.loading import resolve_dtype
 from tailrl.model import Transformer
 from tailrl.rl.fold import TreeSum
+from tailrl.rl.gradients import GradientSink, differentiate, routed
 from tailrl.rl.grpo import GRPOConfig, policy_loss
 from tailrl.rl.packing import (
     PackMemory, Sample, packed_behaviour, packed_logprobs, packed_logprobs_and_hidden, packs,
@@ -101,43 +109,41 @@ def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig,
     cfg.micro_batch responses and (where responses allow) cfg.micro_batch_tokens tokens per
     forward/backward, added in order; with keep_hidden, each sample's hidden states from the same
     forwards. Long micro-batches keep memory flat (packing.PackMemory); the reference model's
-    pass keeps no autograd state."""
+    pass keeps no autograd state; each micro-batch's gradient is added parameter by parameter as
+    its backward produces it (tailrl.rl.gradients)."""
     params = [p for p in policy.parameters() if p.requires_grad]
     share = _empty_share()
     device_type = params[0].device.type
     bf16 = resolve_dtype(cfg.autocast, params[0].device) == "bf16"
     memory = PackMemory(cfg.logprob_chunk, cfg.checkpoint_tokens)
-    for pack in packs(samples, cfg.micro_batch, cfg.micro_batch_tokens):
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-            if keep_hidden:
-                logprobs, hidden = packed_logprobs_and_hidden(policy, pack, temperature, memory)  # (1, N)
-                share.samples += pack
-                share.hidden += hidden
-            else:
-                logprobs = packed_logprobs(policy, pack, temperature, memory)  # (1, N)
-        ref_logprobs = None
-        if ref is not None:
-            with torch.no_grad():
-                ref_logprobs = packed_logprobs(ref, pack, temperature, memory)  # (1, N)
-        adv = torch.tensor([[s.advantage for s in pack for _ in s.token_ids]], dtype=torch.float64)  # (1, N)
-        out = policy_loss(
-            logprobs, packed_behaviour(pack, logprobs), adv.to(logprobs.device),
-            torch.ones_like(logprobs, dtype=torch.bool), cfg.clip_low, cfg.clip_upper, cfg.is_cap, ref_logprobs,
-            cfg.kl_coef, num_tokens=1,
-        )
-        g = torch.autograd.grad(out.loss, params, allow_unused=True)
-        g = [torch.zeros_like(p) if x is None else x for p, x in zip(params, g)]
-        if share.grads is None:
-            share.grads = g
-        else:
-            for acc, x in zip(share.grads, g):
-                acc.add_(x)
-        n = logprobs.shape[1]
-        share.tokens += n
-        share.sums["loss"] += out.loss.item()  # already a sum over the pack's tokens
-        for name in STAT_NAMES[1:]:
-            share.sums[name] += getattr(out, name) * n  # token means over the pack -> sums
-        share.ratio_max = max(share.ratio_max, out.ratio_max)
+    sink = GradientSink(params)
+    with routed(params):
+        for pack in packs(samples, cfg.micro_batch, cfg.micro_batch_tokens):
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+                if keep_hidden:
+                    logprobs, hidden = packed_logprobs_and_hidden(policy, pack, temperature, memory)  # (1, N)
+                    share.samples += pack
+                    share.hidden += hidden
+                else:
+                    logprobs = packed_logprobs(policy, pack, temperature, memory)  # (1, N)
+            ref_logprobs = None
+            if ref is not None:
+                with torch.no_grad():
+                    ref_logprobs = packed_logprobs(ref, pack, temperature, memory)  # (1, N)
+            adv = torch.tensor([[s.advantage for s in pack for _ in s.token_ids]], dtype=torch.float64)  # (1, N)
+            out = policy_loss(
+                logprobs, packed_behaviour(pack, logprobs), adv.to(logprobs.device),
+                torch.ones_like(logprobs, dtype=torch.bool), cfg.clip_low, cfg.clip_upper, cfg.is_cap, ref_logprobs,
+                cfg.kl_coef, num_tokens=1,
+            )
+            differentiate(out.loss, params, sink)
+            n = logprobs.shape[1]
+            share.tokens += n
+            share.sums["loss"] += out.loss.item()  # already a sum over the pack's tokens
+            for name in STAT_NAMES[1:]:
+                share.sums[name] += getattr(out, name) * n  # token means over the pack -> sums
+            share.ratio_max = max(share.ratio_max, out.ratio_max)
+    share.grads = sink.grads if share.tokens else None
     return share
 
 
@@ -152,27 +158,37 @@ class GroupGradients:
 
     def __init__(self, policy: Transformer, cfg: GRPOConfig, temperature: float, num_groups: int,
                  ref: Transformer | None = None,
-                 on_hidden: Callable[[Sequence[Sample], list[torch.Tensor]], None] | None = None):
+                 on_hidden: Callable[[Sequence[Sample], list[torch.Tensor]], None] | None = None,
+                 keys: Sequence[int] | None = None):
         self.policy, self.cfg, self.temperature, self.ref = policy, cfg, temperature, ref
         self.on_hidden = on_hidden
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.num_groups = num_groups
         self._ready: dict[int, _Share] = {}
         self._next = 0  # the first group whose stats are not yet folded
-        self._sum: TreeSum[list[torch.Tensor]] = TreeSum(num_groups, _add_buffers)
+        self.keys = keys
+        self._sum: TreeSum[list[torch.Tensor]] = TreeSum(num_groups, _add_buffers, keys)
         self._sums = dict.fromkeys(STAT_NAMES, 0.0)
         self._tokens = 0
         self._ratio_max = 0.0
         self._lock = threading.Lock()
+        # Which buffers wait, apart from the sums: read by the scheduler (held_after) on the
+        # rollout's thread, which must not wait for an addition of gradient buffers under _lock.
+        self._shape: TreeSum[bool] = TreeSum(num_groups, lambda a, b: True, keys)
+        self._added: set[int] = set()
+        self._shape_lock = threading.Lock()
 
     def add(self, group: int, samples: Sequence[Sample]) -> None:
         if not 0 <= group < self.num_groups:
             raise ValueError(f"group {group} out of range for {self.num_groups} groups")
         share = (group_share(self.policy, samples, self.cfg, self.temperature, self.ref, self.on_hidden is not None)
                  if samples else _empty_share())
-        with self._lock:
-            if group in self._ready or group < self._next:
+        with self._shape_lock:
+            if group in self._added:
                 raise ValueError(f"group {group} was added twice")
+            self._added.add(group)
+            self._shape.put(group, True if share.grads is not None else None)
+        with self._lock:
             self._sum.put(group, share.grads)
             share.grads = None  # the tree holds them now
             self._ready[group] = share
@@ -190,9 +206,21 @@ class GroupGradients:
 
     @property
     def held_buffers(self) -> int:
-        """Gradient buffers of finished groups waiting to be added (tailrl.rl.fold.most_held bounds them)."""
-        with self._lock:
-            return self._sum.held
+        """Gradient buffers of finished groups waiting to be added, the gradient sum among them."""
+        with self._shape_lock:
+            return self._shape.held_values
+
+    def position(self, group: int) -> int:
+        """Where the group's buffer comes in the summing order (tailrl.rl.fold: by key, then group)."""
+        return self._sum.position[group] if 0 <= group < self.num_groups else -1
+
+    def held_after(self, group: int, samples: Sequence[Sample]) -> int:
+        """held_buffers once `group` (with these samples: none, no buffer) is added, if nothing else is
+        (0 for a group out of range: `add` refuses it)."""
+        if not 0 <= group < self.num_groups:
+            return 0
+        with self._shape_lock:
+            return self._shape.held_values_after(group, bool(samples))
 
     @property
     def done(self) -> bool:
@@ -208,7 +236,8 @@ class GroupGradients:
             return UpdateStats()
         for p, g in zip(self.params, self._sum.result()):
             p.grad = g.div_(self._tokens)
-        self._sum = TreeSum(self.num_groups, _add_buffers)
+        self._sum = TreeSum(self.num_groups, _add_buffers, self.keys)
+        self._shape, self._added = TreeSum(self.num_groups, lambda a, b: True, self.keys), set()
         t = self._tokens
         return UpdateStats(tokens=t, ratio_max=self._ratio_max, **{name: v / t for name, v in self._sums.items()})
 
@@ -217,6 +246,14 @@ def _add_buffers(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Ten
     for x, y in zip(a, b):
         x.add_(y)
     return a
+
+
+def fold_keys(prompts: Sequence[Sequence[int]]) -> list[int]:
+    """The groups' keys for the summing order (tailrl.rl.fold): their prompts' lengths. A longer
+    question tends to take a longer answer, which finishes later, so the groups are summed about
+    in the order they finish and few buffers wait (docs/memory.md); a poor guess costs memory
+    (more wait), never bits."""
+    return [len(p) for p in prompts]
 
 
 def by_prompt(samples: Sequence[Sample]) -> list[list[Sample]]:
@@ -236,7 +273,8 @@ def accumulate_gradients(policy: Transformer, samples: Sequence[Sample], cfg: GR
     by group (adjacent samples with one prompt) in order, cfg.micro_batch responses per
     forward/backward within a group."""
     groups = by_prompt(samples)
-    grads = GroupGradients(policy, cfg, temperature, len(groups), ref)
+    keys = fold_keys([g[0].prompt_ids for g in groups])
+    grads = GroupGradients(policy, cfg, temperature, len(groups), ref, keys=keys)
     for g, group in enumerate(groups):
         grads.add(g, group)
     return grads.finish()
@@ -255,10 +293,11 @@ class BackgroundUpdate:
 
     `submit` queues a finished group; the background thread computes queued groups while the
     gate is open (the rollout decodes on fewer cores in its tail) and waits at the gate between
-    groups otherwise; with the gate open and no group queued it runs `idle` (if any) until a
-    group is queued, the gate closes or the rollout ends. `drain` (after the rollout) computes
-    what is left on the calling thread too, one group per thread, and returns once every group
-    is added. Errors raised in the background thread re-raise in `drain`.
+    groups otherwise; with the gate open and no group it may compute (`_pick`: none queued, or
+    none whose buffer may wait) it runs `idle` (if any) until one may be computed, the gate
+    closes or the rollout ends. `drain` (after the rollout) computes what is left on the calling
+    thread too, one group per thread, and returns once every group is added. Errors raised in
+    the background thread re-raise in `drain`.
     """
 
     def __init__(self, grads: GroupGradients, idle: DrafterFeed | None = None):
@@ -291,15 +330,15 @@ class BackgroundUpdate:
 
     @property
     def has_work(self) -> bool:
-        """A group is queued or being computed."""
+        """A group may be computed now (_pick) or is being computed."""
         with self._cond:
-            return bool(self._queue) or self._busy > 0
+            return self._busy > 0 or self._pick() is not None
 
     @property
     def active(self) -> bool:
-        """The gate is open and a group is queued or being computed: it is using a core."""
+        """The gate is open and a group may be computed or is being computed: it is using a core."""
         with self._cond:
-            return self._gate and (bool(self._queue) or self._busy > 0)
+            return self._gate and (self._busy > 0 or self._pick() is not None)
 
     def seconds_so_far(self) -> tuple[float, int]:
         """(compute seconds, groups) of the groups added so far."""
@@ -314,27 +353,42 @@ class BackgroundUpdate:
             self._cond.notify_all()
         self._thread.join()
 
+    def _pick(self) -> tuple[int, Sequence[Sample]] | None:
+        """The queued group to compute next; None: none now (caller holds _cond). A group whose
+        buffer would leave more than cfg.waiting_gradients waiting to be added (tailrl.rl.fold)
+        stays queued: it is computed once the groups it would wait for are in. Of those that
+        fit, the one with the most tokens: what is left after the rollout is computed on two
+        threads, one group each, so a long group left to the end would keep the step waiting.
+        After the rollout, where none fits, the first in the summing order once no other group
+        is being computed (which may let some go)."""
+        cap, first = self.grads.cfg.waiting_gradients, self.grads.position
+        fitting = [q for q in self._queue if self.grads.held_after(*q) <= cap]
+        if fitting:
+            return max(fitting, key=lambda q: (sum(len(s.prompt_ids) + len(s.token_ids) for s in q[1]), -first(q[0])))
+        if self._closed and self._queue and self._busy == 0:
+            return min(self._queue, key=lambda q: first(q[0]))
+        return None
+
     def _take(self, wait_for_gate: bool) -> tuple[int, Sequence[Sample]] | object | None:
         with self._cond:
             while True:
                 if self._closed and not self._queue:
                     return None
-                if self._queue and (self._gate or not wait_for_gate):
+                item = self._pick() if self._gate or not wait_for_gate else None
+                if item is not None:
                     self._busy += 1
-                    # The lowest group first: it lets the most finished groups' buffers be added.
-                    item = min(self._queue, key=lambda queued: queued[0])
                     self._queue.remove(item)
                     return item
-                if not wait_for_gate:
+                if not wait_for_gate and not self._queue:
                     return None
-                if self._gate and self.idle is not None and self.idle.has_idle_work():
+                if self._gate and not self._closed and self.idle is not None and self.idle.has_idle_work():
                     return _IDLE
                 self._cond.wait()
 
     def _stop_idle(self) -> bool:
-        """Policy work first: the idle work stops once a group is queued, the gate closes or the rollout ends."""
+        """Policy work first: the idle work stops once a group may be computed, the gate closes or the rollout ends."""
         with self._cond:
-            return bool(self._queue) or not self._gate or self._closed
+            return self._pick() is not None or not self._gate or self._closed
 
     def _run_idle(self) -> None:
         try:
