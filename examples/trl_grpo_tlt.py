@@ -37,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per loss forward (divides the batch)")
     p.add_argument("--dtype", default="float32", help="the engine's dtype (vLLM's choice would be bf16)")
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM's KV cache")
-    p.add_argument("--compile", action="store_true", help="let vLLM torch.compile the engine (minutes at start on a CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="let vLLM torch.compile the engine (minutes at start on a CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--settled-from", type=int, default=2,
+                   help="the first step the summary's medians count (the tuner settles after a few rollouts)")
     p.add_argument("--save-drafter", default=None, help="write the adapted drafter here at the end (TLT on)")
     args = p.parse_args(argv)
     if args.tlt != "off" and args.drafter is None:
@@ -53,11 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig
 
-    from tailrl.trl import TLTConfig, TLTGRPOTrainer
-
     from tailrl.loading import resolve_model_dir
     from tailrl.rl.rewards import task_reward
     from tailrl.rl.tasks import format_prompt, make_task
+    from tailrl.trl import TLTConfig, TLTGRPOTrainer
 
     task = make_task("sums")
     score = task_reward(task)
@@ -79,13 +81,28 @@ def main(argv: list[str] | None = None) -> int:
         beta=0.0, loss_type="dapo", use_vllm=True, vllm_mode="colocate", gradient_checkpointing=False,
         shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True)
     ends: list[float] = []
+    logged: list[dict] = []  # TRL's log of each step
 
     class Clock(TrainerCallback):
+        """Each step's line as the step ends (TRL logs a step after its on_step_end), so a long
+        run shows its progress and an interrupted one keeps the steps it ran."""
+
         def on_train_begin(self, *a: object, **k: object) -> None:
             ends.append(time.perf_counter())
 
         def on_step_end(self, *a: object, **k: object) -> None:
             ends.append(time.perf_counter())
+
+        def on_log(self, *a: object, logs: dict | None = None, **k: object) -> None:
+            if not logs or "loss" not in logs:
+                return
+            h, step = logs, len(ends) - 1
+            logged.append(dict(h))
+            print(json.dumps({"step": step, "step_s": round(ends[-1] - ends[-2], 2),
+                              "generate_s": round(h["tlt/generate_s"], 2), "reward": h.get("reward"),
+                              "accept_len": h.get("tlt/accept_len"), "drafter_version": h.get("tlt/drafter_version")}),
+                  flush=True)
+
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     common = dict(model=model, reward_funcs=reward, args=config, train_dataset=data,
@@ -98,17 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     trainer = TLTGRPOTrainer(**common, tlt=tlt)
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; this prints one line per step
     trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
+    # The summary's medians from --settled-from on: the first step warms the engine, and the
+    # tuner tries every draft length in its first rollouts.
     steps = [b - a for a, b in zip(ends, ends[1:])]
-    for k, (h, s) in enumerate(zip(logs, steps), 1):
-        print(json.dumps({"step": k, "step_s": round(s, 2), "generate_s": round(h["tlt/generate_s"], 2),
-                          "reward": h.get("reward"), "accept_len": h.get("tlt/accept_len"),
-                          "drafter_version": h.get("tlt/drafter_version")}))
-    later = steps[1:] or steps  # the first step compiles and warms the engine
-    accept = [h["tlt/accept_len"] for h in logs if h.get("tlt/accept_len") is not None]
-    gen_later = [h["tlt/generate_s"] for h in logs][1:] or [h["tlt/generate_s"] for h in logs]
-    print(json.dumps({"tlt": args.tlt, "steps": len(steps), "median_step_s_after_first": round(statistics.median(later), 2),
-                      "median_generate_s_after_first": round(statistics.median(gen_later), 2),
+    first = min(args.settled_from, len(steps)) - 1
+    accept = [h["tlt/accept_len"] for h in logged[first:] if h.get("tlt/accept_len") is not None]
+    print(json.dumps({"tlt": args.tlt, "steps": len(steps), "settled_from": first + 1,
+                      "median_step_s": round(statistics.median(steps[first:]), 2),
+                      "median_generate_s": round(statistics.median(h["tlt/generate_s"] for h in logged[first:]), 2),
                       "accept_len_mean": round(statistics.mean(accept), 3) if accept else None}))
     if args.save_drafter and args.tlt != "off":
         trainer.save_drafter(args.save_drafter)
