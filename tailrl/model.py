@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -67,18 +67,18 @@ def chunked_qk(q: torch.Tensor, keys: torch.Tensor, s: int) -> torch.Tensor:
     prompt's length); every piece here has exactly KV_CHUNK keys (read from the cache,
     whose capacity is whole chunks) on blocks of query rows (`blocked`).
     """
-    out = [blocked(lambda rows: rows @ keys[:, :, c : c + KV_CHUNK].transpose(-1, -2), q, 2) for c in range(0, s, KV_CHUNK)]
+    out = [blocked(lambda rows: rows @ keys[:, :, c : c + KV_CHUNK].mT, q, 2) for c in range(0, s, KV_CHUNK)]
     return torch.cat(out, -1)[..., :s]
 
 
 def chunked_pv(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """probs @ values[..., :S, :] summed chunk by chunk.  # (B, K, N, S), (B, K, M, D) -> (B, K, N, D)
 
-    A matmul over S keys groups its sum by S (the same nonzero probabilities can give other bits
-    at another S), so a row's output would depend on the longest row in its batch. Here every chunk is a KV_CHUNK-long matmul (probs zero-padded at the end, values
-    read from the cache: finite, so the padding adds exact zeros) on blocks of query rows
-    (`blocked`), and the chunk results are added in position order: a row's output depends only
-    on its own keys.
+    A matmul over S keys groups its sum by S (the same nonzero probabilities can give other bits at
+    another S), so a row's output would depend on the longest row in its batch. Here every chunk is
+    a KV_CHUNK-long matmul (probs zero-padded at the end, values read from the cache: finite, so the
+    padding adds exact zeros) on blocks of query rows (`blocked`), and the chunk results are added
+    in position order: a row's output depends only on its own keys.
     """
     b, k, n, s = probs.shape
     chunks = -(-s // KV_CHUNK)

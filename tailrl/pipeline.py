@@ -33,7 +33,6 @@ from tailrl.rl.sft import EvalResult, SFTConfig, SFTProgress, sft, worked_task
 from tailrl.rl.tasks import make_task
 from tailrl.rl.train import RunConfig, TrainConfig
 from tailrl.rollout import registry
-from tailrl.sampling import SamplingParams
 from tailrl.warmup import WarmupConfig, WarmupProgress, warmup
 
 # Warm-up sized for a CPU: a few minutes of sampling, then training until the drafter's held-out
@@ -58,7 +57,7 @@ def run_config(sections: Mapping[str, object]) -> RunConfig:
     the engine the train section names, which refuses what it cannot run (the sections only other
     engines read among it: they would configure nothing)."""
     tc = sections.get("train") or TrainConfig()
-    rollout = registry.rollout_config(tc.engine, sections, SamplingParams(tc.temperature, tc.top_p, tc.top_k))
+    rollout = registry.rollout_config(tc.engine, sections, tc.sampling())
     return RunConfig(rollout, train=tc, grpo=sections.get("grpo") or GRPOConfig())
 
 

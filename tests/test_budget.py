@@ -5,6 +5,7 @@ cannot hold the run stops it before it starts."""
 import pytest
 
 from conftest import tiny_configs
+
 from tailrl.cli import main
 from tailrl.loading import load_model
 from tailrl.pipeline import run_config
@@ -29,7 +30,8 @@ def test_the_budget_sizes_checkpointing_and_micro_batches_by_hand(tiny_dir):
     # (9 x 64 + 4 x 128) x 4 = 4,352 bytes, and its logits and log-softmax 96 x 8 = 768:
     # (8,704 + 768) x 1.25 = 11,840 bytes. Checkpointed: each layer's fp32 input (64 x 4) and one
     # layer recomputed: (2 x 256 + 4,352 + 768) x 1.25 = 7,040 bytes.
-    room = 11_840 * 1000.5  # 1,000 tokens kept whole fit, 1,001 do not; checkpointed 1,682 (11,845,920 / 7,040 = 1,682.6)
+    # 1,000 tokens kept whole fit, 1,001 do not; checkpointed 1,682 (11,845,920 / 7,040 = 1,682.6).
+    room = 11_840 * 1000.5
     sized = size_update(GRPOConfig(micro_batch_tokens=8192, checkpoint_tokens=2560), _budget(room), m, WEIGHTS,
                         False, 100)
     assert (sized.checkpoint_tokens, sized.micro_batch_tokens) == (1000, 1682)
@@ -70,8 +72,8 @@ def test_a_run_is_sized_to_its_budget_and_reports_it(char_model_dir, task_file, 
     train(run_config(configs), out)
     run = RunDir(out)
     saved = (out / "config.toml").read_text()
-    # The tiny run holds ~0.50 GiB beside its update (RUNTIME_GB the most): 0.51 leaves room for few tokens: its settings are lowered,
-    # and written down, so that a resume computes with them.
+    # The tiny run holds ~0.50 GiB beside its update (RUNTIME_GB the most): 0.51 leaves room for
+    # few tokens: its settings are lowered, and written down, so that a resume computes with them.
     sized = [line for line in saved.splitlines() if line.startswith(("micro_batch_tokens", "checkpoint_tokens"))]
     defaults = GRPOConfig()
     assert sized and all(int(line.split("=")[1]) < min(defaults.micro_batch_tokens, defaults.checkpoint_tokens)

@@ -16,22 +16,21 @@ import pytest
 import torch
 
 from conftest import comparable, comparable_evals, final_state, high_chars_reward, tiny_configs
+
 from tailrl.config import ConfigError, read_toml, resolve
 from tailrl.loading import load_model, load_tokenizer
+from tailrl.pipeline import TRAIN_SECTIONS, run_config
 from tailrl.rl import heldout
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
-from tailrl.rl.progress import ConsolePrinter, EvalProgress, Notice, RolloutProgress, StepDone
-from tailrl.rl.run_dir import RunDir, RunDirError, TrainState
 from tailrl.rl.packing import ON_POLICY, Sample, packed_logprobs
-from tailrl.rl.update import accumulate_gradients
+from tailrl.rl.progress import ConsolePrinter, EvalProgress, Notice, RolloutProgress, StepDone
 from tailrl.rl.rewards import from_reward_fn
-from tailrl.rl.tasks import make_task
-from tailrl.pipeline import TRAIN_SECTIONS, run_config
-from tailrl.rollout.native.config import NativeRolloutConfig
-from tailrl.rl.run_dir import policy_weights
-from tailrl.rl.tasks import encode_question
+from tailrl.rl.run_dir import RunDir, RunDirError, TrainState, policy_weights
+from tailrl.rl.tasks import encode_question, make_task
 from tailrl.rl.train import train
+from tailrl.rl.update import accumulate_gradients
+from tailrl.rollout.native.config import NativeRolloutConfig
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig
 from tailrl.tuner import TunerConfig
@@ -337,7 +336,8 @@ def test_speculative_rollouts_give_the_same_run(tmp_path, char_model_dir, task_f
         runs[mode] = RunDir(tmp_path / mode).read_metrics()
     assert all(r["spec_verify_steps"] == 0 for r in runs["off"])
     assert all(r["spec_verify_steps"] > 0 for r in runs["on"])  # it did speculate
-    assert [r["sd_fraction"] for r in runs["off"]] == [0.0, 0.0] and [r["sd_fraction"] for r in runs["on"]] == [1.0, 1.0]
+    assert [r["sd_fraction"] for r in runs["off"]] == [0.0, 0.0]
+    assert [r["sd_fraction"] for r in runs["on"]] == [1.0, 1.0]
     assert all(set(r["arm_by_bucket"].values()) == {"ngram(3,1,3)"} for r in runs["on"])
     assert all(0.0 < r["sd_fraction"] < 1.0 for r in runs["auto"])  # plain and speculative steps mixed
     assert len({arm for r in runs["auto"] for arms in r["by_bucket"].values() for arm in arms}) >= 3

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.records import Completion, Request
 from tailrl.loading import load_model
+from tailrl.records import Completion, Request
+from tailrl.rl import gradients as gradients_mod, update as update_mod
 from tailrl.rl.grpo import GRPOConfig, chunked_logprobs, sequence_logprobs
 from tailrl.rl.packing import ON_POLICY, Sample, pack_tokens, packed_logprobs, packs
-from tailrl.rl import gradients as gradients_mod, update as update_mod
-from tailrl.rl.update import GroupGradients, BackgroundUpdate, accumulate_gradients, by_prompt, group_share
+from tailrl.rl.update import BackgroundUpdate, GroupGradients, accumulate_gradients, by_prompt, group_share
 from tailrl.sampling import SamplingParams
 
 
@@ -72,7 +72,12 @@ def test_groups_computed_on_two_threads_give_the_same_bits(policy):
     cfg = GRPOConfig(micro_batch=2)
     want = _in_order(policy, groups, cfg, range(len(groups)))
     gg = GroupGradients(policy, cfg, 0.8, len(groups))
-    threads = [threading.Thread(target=lambda ids=ids: [gg.add(g, groups[g]) for g in ids]) for ids in ([4, 1, 0], [3, 2])]
+
+    def add(ids: list[int]) -> None:
+        for g in ids:
+            gg.add(g, groups[g])
+
+    threads = [threading.Thread(target=add, args=(ids,)) for ids in ([4, 1, 0], [3, 2])]
     for t in threads:
         t.start()
     for t in threads:

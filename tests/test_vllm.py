@@ -93,8 +93,9 @@ class TestRollout:
             rollout.generate(1, requests(), SamplingParams(temperature=1.0, top_k=5), 8)
         with pytest.raises(ValueError, match="already open"):
             VllmRolloutConfig(VllmSettings(**SMALL)).open(tiny, seed=0)
+        missing = RolloutSpeculationConfig(drafter="/nonexistent")
         with pytest.raises(ValueError, match="nor a readable config.json"):
-            VllmRolloutConfig(VllmSettings(**SMALL), RolloutSpeculationConfig(drafter="/nonexistent")).open(tiny, seed=0)
+            VllmRolloutConfig(VllmSettings(**SMALL), missing).open(tiny, seed=0)
 
 
 def test_a_tied_head_follows_a_published_embedding(tmp_path):
@@ -157,7 +158,8 @@ def test_a_stop_inside_a_multi_token_step_cuts_the_step_there():
 
     def step(tokens: list[int], rival: list[float]) -> CompletionOutput:
         """A delta of `tokens`, each at log-prob -0.5 beside token 90 at `rival`."""
-        return CompletionOutput(0, "", tokens, None, [{t: Logprob(-0.5), 90: Logprob(r)} for t, r in zip(tokens, rival)])
+        logprobs = [{t: Logprob(-0.5), 90: Logprob(r)} for t, r in zip(tokens, rival)]
+        return CompletionOutput(0, "", tokens, None, logprobs)
 
     seq = SequenceOutput()
     ends_at_7 = lambda tokens: tokens[-1] == 7  # noqa: E731

@@ -36,8 +36,8 @@ from conftest import VLLM_TINY, build_hf  # noqa: E402
 from distribution_checks import KS_CRIT, ks_distance, pit  # noqa: E402
 
 from tailrl.engine import Engine  # noqa: E402
-from tailrl.records import Completion, Request  # noqa: E402
 from tailrl.loading import load_model  # noqa: E402
+from tailrl.records import Completion, Request  # noqa: E402
 from tailrl.rollout.vllm import cpu_fix  # noqa: E402
 from tailrl.rollout.vllm.config import VllmRolloutConfig  # noqa: E402
 from tailrl.rollout.vllm.settings import VllmSettings  # noqa: E402
@@ -187,25 +187,24 @@ def test_probabilistic_self_drafts_at_t1_are_all_accepted(target):
 
 @pytest.mark.parametrize("drafter", ["off", "learned", "learned-greedy", "tuned"])
 def test_responses_at_t1_are_samples_of_the_target(target, tmp_path, drafter):
-    """SD off; SD on with a learned drafter (tailrl's files, a fresh one over half the
-    vocabulary: its draft head proposes only even token ids, DraftVocabHead) drafting K tokens
-    every step, sampled from its distribution (the default) or its argmax (of ~1000-1300
-    verifies, ~160-300 accept at least one draft token, so acceptance and the recovered-token
-    resampling both act); and the same drafter under the tuner, whose draft length changes
-    between steps (plain and the native engine's chain depths 2, 4, 6; how often it drafts
-    follows measured time). Every response token's PIT is U(0, 1) by a KS test at false-failure probability 0.001 each (the asymptotic
-    bound 1.95 on sqrt(n) D; 32 x 48 = 1536 values). Measured (2026-11-25, Zen 5): sqrt(n) D =
-    1.09 (off), 0.95 (learned), 0.77 (learned-greedy), 0.86 (tuned, 224 verifies); with the
-    repair made a no-op, 21.7 (learned), 5.8 (learned-greedy), 3.6 (tuned, 224 verifies; 1.70 in
-    a greedy run whose tuner drafted as rarely, so the tuned case checks the switching more than
-    the repair)."""
+    """SD off; SD on with a learned drafter (tailrl's files, a fresh one over half the vocabulary:
+    its draft head proposes only even token ids, DraftVocabHead) drafting K tokens every step,
+    sampled from its distribution (the default) or its argmax (of ~1000-1300 verifies, ~160-300
+    accept at least one draft token, so acceptance and the recovered-token resampling both act); and
+    the same drafter under the tuner, whose draft length changes between steps (plain and the native
+    engine's chain depths 2, 4, 6; how often it drafts follows measured time). Every response
+    token's PIT is U(0, 1) by a KS test at false-failure probability 0.001 each (the asymptotic
+    bound 1.95 on sqrt(n) D; 32 x 48 = 1536 values). Measured (2026-11-25, Zen 5): sqrt(n) D = 1.09
+    (off), 0.95 (learned), 0.77 (learned-greedy), 0.86 (tuned, 224 verifies); with the repair made a
+    no-op, 21.7 (learned), 5.8 (learned-greedy), 3.6 (tuned, 224 verifies; 1.70 in a greedy run
+    whose tuner drafted as rarely, so the tuned case checks the switching more than the repair)."""
     path, model = target
     if drafter != "off":
         save_drafter(Drafter.from_target(model, list(range(0, 96, 2)), "target"), tmp_path / "drafter")
     settings = VllmSettings(kv_cache_gb=1 / 16, max_num_seqs=32,
                             draft_sampling="greedy" if drafter == "learned-greedy" else "probabilistic")
-    speculation = SpeculationConfig(spec={"off": "off", "tuned": "auto"}.get(drafter, "on"), drafter=str(tmp_path / "drafter"),
-                                    draft_depth=K, num_draft_tokens=K)
+    spec = {"off": "off", "tuned": "auto"}.get(drafter, "on")
+    speculation = SpeculationConfig(spec=spec, drafter=str(tmp_path / "drafter"), draft_depth=K, num_draft_tokens=K)
     g = torch.Generator().manual_seed(11)
     requests = [Request(tuple(torch.randint(2, 96, (8,), generator=g).tolist()), seed=i, group=i) for i in range(32)]
     rollout = VllmRolloutConfig(settings, speculation, adapt=AdaptConfig(adapt_drafter=False)).open(model, seed=0)

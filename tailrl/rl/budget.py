@@ -77,12 +77,16 @@ def update_thread_gb(m: ModelConfig, weights_gb: float, tokens: int, checkpointe
 def _most_tokens(m: ModelConfig, weights_gb: float, room_gb: float, checkpointed: bool, bf16: bool,
                  logprob_chunk: int) -> int:
     """The most tokens a micro-batch may hold within room_gb per thread (0 where none fit)."""
+
+    def fits(tokens: int) -> bool:
+        return update_thread_gb(m, weights_gb, tokens, checkpointed, bf16, logprob_chunk) <= room_gb
+
     lo, hi = 0, 1
-    while update_thread_gb(m, weights_gb, hi, checkpointed, bf16, logprob_chunk) <= room_gb:
+    while fits(hi):
         lo, hi = hi, 2 * hi
     while hi - lo > 1:  # the estimate grows with tokens: bisect for the last that fits
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if update_thread_gb(m, weights_gb, mid, checkpointed, bf16, logprob_chunk) <= room_gb else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
 
@@ -101,9 +105,10 @@ def size_update(cfg: GRPOConfig, budget: Budget, m: ModelConfig, weights_gb: flo
     if checkpointed < longest_response:
         need = (sum(budget.fixed.values()) + waiting * weights_gb + UPDATE_THREADS * update_thread_gb(
             m, weights_gb, longest_response, True, bf16, cfg.logprob_chunk))
+        fixed = ", ".join(f"{k} {v:.1f}" for k, v in budget.fixed.items())
         raise ValueError(
             f"a memory budget of {budget.gb:.1f} GiB cannot hold this run: it needs at least {need:.1f} GiB "
-            f"({', '.join(f'{k} {v:.1f}' for k, v in budget.fixed.items())}, the gradient sum {waiting * weights_gb:.1f}, "
+            f"({fixed}, the gradient sum {waiting * weights_gb:.1f}, "
             f"and {UPDATE_THREADS} update threads with a checkpointed response of {longest_response} tokens each); "
             f"raise --memory-gb or lower --max-new-tokens, --kv-budget-gb")
     whole = _most_tokens(m, weights_gb, room, False, bf16, cfg.logprob_chunk)

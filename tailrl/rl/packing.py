@@ -11,13 +11,13 @@ V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Sequence
 
 import torch
 
 from tailrl.model import Transformer
 from tailrl.rl.grpo import chunked_logprobs, sequence_logprobs
-
 
 # A sample with no behaviour policy of its own (a worked solution, a test's fixed response): it
 # counts as sampled by the trainer's policy, so its importance ratio is 1 by definition.
@@ -57,7 +57,7 @@ class PackMemory:
 
 def pack_tokens(samples: Sequence[Sample]) -> int:
     """Tokens in the packed row of `samples` (each run of one prompt holds it once)."""
-    prompts = sum(len(s.prompt_ids) for i, s in enumerate(samples) if i == 0 or s.prompt_ids != samples[i - 1].prompt_ids)
+    prompts = sum(len(prompt) for prompt, _ in groupby(s.prompt_ids for s in samples))
     return prompts + sum(len(s.token_ids) for s in samples)
 
 

@@ -36,13 +36,13 @@ import torch
 from tailrl.memory import Peak
 from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request
-from tailrl.rollout.protocol import IdleCore, PolicyForward, Rollout
-from tailrl.sampling import SamplingParams
 from tailrl.rl.grpo import GRPOConfig, group_advantages
 from tailrl.rl.packing import Sample
 from tailrl.rl.rewards import RewardBatch, safe_rewards
-from tailrl.rl.update import BackgroundUpdate, GroupGradients, UpdateStats, fold_keys
 from tailrl.rl.tasks import Problem, Tokenizer
+from tailrl.rl.update import BackgroundUpdate, GroupGradients, UpdateStats, fold_keys
+from tailrl.rollout.protocol import IdleCore, PolicyForward, Rollout
+from tailrl.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

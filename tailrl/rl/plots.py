@@ -101,7 +101,8 @@ def plot_lengths(records: Sequence[dict[str, Any]], path: Path) -> None:
     rng = np.random.default_rng(0)  # horizontal jitter only, so points do not hide each other
     for r in records:
         lens = np.asarray(r["response_lens"])
-        ax.scatter(r["step"] + rng.uniform(-0.25, 0.25, len(lens)), lens, s=6, alpha=0.5, color="tab:blue", lw=0, zorder=3)
+        jitter = rng.uniform(-0.25, 0.25, len(lens))
+        ax.scatter(r["step"] + jitter, lens, s=6, alpha=0.5, color="tab:blue", lw=0, zorder=3)
     steps = [r["step"] for r in records]
     for q, style, label in ((50, "-", "median"), (90, "--", "p90"), (100, ":", "max")):
         ax.plot(steps, [np.percentile(r["response_lens"], q) for r in records], ls=style, color="k", label=label)
@@ -173,17 +174,20 @@ def plot_decoding(records: Sequence[dict[str, Any]], path: Path) -> None:
     arms = sorted({seg[3] for seg in last["batch_timeline"]}, key=lambda a: (a != "plain", a))
     colour = {arm: f"C{i}" for i, arm in enumerate(arms)}
     for arm in arms:
-        segs = [s for s in last["batch_timeline"] if s[3] == arm]
-        timeline.hlines([s[2] for s in segs], [s[0] for s in segs], [s[1] for s in segs], colors=colour[arm], lw=3, label=arm)
+        segs = [s for s in last["batch_timeline"] if s[3] == arm]  # [start_s, end_s, batch, arm]
+        timeline.hlines([s[2] for s in segs], [s[0] for s in segs], [s[1] for s in segs],
+                        colors=colour[arm], lw=3, label=arm)
     # Log scale: the tail (1-8 running sequences) is where the arms differ.
     log_counts(timeline)
-    timeline.set(xlabel="seconds into the rollout", ylabel="running sequences", title=f"Step {last['step']}: arm per decode step")
+    timeline.set(xlabel="seconds into the rollout", ylabel="running sequences",
+                 title=f"Step {last['step']}: arm per decode step")
     timeline.grid(alpha=0.3)
     timeline.legend(loc="best", fontsize=7)
     buckets = list(last["by_bucket"])
     for arm in arms:
         xs = [i for i, b in enumerate(buckets) if arm in last["by_bucket"][b]]
-        accept.plot(xs, [last["by_bucket"][buckets[i]][arm]["accept_len"] for i in xs], "o-", color=colour[arm], label=arm)
+        accept_len = [last["by_bucket"][buckets[i]][arm]["accept_len"] for i in xs]
+        accept.plot(xs, accept_len, "o-", color=colour[arm], label=arm)
     accept.set_xticks(range(len(buckets)), buckets)
     accept.set(xlabel="running batch size", ylabel="tokens per sequence-step", title="accept_len by batch size and arm")
     accept.grid(alpha=0.3)

@@ -61,8 +61,9 @@ TrainEvent = RolloutProgress | StepDone | EvalProgress | EvalDone | Notice
 
 def eval_line(e: dict[str, Any]) -> str:
     se = f" +- {e['heldout_reward_se']:.3f}" if "heldout_reward_se" in e else ""
-    return (f"held-out after step {e['step']}: reward {e['heldout_reward']:.3f}{se} on {e['heldout_problems']} problems, "
-            f"format {e['heldout_format_rate']:.2f}, mean length {e['heldout_len_mean']:.0f} ({e['heldout_s']:.0f} s)")
+    return (f"held-out after step {e['step']}: reward {e['heldout_reward']:.3f}{se} "
+            f"on {e['heldout_problems']} problems, format {e['heldout_format_rate']:.2f}, "
+            f"mean length {e['heldout_len_mean']:.0f} ({e['heldout_s']:.0f} s)")
 
 
 def seconds_left(p: Progress) -> float | None:

@@ -145,7 +145,8 @@ class RunDir:
         """A fresh run directory holding the resolved config; refuses to overwrite a run."""
         run = cls(Path(path))
         if (run.path / CONFIG_FILE).exists() or run.metrics_path.exists():
-            raise RunDirError(f"{run.path} already holds a run; resume it with --resume {run.path} or pick another --out")
+            raise RunDirError(f"{run.path} already holds a run; resume it with --resume {run.path} "
+                              f"or pick another --out")
         try:
             for d in (run.path, run.plots_dir, run.checkpoints_dir):
                 d.mkdir(parents=True, exist_ok=True)

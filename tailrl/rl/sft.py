@@ -36,17 +36,15 @@ from typing import Any, Callable, Sequence
 import torch
 from safetensors.torch import save_file
 
-from tailrl.engine import Engine, EngineConfig
-from tailrl.records import Request
 from tailrl.cache_dir import cache_root
-from tailrl.loading import (
-    DTYPES, load_model, load_tokenizer, model_fingerprint, resolve_dtype, resolve_model_dir,
-)
+from tailrl.engine import Engine, EngineConfig
+from tailrl.loading import DTYPES, load_model, load_tokenizer, model_fingerprint, resolve_dtype, resolve_model_dir
 from tailrl.model import Transformer
+from tailrl.records import Request
 from tailrl.rl.guards import sigint_deferred
+from tailrl.rl.packing import ON_POLICY, Sample, packed_logprobs
 from tailrl.rl.run_dir import policy_weights
 from tailrl.rl.tasks import DEFAULT_TASK, HELDOUT_STREAM, Problem, encode_question, extract_answer, make_task
-from tailrl.rl.packing import ON_POLICY, Sample, packed_logprobs
 from tailrl.rl.worked import WorkedTask
 from tailrl.sampling import SamplingParams, derive_seed
 
@@ -70,8 +68,9 @@ class SFTConfig:
     warmup: float = field(default=0.1, metadata={"help": "share of the steps spent warming the lr up"})
     min_lr: float = field(default=0.1, metadata={"help": "final lr as a share of the peak (cosine decay)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    autocast: str = field(default="auto", metadata={"help": "forward/backward compute dtype (auto: bf16 where "
-                                                    "it is fast; master weights stay fp32)", "choices": ("auto", "bf16", "fp32")})
+    autocast: str = field(default="auto", metadata={
+        "help": "forward/backward compute dtype (auto: bf16 where it is fast; master weights stay fp32)",
+        "choices": ("auto", "bf16", "fp32")})
     seed: int = field(default=0, metadata={"help": "data order and evaluation sampling"})
     eval_every: int = field(default=20, metadata={"help": "evaluate every N steps (0 = only at the end)"})
     eval_problems: int = field(default=24, metadata={"help": "held-out problems per evaluation"})

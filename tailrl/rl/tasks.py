@@ -282,8 +282,8 @@ def make_task(name: str, **difficulty: Any) -> Task:
 
     "sums" or "sums(max_terms=20)" names a procedural family with worked solutions
     (tailrl.rl.worked.PROCEDURAL); "rg:chain_sum", "chain_sum" or
-    "rg:chain_sum(max_terms=3, max_digits=1)" name a reasoning-gym dataset and its settings (keyword arguments here override the name's);
-    a path ending in .jsonl names a JsonlTask.
+    "rg:chain_sum(max_terms=3, max_digits=1)" name a reasoning-gym dataset and its settings
+    (keyword arguments here override the name's); a path ending in .jsonl names a JsonlTask.
     """
     name = name.strip()
     if name.endswith(".jsonl"):

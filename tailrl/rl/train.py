@@ -5,11 +5,12 @@
 token-mean loss: tailrl.rl.phases, overlapped with the rollout's tail unless overlap_batch is
 0), `clip`, then the optimizer step, publishing the weights and the checkpoint (`save`), and,
 every eval_every steps, the held-out evaluation (`evaluate_heldout`, tailrl.rl.heldout); the
-stages are methods of `Trainer`, which holds what lives from step to step. The update's tensor
-plumbing is tailrl.rl.packing and tailrl.rl.update. The rollout is whatever `RunConfig.rollout`
-opens behind the Rollout protocol (tailrl.rollout.protocol): tailrl's native engine, in this
-process by default, or several worker processes / Ray actors whose idle time in the long tail
-trains the drafter, or a vLLM engine in this process (--engine vllm).
+stages are methods of `Trainer`, which holds what lives from step to step; each step's record
+(metrics.jsonl) is assembled by tailrl.rl.metrics. The update's tensor plumbing is
+tailrl.rl.packing and tailrl.rl.update. The rollout is whatever `RunConfig.rollout` opens behind
+the Rollout protocol (tailrl.rollout.protocol): tailrl's native engine, in this process by
+default, or several worker processes / Ray actors whose idle time in the long tail trains the
+drafter, or a vLLM engine in this process (--engine vllm).
 
 Weights. The policy trains in `train_dtype` (fp32 master weights: an AdamW update of lr ~1e-5
 relative to a weight vanishes in bf16's 8-bit mantissa). Rollouts run in `dtype`; when it
@@ -49,34 +50,40 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
-from tailrl.loading import (DEVICES, DTYPE_CHOICES, DTYPES, load_model, load_tokenizer, resolve_device, resolve_dtype,
-                            resolve_model_dir)
+from tailrl.loading import (
+    DEVICES,
+    DTYPE_CHOICES,
+    DTYPES,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_dir,
+)
 from tailrl.memory import Peak, available_gb, fix_mmap_threshold, parameters_gb, total_gb, trim
 from tailrl.model import Transformer
-from tailrl.records import Completion, Request
+from tailrl.records import Request
 from tailrl.rl import heldout
 from tailrl.rl.budget import RUNTIME_GB, Budget, default_budget_gb, size_update
-from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.floor import step_floor
+from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
+from tailrl.rl.metrics import memory_metrics, step_metrics, step_times
 from tailrl.rl.phases import StepInputs, StepWork, run_step
 from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import EvalDone, EvalProgress, Notice, RolloutProgress, StepDone, TrainEvent
-from tailrl.rl.rewards import ProblemReward, RewardBatch, from_reward_fn, load_reward, task_reward
+from tailrl.rl.rewards import ProblemReward, from_reward_fn, load_reward, task_reward
 from tailrl.rl.run_dir import RunDir, TrainState, capture_rng, default_out_dir, policy_weights, restore_rng
-from tailrl.rl.update import UpdateStats
-from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, Tokenizer, encode_question, extract_answer, make_task
+from tailrl.rl.tasks import DEFAULT_TASK, Problem, Task, Tokenizer, encode_question, make_task
 from tailrl.rollout import registry
-from tailrl.rollout.protocol import Rollout, RolloutConfig, RolloutReport, WorkerError
+from tailrl.rollout.protocol import Rollout, RolloutConfig, WorkerError
 from tailrl.sampling import SamplingParams, derive_seed
 
 # Fields that cannot change a run's results, so a resume may change them.
@@ -98,13 +105,13 @@ class TrainConfig:
     engine: str = field(default=registry.DEFAULT, metadata={
         "help": "rollout engine: native (tailrl's own) or vllm (an in-process vLLM engine, the [vllm] section; "
                 "docs/vllm.md)", "choices": registry.NAMES})
-    dtype: str = field(
-        default="auto", metadata={"help": "rollout dtype; auto = bf16 where it is fast, else fp32", "choices": DTYPE_CHOICES}
-    )
+    dtype: str = field(default="auto", metadata={
+        "help": "rollout dtype; auto = bf16 where it is fast, else fp32", "choices": DTYPE_CHOICES})
     train_dtype: str = field(
         default="fp32", metadata={"help": "policy (master weights) dtype for the update", "choices": tuple(DTYPES)}
     )
-    task: str = field(default=DEFAULT_TASK, metadata={"help": "'sums(max_terms=...)', a reasoning-gym name 'name(key=value)' or a .jsonl file"})
+    task: str = field(default=DEFAULT_TASK, metadata={
+        "help": "'sums(max_terms=...)', a reasoning-gym name 'name(key=value)' or a .jsonl file"})
     reward: str | None = field(
         default=None, metadata={"help": "user reward 'module:function' (prompt, completion, answer) -> float"}
     )
@@ -137,7 +144,8 @@ class TrainConfig:
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2: GRPO normalises rewards within a group, got {self.group_size}")
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (greedy makes a group's responses identical), got {self.temperature}")
+            raise ValueError(f"temperature must be > 0 (greedy makes a group's responses identical), "
+                             f"got {self.temperature}")
         if self.overlap_batch < 0:
             raise ValueError(f"overlap_batch must be >= 0, got {self.overlap_batch}")
         for name in ("num_prompts", "max_new_tokens", "checkpoint_every", "keep_checkpoints", "eval_problems"):
@@ -156,6 +164,10 @@ class TrainConfig:
                             ("train_dtype", tuple(DTYPES))):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
+
+    def sampling(self) -> SamplingParams:
+        """How rollouts and held-out evaluations sample."""
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
 
 
 @dataclass(frozen=True)
@@ -189,7 +201,8 @@ def rollout_requests(task: Task, tokenizer: Tokenizer, tc: TrainConfig, step: in
     prompts = [encode_question(tokenizer, p.question) for p in problems]
     _check_context(prompts, data_cursor, tc.max_new_tokens, context)
     G = tc.group_size
-    requests = [Request(prompts[i], derive_seed(tc.seed, step, i, j), group=i) for i in range(len(prompts)) for j in range(G)]
+    requests = [Request(prompts[i], derive_seed(tc.seed, step, i, j), group=i)
+                for i in range(len(prompts)) for j in range(G)]
     return problems, requests
 
 
@@ -200,76 +213,6 @@ def _check_context(prompts: Sequence[tuple[int, ...]], first_index: int, max_new
                 f"problem {first_index + i}: its prompt of {len(p)} tokens + max_new_tokens {max_new_tokens} "
                 f"exceeds the model's context of {limit} tokens; lower --max-new-tokens or shorten the prompts"
             )
-
-
-def tokens_digest(completions: Sequence[Completion]) -> str:
-    """A fingerprint of a rollout's token ids in request order: two runs sampled the same tokens
-    iff their digests match (what `tailrl bench train` compares)."""
-    h = hashlib.sha256()
-    for c in completions:
-        h.update(np.asarray(c.token_ids, dtype=np.int64).tobytes())
-        h.update(b"|")  # a boundary, so [1, 2] [3] differs from [1] [2, 3]
-    return h.hexdigest()
-
-
-def step_metrics(step: int, tc: TrainConfig, completions: list[Completion], texts: list[str], rewards: RewardBatch,
-                 skipped: int, stats: UpdateStats, grad_norm: float, times: dict[str, float],
-                 rollout: RolloutReport, lr: float) -> dict[str, object]:
-    """The metrics record of one step (one line of metrics.jsonl)."""
-    lens = np.array([len(c.token_ids) for c in completions])
-    r = np.array(rewards.rewards)
-    return {
-        "step": step,
-        "reward_mean": float(r.mean()),
-        "reward_std": float(r.std()),
-        "format_rate": float(np.mean([extract_answer(t) is not None for t in texts])),
-        "groups_skipped": skipped,
-        "reward_failures": rewards.failures,
-        "reward_timeouts": rewards.timeouts,
-        "response_len_mean": float(lens.mean()),
-        "response_len_p50": float(np.percentile(lens, 50)),
-        "response_len_p90": float(np.percentile(lens, 90)),
-        "response_len_max": int(lens.max()),
-        "truncated": sum(c.finish_reason == "length" for c in completions),
-        "max_new_tokens": tc.max_new_tokens,
-        "tokens_generated": int(lens.sum()),
-        **rollout.metrics(),  # decoding, speculation, the tail, the drafter and spot training
-        **times,
-        "rollout_share": times["rollout_s"] / times["step_s"] if times["step_s"] else 0.0,
-        "loss": stats.loss,
-        "pg_loss": stats.pg_loss,
-        "kl": stats.kl,
-        "clip_fraction": stats.clip_fraction,
-        "ratio_mean": stats.ratio_mean,
-        "ratio_max": stats.ratio_max,
-        "capped_fraction": stats.capped_fraction,
-        "mismatch_kl": stats.mismatch_kl,
-        "grad_norm": grad_norm,
-        "train_tokens": stats.tokens,
-        "lr": lr,
-        "response_lens": lens.tolist(),
-        "rewards": r.tolist(),
-        "tokens_sha256": tokens_digest(completions),
-    }
-
-
-def step_times(work: StepWork, step_s: float) -> dict[str, float]:
-    """Where a step's time went: rollout (decoding), rewards, the update's part after the
-    rollout (gradient left, optimizer step, publishing), and the gradient computed during it."""
-    w = work.times
-    return {"rollout_s": w["rollout_s"], "reward_s": w["reward_s"],
-            "train_s": step_s - w["rollout_s"] - w["reward_s"], "step_s": step_s,
-            "update_in_rollout_s": w["update_in_rollout_s"], "groups_in_rollout": w["groups_in_rollout"]}
-
-
-def memory_metrics(rollout_gb: float | None, update_gb: float | None, end_gb: float | None,
-                   budget_gb: float | None) -> dict[str, float | None]:
-    """The step's resident peak (its rollout's, its update's and its publish's: GiB, None where
-    the kernel cannot tell, tailrl.memory), the update's (from the rollout's end to the
-    optimizer step) and the budget the run was sized to. The update's counts on its own: the kernel's high-water mark includes the
-    resident size at the time it is read, so a later read can be a few pages lower."""
-    known = [x for x in (rollout_gb, update_gb, end_gb) if x is not None]
-    return {"peak_rss_gb": max(known) if known else None, "update_peak_rss_gb": update_gb, "memory_budget_gb": budget_gb}
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -314,12 +257,13 @@ class Trainer:
         tc = self.tc
         problems, requests = rollout_requests(self.task, self.tokenizer, tc, step, self.state.data_cursor,
                                               self.rollout_model.cfg.max_position_embeddings)
-        inputs = StepInputs(problems, requests, SamplingParams(tc.temperature, tc.top_p, tc.top_k), tc.max_new_tokens,
-                            tc.group_size, self.tokenizer, self.reward_fn, tc.reward_timeout_s)
+        inputs = StepInputs(problems, requests, tc.sampling(), tc.max_new_tokens, tc.group_size, self.tokenizer,
+                            self.reward_fn, tc.reward_timeout_s)
         self.optimizer.zero_grad(set_to_none=True)
         with deterministic(self.device):
-            return run_step(self.rollout, step, inputs, self.policy, self.gc, tc.temperature, self.ref, tc.overlap_batch,
-                            lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)), peak)
+            return run_step(self.rollout, step, inputs, self.policy, self.gc, tc.temperature, self.ref,
+                            tc.overlap_batch, lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)),
+                            peak)
 
     def clip(self, work: StepWork) -> float:
         """Clip the gradient's global norm; its norm before clipping (0 when no group trained)."""
@@ -346,14 +290,15 @@ class Trainer:
         if (self.heldout is None or not heldout.due(step, tc.eval_every, tc.steps)
                 or not heldout.missing(self.run.read_evals(), step)):
             return
-        self.emit(Notice(f"held-out evaluation after step {step}: {len(self.heldout.problems)} problems, one response each"))
+        problems = len(self.heldout.problems)
+        self.emit(Notice(f"held-out evaluation after step {step}: {problems} problems, one response each"))
         evaluation = self.cfg.rollout.for_evaluation(registry.engine(registry.DEFAULT))
         rollout = evaluation.open(copy.deepcopy(self.rollout_model), tc.seed)
         try:
             rollout.publish(self.policy)  # the rollout model may be a worker's stale copy
             with deterministic(self.device):
-                record = heldout.evaluate(rollout, self.heldout, tc.seed, SamplingParams(tc.temperature, tc.top_p, tc.top_k),
-                                          tc.max_new_tokens, self.tokenizer, self.reward_fn, tc.reward_timeout_s,
+                record = heldout.evaluate(rollout, self.heldout, tc.seed, tc.sampling(), tc.max_new_tokens,
+                                          self.tokenizer, self.reward_fn, tc.reward_timeout_s,
                                           lambda progress: self.emit(EvalProgress(step, progress)))
         finally:
             rollout.close()
@@ -467,8 +412,7 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
                 trainer.rollout.publish(trainer.policy)  # 4. the next rollout samples from the updated policy
                 t_train = time.perf_counter()
                 state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
-                metrics = step_metrics(step, tc, work.completions, work.texts, work.rewards, work.skipped,
-                                       work.stats, grad_norm, step_times(work, t_train - t_start),
+                metrics = step_metrics(step, tc.max_new_tokens, work, grad_norm, step_times(work, t_train - t_start),
                                        trainer.rollout.report(), trainer.gc.lr_at(step))
                 metrics.update(memory_metrics(work.rollout_peak_gb, update_peak, peak.gb, trainer.budget_gb))
                 trainer.run.append_metrics(metrics)

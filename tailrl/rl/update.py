@@ -61,9 +61,7 @@ from tailrl.model import Transformer
 from tailrl.rl.fold import TreeSum
 from tailrl.rl.gradients import GradientSink, differentiate, routed
 from tailrl.rl.grpo import GRPOConfig, policy_loss
-from tailrl.rl.packing import (
-    PackMemory, Sample, packed_behaviour, packed_logprobs, packed_logprobs_and_hidden, packs,
-)
+from tailrl.rl.packing import PackMemory, Sample, packed_behaviour, packed_logprobs, packed_logprobs_and_hidden, packs
 from tailrl.rollout.protocol import DrafterFeed
 
 # Token means (policy_loss's LossTerms of the same names), added up as token-weighted sums.

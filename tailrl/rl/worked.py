@@ -32,7 +32,8 @@ import numpy as np
 from tailrl.rl.problems import Problem, Task, extract_answer
 from tailrl.sampling import derive_seed
 
-__all__ = ["PROCEDURAL", "CollatzTask", "RunningSumTask", "WorkedTask", "answer_line", "jsonl_solution", "rg_solution", "size_pmf"]
+__all__ = ["PROCEDURAL", "CollatzTask", "RunningSumTask", "WorkedTask", "answer_line", "jsonl_solution", "rg_solution",
+           "size_pmf"]
 
 
 @runtime_checkable
@@ -129,7 +130,8 @@ class CollatzTask:
 
     def solution(self, problem: Problem) -> str:
         path = collatz_path(problem.meta["start"])
-        lines = [f"{i}: {n} {'even' if n % 2 == 0 else 'odd'}, {m}" for i, (n, m) in enumerate(zip(path, path[1:]), start=1)]
+        steps = enumerate(zip(path, path[1:]), start=1)  # step i takes n to m
+        lines = [f"{i}: {n} {'even' if n % 2 == 0 else 'odd'}, {m}" for i, (n, m) in steps]
         return "\n".join([*lines, answer_line(str(len(path) - 1))])
 
     def score(self, problem: Problem, answer_text: str) -> float:

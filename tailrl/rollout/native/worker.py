@@ -27,19 +27,19 @@ from typing import Callable
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.records import Completion, Progress, Request, Stop
-from tailrl.rollout.protocol import DrafterVersionError
-from tailrl.stats import EngineStats
 from tailrl.model import Transformer
+from tailrl.records import Completion, Progress, Request, Stop
+from tailrl.rollout.native.buffer import train_seq
+from tailrl.rollout.native.spot import DrafterState, SpotJob, SpotResult, run_spot
+from tailrl.rollout.protocol import DrafterVersionError
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.decoder import SpecDecoder, StepReport
 from tailrl.speculative.drafter.model import Drafter
 from tailrl.speculative.drafter.training import TrainSeq
 from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.speculative.watch import Tallies, Tally
+from tailrl.stats import EngineStats
 from tailrl.tuner import TunerConfig
-from tailrl.rollout.native.buffer import train_seq
-from tailrl.rollout.native.spot import DrafterState, SpotJob, SpotResult, run_spot
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,8 @@ class RolloutWorker:
         cfg = dataclasses.replace(setup.engine, capture_hidden=setup.engine.capture_hidden or setup.collect)
         self.engine = Engine(model, cfg)
         self.drafter_steps = DrafterSteps()
-        self.tuner = install(self.engine, setup.speculation, setup.tuner, seed=setup.seed + rank, tuner_state=tuner_state,
-                             observers=(self.drafter_steps,))
+        self.tuner = install(self.engine, setup.speculation, setup.tuner, seed=setup.seed + rank,
+                             tuner_state=tuner_state, observers=(self.drafter_steps,))
         self.beat: Callable[[Beat], None] = lambda payload: None
         self.preempted: Callable[[], int] = lambda: 0
         self.drafter_version = 0

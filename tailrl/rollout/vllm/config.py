@@ -104,12 +104,14 @@ class VllmRolloutConfig:
         weights = parameters_gb(model)
         if not self.on_ray:
             return HeldMemory(self.settings.kv_cache_gb + weights, "--kv-cache-gb")
-        return HeldMemory(self.workers.workers * (self.settings.kv_cache_gb + weights) + weights, "--kv-cache-gb, --workers")
+        engines = self.workers.workers * (self.settings.kv_cache_gb + weights)
+        return HeldMemory(engines + weights, "--kv-cache-gb, --workers")
 
     def check(self) -> None:
         check_available()
         if self.on_ray and ray_support.ray is None:
-            raise ValueError("--engine vllm with --workers >= 2 runs its engines as Ray actors: pip install 'tailrl[ray]'")
+            raise ValueError("--engine vllm with --workers >= 2 runs its engines as Ray actors: "
+                             "pip install 'tailrl[ray]'")
         if (drafter := self.drafter()) is not None:
             spec_method(drafter)  # a missing or unreadable drafter fails in one line
 

@@ -92,8 +92,8 @@ class VllmFleet(AdaptingRollout):
               workers: WorkerConfig, max_restarts: int, adapt: AdaptConfig) -> VllmFleet:
         """`workers.workers` engines on `model`'s weights (spec: how each opens), resuming `state`."""
         if state is not None and not isinstance(state, VllmFleetState):
-            raise ValueError(f"this checkpoint holds {type(state).__name__}, not vLLM engines on Ray's state: resume it "
-                             f"with the --engine and --workers it was saved with")
+            raise ValueError(f"this checkpoint holds {type(state).__name__}, not vLLM engines on Ray's state: "
+                             f"resume it with the --engine and --workers it was saved with")
         tuners = state.tuners if state is not None else [None] * workers.workers
         if len(tuners) != workers.workers:
             raise ValueError(f"the checkpoint holds {len(tuners)} engines' state; resume with --workers {len(tuners)}")

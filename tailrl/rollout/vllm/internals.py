@@ -49,7 +49,8 @@ class VllmInternalsError(ValueError):
 
 
 def _missing(what: str, version: str) -> VllmInternalsError:
-    return VllmInternalsError(f"vLLM {version} has no {what}, which tailrl's vLLM engine drives; supported: {SUPPORTED}")
+    return VllmInternalsError(f"vLLM {version} has no {what}, which tailrl's vLLM engine drives; "
+                              f"supported: {SUPPORTED}")
 
 
 def check_supported() -> None:

