@@ -114,26 +114,39 @@ class StepInputs:
     reward_timeout_s: float
 
 
+@dataclass(frozen=True)
+class UpdateSetup:
+    """What the phases need from the loop for the step's update: the policy (the gradient goes
+    into its .grad), the update's settings, the frozen reference policy of the KL term (None
+    without one), and when groups' gradients are computed: while at most overlap_batch
+    sequences decode, or after the whole rollout (0)."""
+
+    policy: Transformer
+    cfg: GRPOConfig
+    ref: Transformer | None
+    overlap_batch: int
+
+
 def policy_forwards(samples: Sequence[Sample], hidden: list[torch.Tensor]) -> list[PolicyForward]:
     """Samples with their hidden states (tailrl.rl.packing.packed_logprobs_and_hidden), as the rollout takes them."""
     return [PolicyForward(torch.tensor([*s.prompt_ids, *s.token_ids]), h, len(s.prompt_ids))
             for s, h in zip(samples, hidden)]
 
 
-def run_step(rollout: Rollout, step: int, inputs: StepInputs, policy: Transformer, cfg: GRPOConfig, temperature: float,
-             ref: Transformer | None, overlap_batch: int, on_progress: Callable[[Progress], None],
-             peak: Peak) -> StepWork:
-    """Rollout, rewards and the gradient (written into the policy's .grad); overlapped when
-    overlap_batch > 0, else synchronous (module doc). `peak`, started with the step, is read at
-    the rollout's end (StepWork.rollout_peak_gb) and started again: from there on it is the
-    update's."""
+def run_step(rollout: Rollout, step: int, inputs: StepInputs, setup: UpdateSetup,
+             on_progress: Callable[[Progress], None], peak: Peak) -> StepWork:
+    """Rollout, rewards and the gradient (written into the policy's .grad), its log-probs taken
+    at the rollout's sampling temperature; overlapped when overlap_batch > 0, else synchronous
+    (module doc). `peak`, started with the step, is read at the rollout's end
+    (StepWork.rollout_peak_gb) and started again: from there on it is the update's."""
     on_hidden, feed = None, rollout.feed()
     if feed is not None:
         on_hidden = lambda samples, hidden: feed.observe(policy_forwards(samples, hidden))  # noqa: E731
-    grads = GroupGradients(policy, cfg, temperature, len(inputs.problems), ref, on_hidden,
+    cfg = setup.cfg
+    grads = GroupGradients(setup.policy, cfg, inputs.params.temperature, len(inputs.problems), setup.ref, on_hidden,
                            fold_keys([r.prompt_ids for r in inputs.requests[:: inputs.group_size]]))
-    if overlap_batch > 0:
-        return _overlapped(rollout, step, inputs, grads, overlap_batch, on_progress, peak)
+    if setup.overlap_batch > 0:
+        return _overlapped(rollout, step, inputs, grads, setup.overlap_batch, on_progress, peak)
     t0 = time.perf_counter()
     completions = rollout.generate(step, inputs.requests, inputs.params, inputs.max_new_tokens, on_progress=on_progress)
     t1 = time.perf_counter()

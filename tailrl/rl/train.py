@@ -76,7 +76,7 @@ from tailrl.rl.floor import step_floor
 from tailrl.rl.grpo import GRPOConfig
 from tailrl.rl.guards import deterministic, sigint_deferred
 from tailrl.rl.metrics import memory_metrics, step_metrics, step_times
-from tailrl.rl.phases import StepInputs, StepWork, run_step
+from tailrl.rl.phases import StepInputs, StepWork, UpdateSetup, run_step
 from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import EvalDone, EvalProgress, Notice, RolloutProgress, StepDone, TrainEvent
 from tailrl.rl.rewards import ProblemReward, from_reward_fn, load_reward, task_reward
@@ -259,11 +259,11 @@ class Trainer:
                                               self.rollout_model.cfg.max_position_embeddings)
         inputs = StepInputs(problems, requests, tc.sampling(), tc.max_new_tokens, tc.group_size, self.tokenizer,
                             self.reward_fn, tc.reward_timeout_s)
+        setup = UpdateSetup(self.policy, self.gc, self.ref, tc.overlap_batch)
         self.optimizer.zero_grad(set_to_none=True)
         with deterministic(self.device):
-            return run_step(self.rollout, step, inputs, self.policy, self.gc, tc.temperature, self.ref,
-                            tc.overlap_batch, lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)),
-                            peak)
+            return run_step(self.rollout, step, inputs, setup,
+                            lambda progress: self.emit(RolloutProgress(step, tc.steps, progress)), peak)
 
     def clip(self, work: StepWork) -> float:
         """Clip the gradient's global norm; its norm before clipping (0 when no group trained)."""
