@@ -170,11 +170,75 @@ def _trl_args(cfg: BenchPeersConfig, out: Path) -> Any:
     )
 
 
+@dataclass
+class TrlLog:
+    """What a TRL run recorded: per step (one reward call and one generation each) the problems
+    scored, the tokens generated, the mean reward, the generation's and the reward's seconds and
+    TRL's own "step_time" (its training_step calls, no optimizer step); the clock at the
+    training's start and at each step's end."""
+
+    problems: list[list[int]] = field(default_factory=list)  # indices into the run's problems
+    tokens: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    gen_s: list[float] = field(default_factory=list)
+    reward_s: list[float] = field(default_factory=list)
+    own_step_time: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+
+    def steps(self, cfg: BenchPeersConfig) -> list[dict[str, float]]:
+        """The timed steps, as `summarise` takes them; RuntimeError where TRL did not run one
+        generation of the expected problems per step."""
+        P, G = cfg.num_prompts, cfg.group_size
+        expected = [[s * P + i for i in range(P) for _ in range(G)] for s in range(cfg.total_steps)]
+        if self.problems != expected or len(self.gen_s) != cfg.total_steps:
+            raise RuntimeError(f"TRL did not run one generation of the expected problems per step: {self.problems}, "
+                               f"{len(self.gen_s)} generations")
+        step_s = [b - a for a, b in zip(self.ends, self.ends[1:])]
+        return [{"step_s": step_s[k], "rollout_s": self.gen_s[k], "reward_s": self.reward_s[k],
+                 "train_s": step_s[k] - self.gen_s[k] - self.reward_s[k], "tokens": self.tokens[k],
+                 "train_tokens": self.tokens[k], "reward_mean": self.rewards[k],
+                 "trl_step_time": self.own_step_time[k]}
+                for k in range(cfg.warmup, cfg.total_steps)]
+
+
+def _trl_reward(score: Callable[[Any, str], float], problems: list[Any], log: TrlLog) -> Callable[..., list[float]]:
+    """`score` as a TRL reward function over the dataset's problem indices, logging each call."""
+
+    def task_score(prompts: list, completions: list, completion_ids: list, problem: list[int], **_: Any) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        log.problems.append(list(problem))
+        log.tokens.append(sum(len(ids) for ids in completion_ids))
+        r = [score(problems[i], t) for i, t in zip(problem, texts)]
+        log.rewards.append(sum(r) / len(r))
+        return r
+
+    return task_score
+
+
+def _step_clock(log: TrlLog) -> Any:
+    """A TrainerCallback logging the clock at the training's start and each step's end, and
+    TRL's own step times."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            log.ends.append(time.perf_counter())
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            log.ends.append(time.perf_counter())
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+            if logs and "step_time" in logs:
+                log.own_step_time.append(logs["step_time"])
+
+    return StepClock()
+
+
 def run_trl(cfg: BenchPeersConfig, out: Path) -> dict[str, Any]:
     """TRL's GRPOTrainer on the same problems and reward; step times from a callback."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import GRPOTrainer
 
     from tailrl.loading import resolve_model_dir
@@ -182,57 +246,19 @@ def run_trl(cfg: BenchPeersConfig, out: Path) -> dict[str, Any]:
     from tailrl.rl.tasks import format_prompt, make_task
 
     task = make_task(cfg.task)
-    score = task_reward(task)  # tailrl train's default reward (format_weight 0)
-    P, G = cfg.num_prompts, cfg.group_size
-    problems = [task.sample(cfg.seed, i) for i in range(cfg.total_steps * P)]
+    problems = [task.sample(cfg.seed, i) for i in range(cfg.total_steps * cfg.num_prompts)]
     data = Dataset.from_list([{"prompt": format_prompt(p.question), "problem": i} for i, p in enumerate(problems)])
-    seen: list[list[int]] = []  # problem indices per reward call (one call per step)
-    tokens: list[int] = []
-    rewards: list[float] = []
-
-    def task_score(prompts: list, completions: list, completion_ids: list, problem: list[int], **_: Any) -> list[float]:
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        seen.append(list(problem))
-        tokens.append(sum(len(ids) for ids in completion_ids))
-        r = [score(problems[i], t) for i, t in zip(problem, texts)]
-        rewards.append(sum(r) / len(r))
-        return r
-
-    ends: list[float] = []
-    own_step_time: list[float] = []  # TRL's own "step_time": its training_step calls, no optimizer step
-
-    class StepClock(TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            ends.append(time.perf_counter())
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            ends.append(time.perf_counter())
-
-        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-            if logs and "step_time" in logs:
-                own_step_time.append(logs["step_time"])
-
+    log = TrlLog()
+    reward = _trl_reward(task_reward(task), problems, log)  # tailrl train's default reward (format_weight 0)
     model_dir = resolve_model_dir(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=task_score, args=_trl_args(cfg, out), train_dataset=data,
-                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[StepClock()])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=_trl_args(cfg, out), train_dataset=data,
+                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[_step_clock(log)])
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout, where --json goes
-    gen_s: list[float] = []
-    reward_s: list[float] = []
-    trainer._generate_single_turn = _timed(trainer._generate_single_turn, gen_s)
-    trainer._calculate_rewards = _timed(trainer._calculate_rewards, reward_s)
+    trainer._generate_single_turn = _timed(trainer._generate_single_turn, log.gen_s)
+    trainer._calculate_rewards = _timed(trainer._calculate_rewards, log.reward_s)
     trainer.train()
-
-    expected = [[s * P + i for i in range(P) for _ in range(G)] for s in range(cfg.total_steps)]
-    if seen != expected or len(gen_s) != cfg.total_steps:
-        raise RuntimeError(f"TRL did not run one generation of the expected problems per step: {seen}, "
-                           f"{len(gen_s)} generations")
-    step_s = [b - a for a, b in zip(ends, ends[1:])]
-    steps = [{"step_s": step_s[k], "rollout_s": gen_s[k], "reward_s": reward_s[k],
-              "train_s": step_s[k] - gen_s[k] - reward_s[k], "tokens": tokens[k], "train_tokens": tokens[k],
-              "reward_mean": rewards[k], "trl_step_time": own_step_time[k]}
-             for k in range(cfg.warmup, cfg.total_steps)]
-    return summarise(steps)
+    return summarise(log.steps(cfg))
 
 
 # ---- batch 1: prompt lookup vs n-gram drafter ----------------------------------------------------

@@ -211,6 +211,40 @@ class LossTerms:
     mismatch_kl: float  # k3 estimate of KL(pi_behaviour || pi_theta) per token
 
 
+def truncated_weight(log_ratio: torch.Tensor, is_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The importance weight min(ratio, is_cap) with gradient w * grad log_ratio, and where the
+    cap binds.  # (B, T) -> (B, T), (B, T) bool
+
+    Why the truncation (Yao et al. 2025, "truncated importance sampling"): the clip bounds a
+    token's weight only where it stops its gradient (A > 0 above 1 + clip_high, A < 0 below
+    1 - clip_low). A token with A < 0 that the trainer finds far likelier than the engine did
+    keeps the unclipped branch with weight ratio, unbounded; capping the weight at is_cap bounds
+    its share of the gradient and keeps its direction (dropping it would lose the signal). The
+    cap acts in log space, so is_cap = inf (no truncation) needs no special case and makes no
+    NaN. is_cap must exceed 1 + clip_high, else a capped token with A > 0 would escape its clip.
+    """
+    excess = (log_ratio.detach() - math.log(is_cap)).clamp(min=0.0)  # (B, T), a constant
+    return torch.exp(log_ratio - excess), excess > 0
+
+
+def clipped_surrogate(weight: torch.Tensor, adv: torch.Tensor, clip_low: float,
+                      clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-min(w * A, clip(w, 1 - clip_low, 1 + clip_high) * A) per token, PPO's pessimistic surrogate,
+    and where the clipped branch won the min (its tokens get no gradient).  # (B, T), (B, 1) -> (B, T), (B, T)
+
+    adv may also be (B, T): an advantage per token."""
+    unclipped = weight * adv
+    clipped = torch.clamp(weight, 1.0 - clip_low, 1.0 + clip_high) * adv
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """exp(ref - lp) - (ref - lp) - 1 per token: >= 0, unbiased for KL(pi || ref) on samples of
+    pi; 0 on padding, whatever log-prob it holds.  # (B, T) -> (B, T)"""
+    d = torch.where(valid, ref_logprobs.detach() - logprobs, 0.0)  # (B, T)
+    return torch.exp(d) - d - 1.0
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -224,7 +258,8 @@ def policy_loss(
     num_tokens: int | None = None,
 ) -> LossTerms:
     """PPO-clip surrogate against the policy that sampled the tokens, its importance weight
-    truncated at is_cap, with token-mean aggregation and an optional k3 KL penalty.
+    truncated at is_cap (truncated_weight), with token-mean aggregation and an optional k3 KL
+    penalty.
 
     logprobs (B, T) are the trainer's (pi_theta) and carry the graph; behaviour_logprobs (B, T)
     are each token's log-prob under the policy that sampled it (pi_behaviour: what the rollout
@@ -244,14 +279,6 @@ def policy_loss(
     nothing is ever clipped, while the engine computes the policy differently (another dtype,
     other kernels). When the two agree the ratio is 1 and the gradient is A * grad lp.
 
-    Why the truncation (Yao et al. 2025, "truncated importance sampling"): the clip bounds a
-    token's weight only where it stops its gradient (A > 0 above 1 + clip_high, A < 0 below
-    1 - clip_low). A token with A < 0 that the trainer finds far likelier than the engine did
-    keeps the unclipped branch with weight ratio, unbounded; capping the weight at is_cap bounds
-    its share of the gradient and keeps its direction (dropping it would lose the signal). The
-    cap acts in log space, so is_cap = inf (no truncation) needs no special case and makes no
-    NaN. is_cap must exceed 1 + clip_high, else a capped token with A > 0 would escape its clip.
-
     num_tokens defaults to this batch's valid-token count. With gradient accumulation pass the
     valid-token count of the whole optimizer batch: the micro-batch losses then sum to exactly
     the full-batch token mean (a per-micro-batch mean would overweight short micro-batches).
@@ -266,20 +293,16 @@ def policy_loss(
     # Padding may hold any log-prob (even -inf): zero its log-ratio before exp so that neither
     # the forward (inf * 0) nor the backward (0 * inf) produces NaN.
     log_ratio = torch.where(valid, logprobs - behaviour_logprobs.detach(), 0.0)  # (B, T)
-    excess = (log_ratio.detach() - math.log(is_cap)).clamp(min=0.0)  # (B, T), a constant
-    weight = torch.exp(log_ratio - excess)  # (B, T), min(ratio, is_cap)
-    unclipped = weight * adv
-    clipped = torch.clamp(weight, 1.0 - clip_low, 1.0 + clip_high) * adv
-    pg = -torch.minimum(unclipped, clipped)  # (B, T)
+    weight, capped = truncated_weight(log_ratio, is_cap)
+    pg, is_clipped = clipped_surrogate(weight, adv, clip_low, clip_high)
     per_token = pg
     kl = torch.zeros_like(pg)
     if ref_logprobs is not None:
-        d = torch.where(valid, ref_logprobs.detach() - logprobs, 0.0)  # (B, T)
-        kl = torch.exp(d) - d - 1.0
+        kl = k3_kl(logprobs, ref_logprobs, valid)
         per_token = pg + kl_coef * kl
     loss = (per_token * mask).sum() / denom
     with torch.no_grad():
-        return _terms(loss, pg, kl, log_ratio.detach(), excess > 0, clipped < unclipped, mask)
+        return _terms(loss, pg, kl, log_ratio.detach(), capped, is_clipped, mask)
 
 
 def _check(denom: float, num_tokens: int | None, kl_coef: float, ref_logprobs: torch.Tensor | None,
