@@ -19,9 +19,9 @@ WAITING = GRPOConfig().waiting_gradients  # gradient buffers waiting to be added
 
 
 def _budget(room_bytes: float, fixed_gb: float = 3.0) -> Budget:
-    """A budget leaving, beside WAITING buffers, each of the update's two threads its gradient
-    buffer and room_bytes more."""
-    return Budget(fixed_gb + WAITING * WEIGHTS + 2 * (WEIGHTS + room_bytes / 2**30), {"models and optimizer": fixed_gb})
+    """A budget leaving, beside WAITING buffers, the group being computed its gradient buffer and
+    room_bytes more."""
+    return Budget(fixed_gb + WAITING * WEIGHTS + WEIGHTS + room_bytes / 2**30, {"models and optimizer": fixed_gb})
 
 
 def test_the_budget_sizes_checkpointing_and_micro_batches_by_hand(tiny_dir):
@@ -47,45 +47,47 @@ def test_the_budget_sizes_checkpointing_and_micro_batches_by_hand(tiny_dir):
 
 def test_a_budget_that_cannot_hold_one_checkpointed_response_waits_for_fewer_groups_then_refuses(tiny_dir):
     m = load_model(tiny_dir, dtype="fp32").cfg
-    # Room for 1,682 checkpointed tokens a thread (above): a response of 1,682 tokens fits as configured.
+    # Room for 1,682 checkpointed tokens (above): a response of 1,682 tokens fits as configured.
     room = 11_840 * 1000.5
     assert size_update(GRPOConfig(), _budget(room), m, WEIGHTS, False, 1682).waiting_gradients == WAITING
-    # A longer one: fewer buffers wait, down to the gradient sum alone, which leaves each thread
-    # (WAITING - 1) x 1 MiB / 2 more: 1,757 checkpointed tokens fit ((11,845,920 + 524,288) / 7,040 = 1,757.1).
-    assert WAITING >= 2
-    sized = size_update(GRPOConfig(micro_batch_tokens=8192), _budget(room), m, WEIGHTS, False, 1757)
-    assert sized.waiting_gradients == 1 and sized.micro_batch_tokens == 1757
-    # The budget it needs: the fixed part, the gradient sum, two threads' buffers and 1,758 checkpointed tokens.
-    need = 3.0 + WEIGHTS + 2 * (WEIGHTS + 1758 * 7_040 / 2**30)
+    # A longer one: fewer buffers wait, down to the gradient sum alone, which leaves the group
+    # being computed (WAITING - 1) x 1 MiB more: 1,831 checkpointed tokens fit
+    # ((11,845,920 + 1,048,576) / 7,040 = 1,831.6).
+    assert WAITING == 2
+    sized = size_update(GRPOConfig(micro_batch_tokens=8192), _budget(room), m, WEIGHTS, False, 1831)
+    assert sized.waiting_gradients == 1 and sized.micro_batch_tokens == 1831
+    # The budget it needs: the fixed part, the gradient sum, the computed group's buffer and 1,832
+    # checkpointed tokens.
+    need = 3.0 + WEIGHTS + WEIGHTS + 1832 * 7_040 / 2**30
     with pytest.raises(ValueError, match=rf"memory budget of 3\.0 GiB cannot hold this run: it needs at least "
-                                         rf"{need:.1f} GiB \(models and optimizer 3\.0, the gradient sum 0\.0, and 2 "
-                                         rf"update threads"):
-        size_update(GRPOConfig(), _budget(room), m, WEIGHTS, False, 1758)
+                                         rf"{need:.1f} GiB \(models and optimizer 3\.0, the gradient sum 0\.0, and "
+                                         rf"the group being computed with a checkpointed response of 1832 tokens\)"):
+        size_update(GRPOConfig(), _budget(room), m, WEIGHTS, False, 1832)
     # No room at all beside the fixed parts.
     with pytest.raises(ValueError, match="cannot hold this run"):
         size_update(GRPOConfig(), Budget(2.0, {"models and optimizer": 3.0}), m, WEIGHTS, False, 1)
 
 
 def test_a_run_is_sized_to_its_budget_and_reports_it(char_model_dir, task_file, tmp_path):
-    configs = tiny_configs(char_model_dir, task_file, steps=1, eval_every=0, memory_gb=0.51)
+    configs = tiny_configs(char_model_dir, task_file, steps=1, eval_every=0, memory_gb=0.505)
     out = tmp_path / "run"
     train(run_config(configs), out)
     run = RunDir(out)
     saved = (out / "config.toml").read_text()
-    # The tiny run holds ~0.50 GiB beside its update (RUNTIME_GB the most): 0.51 leaves room for
+    # The tiny run holds ~0.50 GiB beside its update (RUNTIME_GB the most): 0.505 leaves room for
     # few tokens: its settings are lowered, and written down, so that a resume computes with them.
     sized = [line for line in saved.splitlines() if line.startswith(("micro_batch_tokens", "checkpoint_tokens"))]
     defaults = GRPOConfig()
     assert sized and all(int(line.split("=")[1]) < min(defaults.micro_batch_tokens, defaults.checkpoint_tokens)
                          for line in sized), sized
     (record,) = run.read_metrics()
-    assert record["memory_budget_gb"] == 0.51
+    assert record["memory_budget_gb"] == 0.505
     # A resume is sized again: to the same budget it goes on; to a smaller one it would compute
     # other micro-batches than the run did, and is refused.
     with pytest.raises(ValueError, match="would not reproduce the run; changed: grpo.micro_batch_tokens"):
-        train(run_config(tiny_configs(char_model_dir, task_file, steps=2, eval_every=0, memory_gb=0.507)), out,
+        train(run_config(tiny_configs(char_model_dir, task_file, steps=2, eval_every=0, memory_gb=0.504)), out,
               resume=True)
-    train(run_config(tiny_configs(char_model_dir, task_file, steps=2, eval_every=0, memory_gb=0.51)), out, resume=True)
+    train(run_config(tiny_configs(char_model_dir, task_file, steps=2, eval_every=0, memory_gb=0.505)), out, resume=True)
     assert [r["step"] for r in run.read_metrics()] == [1, 2]
 
 

@@ -437,14 +437,26 @@ def test_a_groups_micro_batches_are_added_as_their_backward_produces_them(model,
 
 
 class _Watched(GroupGradients):
-    """GroupGradients that records the buffers waiting after every group it adds."""
+    """GroupGradients that records the buffers waiting after every group it adds, and for every
+    group the groups being computed beside it, the thread and its torch thread count."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.waiting: list[int] = []
+        self.computing, self.most_computing = 0, 0
+        self.where: list[tuple[threading.Thread, int]] = []
+        self._count = threading.Lock()
 
     def add(self, group, samples):
-        super().add(group, samples)
+        with self._count:
+            self.computing += 1
+            self.most_computing = max(self.most_computing, self.computing)
+            self.where.append((threading.current_thread(), torch.get_num_threads()))
+        try:
+            super().add(group, samples)
+        finally:
+            with self._count:
+                self.computing -= 1
         self.waiting.append(self.held_buffers)
 
 
@@ -476,3 +488,27 @@ def test_groups_whose_buffers_would_wait_past_the_cap_are_computed_later_with_th
     gg.finish()
     assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
     assert len(gg.waiting) == 8 and deferred > 0
+
+
+def test_after_the_rollout_the_callers_thread_computes_one_group_at_a_time_on_every_torch_thread(policy):
+    # Two groups at once held two groups' activations, and each, picked as if the other were not
+    # there, let the buffers waiting pass the cap (docs/memory.md). One at a time in the summing
+    # order (distinct keys: a left fold), only the running sum waits.
+    groups = _groups(policy.cfg.vocab_size, sizes=(2,) * 8, seed=5)
+    cfg = GRPOConfig(micro_batch=2, waiting_gradients=2)
+    keys = [3, 1, 4, 0, 6, 2, 7, 5]
+    want = _in_order(policy, groups, cfg, range(len(groups)), keys)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gg = _Watched(policy, cfg, 0.8, len(groups), keys=keys)
+        update = BackgroundUpdate(gg)  # the gate never opens: every group is left to the drain
+        for g in (7, 5, 6, 3, 4, 1, 0, 2):
+            update.submit(g, groups[g])
+        update.drain()
+    finally:
+        torch.set_num_threads(threads)
+    gg.finish()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
+    assert gg.most_computing == 1 and max(gg.waiting) == 1
+    assert gg.where == [(threading.current_thread(), 2)] * 8

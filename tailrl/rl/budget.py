@@ -3,10 +3,10 @@
 A step holds, whatever the update's settings, the loaded models, AdamW's two moments and the
 rollout's KV caches and model copies (`fixed`, GiB); the update holds the finished groups'
 gradient buffers waiting to be added, the gradient sum among them (at most `waiting_gradients`,
-tailrl.rl.update), and, per group it computes at once (two once the rollout is over:
-tailrl.rl.update.BackgroundUpdate), the group's gradient buffer and what its largest micro-batch
-keeps for the backward (`update_thread`). What is left of the budget after the fixed part and
-the waiting buffers, shared by the update's threads, sizes:
+tailrl.rl.update), and the one group it computes at a time (tailrl.rl.update.BackgroundUpdate):
+that group's gradient buffer and what its largest micro-batch keeps for the backward
+(`computing_group_gb`). What is left of the budget after the fixed part and the waiting buffers
+sizes:
 
 - `checkpoint_tokens`: the most tokens a micro-batch may keep every layer's activations for; a
   longer one is checkpointed (tailrl.rl.packing: its layers' inputs only, ~1.3x the compute);
@@ -36,9 +36,6 @@ from tailrl.model import ModelConfig
 from tailrl.rl.floor import kept_bytes_per_token, logits_bytes
 from tailrl.rl.grpo import GRPOConfig
 
-# Groups whose gradients are computed at once: the update's background thread and, once the
-# rollout is over, the trainer's own (tailrl.rl.update.BackgroundUpdate.drain).
-UPDATE_THREADS = 2
 # What the allocator and autograd's transients add to the tensors a micro-batch keeps for its
 # backward: measured 1.14-1.22x in fp32 at 505-1,985 tokens (docs/memory.md), rounded up.
 SLACK = 1.25
@@ -50,15 +47,16 @@ MACHINE_SHARE = 0.5
 
 @dataclass(frozen=True)
 class Budget:
-    """GiB a run may hold, what the parts beyond the update take, and the update's share per thread."""
+    """GiB a run may hold, what the parts beyond the update take, and what is left for the group
+    being computed."""
 
     gb: float
     fixed: dict[str, float]  # by part: models, optimizer, rollout, runtime
 
-    def per_thread_gb(self, waiting_gb: float = 0.0) -> float:
-        """What one update thread may hold: the budget left after the fixed parts and the
-        gradient buffers waiting (waiting_gb), shared."""
-        return (self.gb - sum(self.fixed.values()) - waiting_gb) / UPDATE_THREADS
+    def computing_gb(self, waiting_gb: float = 0.0) -> float:
+        """What the group being computed may hold: the budget left after the fixed parts and the
+        gradient buffers waiting (waiting_gb)."""
+        return self.gb - sum(self.fixed.values()) - waiting_gb
 
 
 def default_budget_gb(machine_gb: float | None) -> float | None:
@@ -66,20 +64,20 @@ def default_budget_gb(machine_gb: float | None) -> float | None:
     return None if machine_gb is None else MACHINE_SHARE * machine_gb
 
 
-def update_thread_gb(m: ModelConfig, weights_gb: float, tokens: int, checkpointed: bool, bf16: bool,
-                     logprob_chunk: int) -> float:
-    """One update thread's estimate, GiB: its group's gradient buffer (the size of the trainable
-    weights) and a micro-batch of `tokens` tokens' kept tensors, times SLACK."""
+def computing_group_gb(m: ModelConfig, weights_gb: float, tokens: int, checkpointed: bool, bf16: bool,
+                       logprob_chunk: int) -> float:
+    """The group being computed, GiB: its gradient buffer (the size of the trainable weights) and
+    a micro-batch of `tokens` tokens' kept tensors, times SLACK."""
     kept = tokens * kept_bytes_per_token(m, bf16, checkpointed) + logits_bytes(m, bf16, min(tokens, logprob_chunk))
     return weights_gb + SLACK * kept / 2**30
 
 
 def _most_tokens(m: ModelConfig, weights_gb: float, room_gb: float, checkpointed: bool, bf16: bool,
                  logprob_chunk: int) -> int:
-    """The most tokens a micro-batch may hold within room_gb per thread (0 where none fit)."""
+    """The most tokens a micro-batch may hold within room_gb (0 where none fit)."""
 
     def fits(tokens: int) -> bool:
-        return update_thread_gb(m, weights_gb, tokens, checkpointed, bf16, logprob_chunk) <= room_gb
+        return computing_group_gb(m, weights_gb, tokens, checkpointed, bf16, logprob_chunk) <= room_gb
 
     lo, hi = 0, 1
     while fits(hi):
@@ -97,19 +95,19 @@ def size_update(cfg: GRPOConfig, budget: Budget, m: ModelConfig, weights_gb: flo
     included) in a checkpointed micro-batch does not fit beside the gradient sum alone."""
     waiting = cfg.waiting_gradients
     while True:
-        room = budget.per_thread_gb(waiting * weights_gb)
+        room = budget.computing_gb(waiting * weights_gb)
         checkpointed = _most_tokens(m, weights_gb, room, True, bf16, cfg.logprob_chunk)
         if checkpointed >= longest_response or waiting <= 1:
             break
         waiting -= 1
     if checkpointed < longest_response:
-        need = (sum(budget.fixed.values()) + waiting * weights_gb + UPDATE_THREADS * update_thread_gb(
+        need = (sum(budget.fixed.values()) + waiting * weights_gb + computing_group_gb(
             m, weights_gb, longest_response, True, bf16, cfg.logprob_chunk))
         fixed = ", ".join(f"{k} {v:.1f}" for k, v in budget.fixed.items())
         raise ValueError(
             f"a memory budget of {budget.gb:.1f} GiB cannot hold this run: it needs at least {need:.1f} GiB "
             f"({fixed}, the gradient sum {waiting * weights_gb:.1f}, "
-            f"and {UPDATE_THREADS} update threads with a checkpointed response of {longest_response} tokens each); "
+            f"and the group being computed with a checkpointed response of {longest_response} tokens); "
             f"raise --memory-gb or lower --max-new-tokens, --kv-budget-gb")
     whole = _most_tokens(m, weights_gb, room, False, bf16, cfg.logprob_chunk)
     return dataclasses.replace(cfg, checkpoint_tokens=max(1, min(cfg.checkpoint_tokens, whole)),

@@ -28,7 +28,9 @@ group was computed:
 `BackgroundUpdate` runs `GroupGradients.add` on a background thread as groups arrive, with one
 torch thread, while the rollout decodes. It computes only while the rollout leaves a core to it
 (`open_gate` / `close_gate`, driven by the running batch size) and, once the rollout is over,
-does the rest on two threads, one group each. The synchronous update is the same object fed all
+the trainer's thread does the rest on every torch thread, one group at a time: two groups at
+once held two groups' activations and, each picked as if the other were not there, let more
+buffers wait than the cap allows (docs/memory.md). The synchronous update is the same object fed all
 groups after the rollout, so both give the same bits by construction. Deterministic kernels
 (tailrl.rl.guards) are the caller's to switch on: the switch is process-wide.
 
@@ -293,9 +295,10 @@ class BackgroundUpdate:
     gate is open (the rollout decodes on fewer cores in its tail) and waits at the gate between
     groups otherwise; with the gate open and no group it may compute (`_pick`: none queued, or
     none whose buffer may wait) it runs `idle` (if any) until one may be computed, the gate
-    closes or the rollout ends. `drain` (after the rollout) computes what is left on the calling
-    thread too, one group per thread, and returns once every group is added. Errors raised in
-    the background thread re-raise in `drain`.
+    closes or the rollout ends. `drain` (after the rollout) stops the background thread after
+    its group, computes what is left on the calling thread, one group at a time on every torch
+    thread, and returns once every group is added. Errors raised in the background thread
+    re-raise in `drain`.
     """
 
     def __init__(self, grads: GroupGradients, idle: DrafterFeed | None = None):
@@ -352,26 +355,27 @@ class BackgroundUpdate:
         self._thread.join()
 
     def _pick(self) -> tuple[int, Sequence[Sample]] | None:
-        """The queued group to compute next; None: none now (caller holds _cond). A group whose
-        buffer would leave more than cfg.waiting_gradients waiting to be added (tailrl.rl.fold)
-        stays queued: it is computed once the groups it would wait for are in. Of those that
-        fit, the one with the most tokens: what is left after the rollout is computed on two
-        threads, one group each, so a long group left to the end would keep the step waiting.
-        After the rollout, where none fits, the first in the summing order once no other group
-        is being computed (which may let some go)."""
-        cap, first = self.grads.cfg.waiting_gradients, self.grads.position
+        """The queued group to compute next; None: none now (caller holds _cond). While the
+        rollout runs, a group whose buffer would leave more than cfg.waiting_gradients waiting
+        to be added (tailrl.rl.fold) stays queued: it is computed once the groups it would wait
+        for are in; of those that fit, the one with the most tokens (the tail's spare core takes
+        the costliest work first, and the least is left for after the rollout). After the
+        rollout every group is in and one is computed at a time: the first in the summing
+        order, which leaves the fewest buffers waiting the order allows."""
+        first = self.grads.position
+        if self._closed:
+            return min(self._queue, key=lambda q: first(q[0])) if self._queue else None
+        cap = self.grads.cfg.waiting_gradients
         fitting = [q for q in self._queue if self.grads.held_after(*q) <= cap]
-        if fitting:
-            return max(fitting, key=lambda q: (sum(len(s.prompt_ids) + len(s.token_ids) for s in q[1]), -first(q[0])))
-        if self._closed and self._queue and self._busy == 0:
-            return min(self._queue, key=lambda q: first(q[0]))
-        return None
+        if not fitting:
+            return None
+        return max(fitting, key=lambda q: (sum(len(s.prompt_ids) + len(s.token_ids) for s in q[1]), -first(q[0])))
 
     def _take(self, wait_for_gate: bool) -> tuple[int, Sequence[Sample]] | object | None:
         with self._cond:
             while True:
-                if self._closed and not self._queue:
-                    return None
+                if self._closed and (not self._queue or threading.current_thread() is self._thread):
+                    return None  # after the rollout the caller's thread computes what is left
                 item = self._pick() if self._gate or not wait_for_gate else None
                 if item is not None:
                     self._busy += 1
@@ -419,17 +423,13 @@ class BackgroundUpdate:
                 self._compute(item)
 
     def drain(self) -> None:
-        """Compute every queued group (this thread helps, on one torch thread), then stop."""
+        """Compute every queued group on this thread, on every torch thread, one at a time, once
+        the background thread has finished its group; then stop."""
         with self._cond:
             self._gate = self._closed = True
             self._cond.notify_all()
-        threads = torch.get_num_threads()
-        _one_thread()
-        try:
-            while (item := self._take(wait_for_gate=False)) is not None:
-                self._compute(item)
-        finally:
-            torch.set_num_threads(threads)
         self._thread.join()
+        while (item := self._take(wait_for_gate=False)) is not None:
+            self._compute(item)
         if self._error is not None:
             raise self._error
