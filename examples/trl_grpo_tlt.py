@@ -6,8 +6,8 @@
 MODEL: a model directory (`tailrl sft` writes SmolLM2's cold start; the default is SmolLM2 itself);
 DRAFTER: a tailrl learned drafter for it (`tailrl drafter warmup --model MODEL --out DRAFTER`).
 Both runs generate with TRL's colocated vLLM engine on this machine's CPU (fp32; --dtype to
-change) and print one JSON line per step (step seconds, generation seconds, reward, accept_len,
-drafter version) and a summary line.
+change) and print one JSON line per step (step seconds, generation seconds, reward, the
+responses' mean and longest length, accept_len, drafter version) and a summary line.
 """
 
 from __future__ import annotations
@@ -98,8 +98,12 @@ def main(argv: list[str] | None = None) -> int:
                 return
             h, step = logs, len(ends) - 1
             logged.append(dict(h))
+            # The responses' lengths: two runs sample different responses, so generation time
+            # alone compares them only up to how long each run's longest response was.
             print(json.dumps({"step": step, "step_s": round(ends[-1] - ends[-2], 2),
                               "generate_s": round(h["tlt/generate_s"], 2), "reward": h.get("reward"),
+                              "mean_length": h.get("completions/mean_length"),
+                              "max_length": h.get("completions/max_length"),
                               "accept_len": h.get("tlt/accept_len"), "drafter_version": h.get("tlt/drafter_version")}),
                   flush=True)
 
