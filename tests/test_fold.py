@@ -104,11 +104,15 @@ def test_misuse_is_refused():
     assert TreeSum(0, lambda a, b: a + b).result() is None
 
 
-def test_a_keyed_sum_folds_over_ascending_keys_each_tie_on_the_balanced_tree():
+def test_a_keyed_sum_folds_over_ascending_keys_ties_by_term():
     keys = [5, 1, 1, 3, 9, 1]  # by (key, term): 1, 2, 5 (tied), 3, 0, 4
     want = "(((((1+2)+5)+3)+0)+4)"
     assert all(_trace(6, order, keys)[0] == want for order in itertools.permutations(range(6)))
-    assert _trace(4, range(4), [7] * 4)[0] == _trace(4, range(4))[0] == "((0+1)+(2+3))"  # all tied: the balanced tree
+    # All tied: a fold by term, where no keys give the balanced tree.
+    assert _trace(4, range(4), [7] * 4)[0] == "(((0+1)+2)+3)" and _trace(4, range(4))[0] == "((0+1)+(2+3))"
+    # Ties put in the summing order keep the running sum alone waiting (a balanced tree over
+    # four ties holds two partial sums in that order).
+    assert _trace(4, range(4), [7] * 4)[1] == 1 and _trace(4, range(4))[1] == 2
     # Terms arriving in the keys' order never wait but the running sum: one partial sum held.
     assert _trace(6, sorted(range(6), key=lambda i: (keys[i], i)), keys)[1] == 1
     with pytest.raises(ValueError, match="2 keys for 3 terms"):

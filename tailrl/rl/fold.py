@@ -12,12 +12,14 @@ policy-sized gradient buffer.
 
 Where the order terms arrive in can be guessed before the first one does (`keys`: a term with a
 smaller key tends to arrive earlier), the terms are summed in the guessed order: a left-to-right
-fold over the distinct keys, ascending, each run of terms with one key (tied: no guess) summed
-along the balanced tree. Then the waiting ones are only those that arrive before a term guessed
-earlier. The guess decides the bits, so it must be fixed before any term is put (the update's:
+fold over the terms sorted by (key, index), ties broken by index. Then the waiting ones are only
+those that arrive before a term guessed earlier, and terms put in the summing order (the update
+after its rollout) keep the running sum alone waiting; a balanced tree over each tie would wait
+less while ties arrive in any order, but hold log2 of the tie's size in partial sums even in
+order (docs/memory.md). The guess decides the bits, so it must be fixed before any term is put (the update's:
 each GRPO group's prompt length, which in the default task predicts its longest response, hence
-when it finishes, with correlation 0.96; docs/memory.md). Without keys, or with all keys equal,
-the tree is the balanced one.
+when it finishes, with correlation 0.96; docs/memory.md). Without keys the tree is the balanced
+one.
 
 A term may be None (nothing to add: a group without tokens); `add(a, b)` combines two present
 ones and may reuse a's storage (a + b == b + a in IEEE arithmetic, so only the tree's shape
@@ -36,17 +38,6 @@ T = TypeVar("T")
 def most_held(n: int) -> int:
     """The most partial sums a TreeSum over n terms holds waiting at once, over every arrival order."""
     return n // 2 + n % 2 if n >= 2 else 0
-
-
-def _runs(keys: Sequence[Any]) -> list[tuple[int, int]]:
-    """The ranges of equal consecutive keys."""
-    runs: list[tuple[int, int]] = []
-    for at in range(len(keys)):
-        if runs and keys[at] == keys[runs[-1][0]]:
-            runs[-1] = (runs[-1][0], at + 1)
-        else:
-            runs.append((at, at + 1))
-    return runs
 
 
 def _split(lo: int, hi: int) -> int:
@@ -72,10 +63,10 @@ class TreeSum(Generic[T]):
             self.position[i] = at
         self._parent: dict[tuple[int, int], tuple[int, int]] = {}
         self._sibling: dict[tuple[int, int], tuple[int, int]] = {}
-        runs = _runs([keys[i] for i in order] if keys is not None else [None] * n)
-        for lo, hi in runs[1:]:
-            self._join((0, lo), (lo, hi))  # the fold over runs: the runs before lo, then this one
-        stack = list(runs)
+        if keys is not None:
+            for at in range(1, n):
+                self._join((0, at), (at, at + 1))  # the fold: the terms before `at`, then this one
+        stack = [(0, n)] if keys is None else []
         while stack:
             lo, hi = stack.pop()
             if hi - lo < 2:

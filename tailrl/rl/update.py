@@ -12,7 +12,7 @@ group was computed:
   buffer as soon as the backward has it (tailrl.rl.gradients), so a group of several
   micro-batches holds one buffer, not a second for the micro-batch being added.
 - Buffers are added along a fixed tree (tailrl.rl.fold.TreeSum) over the groups in the order
-  of their prompts' lengths (`fold_keys`): a left-to-right fold, ties on a balanced tree.
+  of their prompts' lengths (`fold_keys`): a left-to-right fold, ties by group index.
   Floating-point addition is not associative, so a fixed association is what makes the sum's
   bits independent of the order groups finish in; a buffer waits while a group earlier in the
   order is still decoding, and a longer question tends to take a longer answer, so that order
