@@ -28,10 +28,11 @@ group was computed:
 `BackgroundUpdate` runs `GroupGradients.add` on a background thread as groups arrive, with one
 torch thread, while the rollout decodes. It computes only while the rollout leaves a core to it
 (`open_gate` / `close_gate`, driven by the running batch size) and, once the rollout is over,
-the trainer's thread does the rest on every torch thread, one group at a time: two groups at
-once held two groups' activations and, each picked as if the other were not there, let more
-buffers wait than the cap allows (docs/memory.md). The synchronous update is the same object fed all
-groups after the rollout, so both give the same bits by construction. Deterministic kernels
+the rest on every torch thread, one group at a time: two groups at once (the trainer's thread
+helping) held two groups' activations in two malloc arenas and, each picked as if the other
+were not there, let more buffers wait than the cap allows (docs/memory.md). The synchronous
+update is the same object fed all groups after the rollout, so both give the same bits by
+construction. Deterministic kernels
 (tailrl.rl.guards) are the caller's to switch on: the switch is process-wide.
 
 Hidden states. Asked (`on_hidden`), a group's forward also hands out each sample's final-normed
@@ -280,11 +281,6 @@ def accumulate_gradients(policy: Transformer, samples: Sequence[Sample], cfg: GR
     return grads.finish()
 
 
-def _one_thread() -> None:
-    """Gradient threads run torch on one thread each (OpenMP thread counts are per thread)."""
-    torch.set_num_threads(1)
-
-
 _IDLE = object()  # _take's answer: no group to compute, run the idle work
 
 
@@ -295,9 +291,9 @@ class BackgroundUpdate:
     gate is open (the rollout decodes on fewer cores in its tail) and waits at the gate between
     groups otherwise; with the gate open and no group it may compute (`_pick`: none queued, or
     none whose buffer may wait) it runs `idle` (if any) until one may be computed, the gate
-    closes or the rollout ends. `drain` (after the rollout) stops the background thread after
-    its group, computes what is left on the calling thread, one group at a time on every torch
-    thread, and returns once every group is added. Errors raised in the background thread
+    closes or the rollout ends. `drain` (after the rollout) has the background thread compute
+    what is left, one group at a time on the caller's torch threads (OpenMP thread counts are
+    per thread), and returns once every group is added. Errors raised in the background thread
     re-raise in `drain`.
     """
 
@@ -309,6 +305,7 @@ class BackgroundUpdate:
         self._gate = False
         self._closed = False
         self._busy = 0
+        self._drain_threads = 1  # torch threads once the rollout is over: drain's caller's
         self._seconds = 0.0  # compute time of the groups added so far
         self._added = 0
         self._error: BaseException | None = None
@@ -371,18 +368,16 @@ class BackgroundUpdate:
             return None
         return max(fitting, key=lambda q: (sum(len(s.prompt_ids) + len(s.token_ids) for s in q[1]), -first(q[0])))
 
-    def _take(self, wait_for_gate: bool) -> tuple[int, Sequence[Sample]] | object | None:
+    def _take(self) -> tuple[int, Sequence[Sample]] | object | None:
         with self._cond:
             while True:
-                if self._closed and (not self._queue or threading.current_thread() is self._thread):
-                    return None  # after the rollout the caller's thread computes what is left
-                item = self._pick() if self._gate or not wait_for_gate else None
+                if self._closed and not self._queue:
+                    return None
+                item = self._pick() if self._gate else None
                 if item is not None:
                     self._busy += 1
                     self._queue.remove(item)
                     return item
-                if not wait_for_gate and not self._queue:
-                    return None
                 if self._gate and not self._closed and self.idle is not None and self.idle.has_idle_work():
                     return _IDLE
                 self._cond.wait()
@@ -415,21 +410,25 @@ class BackgroundUpdate:
                 self._cond.notify_all()
 
     def _run(self) -> None:
-        _one_thread()
-        while (item := self._take(wait_for_gate=True)) is not None:
+        torch.set_num_threads(1)  # while the rollout runs: the core its tail leaves
+        while (item := self._take()) is not None:
             if item is _IDLE:
                 self._run_idle()
-            else:
-                self._compute(item)
+                continue
+            if self._closed and torch.get_num_threads() != self._drain_threads:
+                torch.set_num_threads(self._drain_threads)  # after the rollout: every core
+            self._compute(item)
 
     def drain(self) -> None:
-        """Compute every queued group on this thread, on every torch thread, one at a time, once
-        the background thread has finished its group; then stop."""
+        """Have the background thread compute what is left, one group at a time in the summing
+        order, on this thread's torch threads, and wait for it. One thread computes the whole
+        update so that one malloc arena holds its tensors: the activations it freed during the
+        rollout are the ones its next groups reuse, where another thread's arena would grow
+        beside them (tailrl.memory.trim)."""
         with self._cond:
             self._gate = self._closed = True
+            self._drain_threads = torch.get_num_threads()
             self._cond.notify_all()
         self._thread.join()
-        while (item := self._take(wait_for_gate=False)) is not None:
-            self._compute(item)
         if self._error is not None:
             raise self._error
