@@ -5,7 +5,8 @@ Exact mode (tailrl.model, "Row invariance") computes every matmul on blocks of e
 `row_block(dtype)` rows (`blocked`), so a row's kernel does not depend on the batch. Decoding
 (no autograd) in a dtype oneDNN computes well hands it a weight reordered once into its blocked
 layout (`Linear`, `FusedLinears`) instead of the row-major parameter it would reorder on every
-call. Training (autograd, autocast) always takes F.linear.
+call; `release_packed` drops those copies (a model's size) where no decoding needs them before the
+weights change. Training (autograd, autocast) always takes F.linear.
 
 Knows: torch's CPU kernels (MKL, oneDNN), the CPU's vendor. Does not know: the architecture,
 the KV cache, sampling.
@@ -99,6 +100,10 @@ class FusedLinears:
             self._key = key
         return torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "").split(self.sizes, -1)
 
+    def release(self) -> None:
+        """Drop the packed weight (made again by the next call)."""
+        self._key = self._weight = self._bias = None
+
     def __getstate__(self) -> dict:
         # Copies and pickles (held-out evaluation's model copy, worker processes) leave the
         # packed weight behind: oneDNN's opaque tensors have no storage to copy, and a copy packs again.
@@ -135,6 +140,10 @@ class Linear(nn.Linear):
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_pack": None, "_pack_key": None}  # as FusedLinears.__getstate__
 
+    def release(self) -> None:
+        """Drop the packed copy (made again by the next packed forward)."""
+        self._pack = self._pack_key = None
+
     def _packed(self) -> torch.Tensor:
         w = self.weight
         key = (w.data_ptr(), w._version)
@@ -142,6 +151,17 @@ class Linear(nn.Linear):
             self._pack = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self._pack_key = key
         return self._pack
+
+
+def release_packed(model: nn.Module) -> None:
+    """Drop every packed copy `model`'s decoding made (its Linears' and the FusedLinears its
+    modules hold): memory of the model's size, made again on the next decode."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.release()
+        for value in vars(module).values():
+            if isinstance(value, FusedLinears):
+                value.release()
 
 
 class Head(Linear):

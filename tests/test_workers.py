@@ -18,6 +18,7 @@ from conftest import exact_fp32_configs, same_run
 from rollout_helpers import PARAMS, grouped_requests, reference, start_pool
 
 from tailrl.engine import Engine, EngineConfig
+from tailrl.linears import PACKED_DTYPES, FusedLinears, Linear
 from tailrl.loading import load_model
 from tailrl.pipeline import run_config
 from tailrl.records import Completion
@@ -28,7 +29,7 @@ from tailrl.rollout.native import pool as pool_module
 from tailrl.rollout.native.buffer import DataBuffer, train_seq
 from tailrl.rollout.native.pool import NativeRolloutState
 from tailrl.rollout.native.spot import DrafterState, SpotJob, run_spot
-from tailrl.rollout.native.worker import RolloutWorker, ShardResult, SpotBeat, WorkerSetup
+from tailrl.rollout.native.worker import RolloutJob, RolloutWorker, ShardResult, SpotBeat, WorkerSetup
 from tailrl.rollout.protocol import IdleCore, RolloutReport, WorkerError
 from tailrl.rollout.workers import WorkerConfig, shard_indices
 from tailrl.speculative.drafter.learner import AdaptConfig
@@ -168,6 +169,34 @@ def test_a_job_without_state_trains_on_from_what_the_worker_holds(target, drafte
     assert held.micro_steps == sent.micro_steps == 2
     assert all(torch.equal(held.weights[k], sent.weights[k]) for k in sent.weights)
     assert int(held.optimizer["state"][0]["step"]) == 4
+
+
+def test_a_rollout_leaves_no_packed_weights_and_the_next_packs_them_again(tiny_dir, drafter_dir):
+    """Decoding's packed copies of the target's and the drafter's weights (tailrl.linears, a
+    model's size) go with the rollout, as its KV cache does: the update after it runs without
+    them. The next rollout packs the same weights again into the same tokens."""
+    dtype = next((name for name, d in (("fp32", torch.float32), ("bf16", torch.bfloat16)) if d in PACKED_DTYPES), None)
+    if dtype is None:
+        pytest.skip("no dtype's decode linears are prepacked on this CPU")
+    model = load_model(tiny_dir, dtype=dtype)
+    spec = SpeculationConfig(spec="on", drafter=str(drafter_dir), draft_depth=3, num_draft_tokens=3)
+    worker = RolloutWorker(0, model, WorkerSetup(EngineConfig(), spec, TunerConfig(), seed=0, collect=False))
+
+    def packs() -> list[object]:
+        held = []
+        for part in (model, worker.in_use):
+            for module in part.modules():
+                held += [module._pack] if isinstance(module, Linear) else []
+                held += [v._weight for v in vars(module).values() if isinstance(v, FusedLinears)]
+        return [p for p in held if p is not None]
+
+    tokens = []
+    for _ in range(2):
+        out = worker.rollout(RolloutJob(grouped_requests(), PARAMS, 20))
+        assert packs() == []
+        tokens.append([c.token_ids for c in out.completions])
+    assert tokens[0] == tokens[1]
+    assert worker.engine.stats.spec.verify_steps > 0  # the drafter decoded, with packed weights of its own
 
 
 # ---- local processes --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from tailrl.engine import Engine, EngineConfig
+from tailrl.linears import release_packed
 from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.rollout.native.buffer import train_seq
@@ -172,7 +173,12 @@ class RolloutWorker:
                                    on_finished=finished)
         # The cache goes with the rollout: the update after it runs without it, and the next
         # rollout's fresh cache is resident only where its sequences write (tailrl.memory.lazy_zeros).
+        # So do decoding's packed weights (a model's size): the update changes the weights before
+        # the next rollout, which packs them again anyway (docs/memory.md).
         self.engine.cache = None
+        for model in (self.model, self.in_use):
+            if model is not None:
+                release_packed(model)
         seqs = [train_seq(c) for c in out] if self.setup.collect else []
         for c in out:
             c.hidden = c.prompt_hidden = None
