@@ -18,10 +18,10 @@ WEIGHTS = 2**20 / 2**30  # a gradient buffer of 1 MiB
 WAITING = GRPOConfig().waiting_gradients  # gradient buffers waiting to be added, the sum among them
 
 
-def _budget(room_bytes: float, fixed_gb: float = 3.0) -> Budget:
-    """A budget leaving, beside WAITING buffers, the group being computed its gradient buffer and
+def _budget(room_bytes: float, fixed_gb: float = 3.0, waiting: int = WAITING) -> Budget:
+    """A budget leaving, beside `waiting` buffers, the group being computed its gradient buffer and
     room_bytes more."""
-    return Budget(fixed_gb + WAITING * WEIGHTS + WEIGHTS + room_bytes / 2**30, {"models and optimizer": fixed_gb})
+    return Budget(fixed_gb + waiting * WEIGHTS + WEIGHTS + room_bytes / 2**30, {"models and optimizer": fixed_gb})
 
 
 def test_the_budget_sizes_checkpointing_and_micro_batches_by_hand(tiny_dir):
@@ -47,14 +47,14 @@ def test_the_budget_sizes_checkpointing_and_micro_batches_by_hand(tiny_dir):
 
 def test_a_budget_that_cannot_hold_one_checkpointed_response_waits_for_fewer_groups_then_refuses(tiny_dir):
     m = load_model(tiny_dir, dtype="fp32").cfg
-    # Room for 1,682 checkpointed tokens (above): a response of 1,682 tokens fits as configured.
+    two = GRPOConfig(waiting_gradients=2, micro_batch_tokens=8192)  # a config letting a second buffer wait
+    # Room for 1,682 checkpointed tokens (above) beside two buffers waiting: a response of 1,682
+    # tokens fits as configured.
     room = 11_840 * 1000.5
-    assert size_update(GRPOConfig(), _budget(room), m, WEIGHTS, False, 1682).waiting_gradients == WAITING
+    assert size_update(two, _budget(room, waiting=2), m, WEIGHTS, False, 1682).waiting_gradients == 2
     # A longer one: fewer buffers wait, down to the gradient sum alone, which leaves the group
-    # being computed (WAITING - 1) x 1 MiB more: 1,831 checkpointed tokens fit
-    # ((11,845,920 + 1,048,576) / 7,040 = 1,831.6).
-    assert WAITING == 2
-    sized = size_update(GRPOConfig(micro_batch_tokens=8192), _budget(room), m, WEIGHTS, False, 1831)
+    # being computed 1 MiB more: 1,831 checkpointed tokens fit ((11,845,920 + 1,048,576) / 7,040 = 1,831.6).
+    sized = size_update(two, _budget(room, waiting=2), m, WEIGHTS, False, 1831)
     assert sized.waiting_gradients == 1 and sized.micro_batch_tokens == 1831
     # The budget it needs: the fixed part, the gradient sum, the computed group's buffer and 1,832
     # checkpointed tokens.
@@ -62,7 +62,7 @@ def test_a_budget_that_cannot_hold_one_checkpointed_response_waits_for_fewer_gro
     with pytest.raises(ValueError, match=rf"memory budget of 3\.0 GiB cannot hold this run: it needs at least "
                                          rf"{need:.1f} GiB \(models and optimizer 3\.0, the gradient sum 0\.0, and "
                                          rf"the group being computed with a checkpointed response of 1832 tokens\)"):
-        size_update(GRPOConfig(), _budget(room), m, WEIGHTS, False, 1832)
+        size_update(two, _budget(room, waiting=2), m, WEIGHTS, False, 1832)
     # No room at all beside the fixed parts.
     with pytest.raises(ValueError, match="cannot hold this run"):
         size_update(GRPOConfig(), Budget(2.0, {"models and optimizer": 3.0}), m, WEIGHTS, False, 1)

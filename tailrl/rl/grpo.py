@@ -46,10 +46,13 @@ class GRPOConfig:
         "a micro-batch of more tokens recomputes each layer's activations in the backward (activation "
         "checkpointing) instead of keeping them: memory per token ~30x smaller, ~1.3x the compute; lowered where "
         "the memory budget needs")})
-    waiting_gradients: int = field(default=2, metadata={"help": (
-        "most finished groups' gradient buffers (each the policy's size) held waiting to be added in the fixed "
-        "order that keeps the update's bits (tailrl.rl.fold): a group whose buffer would wait beyond them is "
-        "computed once it would not (order only: the same bits); lowered where the memory budget needs")})
+    # 1: only the gradient sum waits, so the rollout's tail computes groups in the summing order
+    # alone; ten default steps beside a cap of 2 (Zen 3 fp32): peaks 0.3-0.6 GB lower, the steps
+    # 1.04x the time, as the tail computed 8 of 111 groups fewer (docs/memory.md).
+    waiting_gradients: int = field(default=1, metadata={"help": (
+        "most gradient buffers (each the policy's size, the gradient sum among them) held waiting to be added in "
+        "the fixed order that keeps the update's bits (tailrl.rl.fold): a group whose buffer would wait beyond them "
+        "is computed once it would not (order only: the same bits); lowered where the memory budget needs")})
     grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm (0 = no clipping)"})
     clip_low: float = field(default=0.2, metadata={"help": "PPO clip range below 1 of the ratio pi_theta / pi_rollout "
                                                                    "(ratio >= 1 - clip_low)"})
