@@ -384,7 +384,7 @@ def _run_bench_train(args: argparse.Namespace) -> None:
               f"plot {report['png']}")
         budgets = report.get("memory_budget_gb", {})
         print("resident peak: " + ", ".join(
-            f"{name} {gb:.1f} GB" + (f" of {budgets[name]:.1f} budget" if budgets.get(name) is not None else "")
+            f"{name} {gb:.1f} GiB" + (f" of {budgets[name]:.1f} budget" if budgets.get(name) is not None else "")
             for name, gb in report["peak_rss_gb"].items() if gb is not None))
 
 

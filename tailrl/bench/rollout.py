@@ -320,7 +320,7 @@ def run(cfg: BenchRolloutConfig, log: Callable[[str], None] = print) -> dict[str
                 detail = f", accept_len {accept_len:4.2f}"
             if peak.gb is not None:
                 r.peaks.append(peak.gb)
-                detail += f", peak {peak.gb:.2f} GB"
+                detail += f", peak {peak.gb:.2f} GiB"
             log(f"rep {rep + 1}/{cfg.reps} {mode:>12}: {seconds:7.1f} s, {tokens} tokens, "
                 f"{tokens / seconds:6.1f} tok/s{detail}")
     report = _report(cfg, results, ideal, len(batches[0]))
@@ -404,7 +404,7 @@ def log_summary(report: dict[str, Any], log: Callable[[str], None]) -> None:
             + (f" of {j['accept_ceiling']:4.2f} at depth {j['draft_depth']:.3g}"
                if j["accept_ceiling"] is not None else "")
             + f", SD share {j['sd_fraction']:4.2f}"
-            + (f", peak {j['peak_rss_gb']:.2f} GB" if j["peak_rss_gb"] is not None else "")
+            + (f", peak {j['peak_rss_gb']:.2f} GiB" if j["peak_rss_gb"] is not None else "")
             + (f"; accept_len by response position: {positions}" if positions else ""))
 
 

@@ -251,7 +251,7 @@ def run(cfg: BenchTrainConfig, log: Callable[[str], None] = print) -> dict[str, 
     records = interleaved(out, runs, cfg.steps, lambda m: (
         f"step {m['step_s']:6.1f} s (rollout {m['rollout_s']:6.1f} s, train {m['train_s']:5.1f} s), "
         f"{m['tokens_generated']} tokens, reward {m['reward_mean']:.3f}"
-        + (f", peak {m['peak_rss_gb']:.1f} GB" if m.get("peak_rss_gb") is not None else "")), log)
+        + (f", peak {m['peak_rss_gb']:.1f} GiB" if m.get("peak_rss_gb") is not None else "")), log)
     report = compare(records)
     report["config"] = dataclasses.asdict(cfg) | {"drafter": drafter}
     report["png"] = str(plot(report["steps"], out / "bench-train.png"))

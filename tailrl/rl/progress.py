@@ -93,7 +93,7 @@ def summary_line(m: dict[str, Any], steps: int) -> str:
         + (f" ceiling {m['accept_len_ceiling']:.2f}" if m.get("accept_len_ceiling") is not None else "")
         + _drafter_part(m)
         + _spec_part(m)
-        + (f" | peak {m['peak_rss_gb']:.1f} GB (update {m['update_peak_rss_gb']:.1f})"
+        + (f" | peak {m['peak_rss_gb']:.1f} GiB (update {m['update_peak_rss_gb']:.1f})"
            if m.get("peak_rss_gb") is not None and m.get("update_peak_rss_gb") is not None else "")
         + (f" of {m['memory_budget_gb']:.1f} budget" if m.get("memory_budget_gb") is not None else "")
         + (f", {m['kv_preempted']} sequences preempted for KV room" if m.get("kv_preempted") else "")
