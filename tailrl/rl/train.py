@@ -302,6 +302,7 @@ class Trainer:
                                           lambda progress: self.emit(EvalProgress(step, progress)))
         finally:
             rollout.close()
+            trim()  # the copy's weights and cache, below malloc's mmap threshold: free, but resident until trimmed
         record = {"step": step, **record}
         self.run.append_eval(record)
         self.emit(EvalDone(record))
