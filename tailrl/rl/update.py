@@ -32,7 +32,9 @@ the rest on every torch thread, one group at a time: two groups at once (the tra
 helping) held two groups' activations in two malloc arenas and, each picked as if the other
 were not there, let more buffers wait than the cap allows (docs/memory.md). The synchronous
 update is the same object fed all groups after the rollout, so both give the same bits by
-construction. Deterministic kernels
+construction. After each group malloc's free pages go back to the kernel (tailrl.memory.trim):
+its freed activations, kept in the arena, would otherwise sit resident under the next group's
+(docs/memory.md). Deterministic kernels
 (tailrl.rl.guards) are the caller's to switch on: the switch is process-wide.
 
 Hidden states. Asked (`on_hidden`), a group's forward also hands out each sample's final-normed
@@ -60,6 +62,7 @@ from typing import Callable, Sequence
 import torch
 
 from tailrl.loading import resolve_dtype
+from tailrl.memory import trim
 from tailrl.model import Transformer
 from tailrl.rl.fold import TreeSum
 from tailrl.rl.gradients import GradientSink, differentiate, routed
@@ -399,6 +402,7 @@ class BackgroundUpdate:
         t0 = time.perf_counter()
         try:
             self.grads.add(*item)
+            trim()  # the group's freed activations go back to the kernel before the next group's (docs/memory.md)
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread in drain()
             with self._cond:
                 self._error = self._error or e
