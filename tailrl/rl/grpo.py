@@ -47,8 +47,8 @@ class GRPOConfig:
         "checkpointing) instead of keeping them: memory per token ~30x smaller, ~1.3x the compute; lowered where "
         "the memory budget needs")})
     # 1: only the gradient sum waits, so the rollout's tail computes groups in the summing order
-    # alone; ten default steps beside a cap of 2 (Zen 3 fp32): peaks 0.3-0.6 GB lower, the steps
-    # 1.04x the time, as the tail computed 8 of 111 groups fewer (docs/memory.md).
+    # alone: a policy-sized buffer less at the update's peak, for more of the update left until
+    # after the rollout (docs/memory.md, "Only the gradient sum waits").
     waiting_gradients: int = field(default=1, metadata={"help": (
         "most gradient buffers (each the policy's size, the gradient sum among them) held waiting to be added in "
         "the fixed order that keeps the update's bits (tailrl.rl.fold): a group whose buffer would wait beyond them "
