@@ -48,7 +48,6 @@ Shapes: P prompts, G group_size.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -284,8 +283,10 @@ class Trainer:
     def evaluate_heldout(self) -> None:
         """The held-out evaluation of the policy after the current step, when one is due and not
         yet recorded (a resume evaluates the checkpoint's policy if a kill came first). It decodes
-        on a rollout of its own (plain, in this process, on a copy of the rollout model), so the
-        training rollout's state is untouched."""
+        on a rollout of its own (plain, in this process), so the training rollout's state is
+        untouched, on the rollout model itself: decoding only reads the weights, and between steps
+        nothing else decodes with them, so a copy would only add a model's size to the run's
+        peak (docs/memory.md)."""
         tc, step = self.tc, self.state.step
         if (self.heldout is None or not heldout.due(step, tc.eval_every, tc.steps)
                 or not heldout.missing(self.run.read_evals(), step)):
@@ -293,16 +294,16 @@ class Trainer:
         problems = len(self.heldout.problems)
         self.emit(Notice(f"held-out evaluation after step {step}: {problems} problems, one response each"))
         evaluation = self.cfg.rollout.for_evaluation(registry.engine(registry.DEFAULT))
-        rollout = evaluation.open(copy.deepcopy(self.rollout_model), tc.seed)
+        rollout = evaluation.open(self.rollout_model, tc.seed)
         try:
-            rollout.publish(self.policy)  # the rollout model may be a worker's stale copy
+            rollout.publish(self.policy)  # the rollout model may be a copy workers on Ray never update
             with deterministic(self.device):
                 record = heldout.evaluate(rollout, self.heldout, tc.seed, tc.sampling(), tc.max_new_tokens,
                                           self.tokenizer, self.reward_fn, tc.reward_timeout_s,
                                           lambda progress: self.emit(EvalProgress(step, progress)))
         finally:
             rollout.close()
-            trim()  # the copy's weights and cache, below malloc's mmap threshold: free, but resident until trimmed
+            trim()  # the cache and packed weights, below malloc's mmap threshold: free, but resident until trimmed
         record = {"step": step, **record}
         self.run.append_eval(record)
         self.emit(EvalDone(record))
