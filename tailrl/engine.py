@@ -248,7 +248,8 @@ class Engine:
                 if on_progress is not None:
                     done = sum(r is not None for r in results)
                     now = time.perf_counter() - start
-                    on_progress(Progress(done, len(requests), len(running), self.stats.tokens, now))
+                    fewest = 0 if waiting else min((len(s.tokens) for s in (*running, *preempted)), default=0)
+                    on_progress(Progress(done, len(requests), len(running), self.stats.tokens, now, fewest))
         self.stats.seconds = time.perf_counter() - start
         return results  # type: ignore[return-value]
 

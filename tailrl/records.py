@@ -56,10 +56,14 @@ class Completion:
 @dataclass
 class Progress:
     """How far a generate call is: finished requests of all, sequences decoding now, tokens and
-    seconds so far."""
+    seconds so far, and the fewest tokens any unfinished request has so far (0 while one has not
+    started, or where the engine does not say): a lower bound on every unfinished response's
+    final length, which lets the update sum finished groups before the rollout ends
+    (tailrl.rl.update)."""
 
     done: int
     total: int
     running: int
     tokens: int
     seconds: float
+    fewest_unfinished: int = 0

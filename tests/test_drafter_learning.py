@@ -61,7 +61,7 @@ def captured(policy, groups, cfg) -> tuple[list[torch.Tensor], list[tuple[list[S
     seen: list[tuple[list[Sample], list[torch.Tensor]]] = []
     gg = GroupGradients(policy, cfg, 0.8, len(groups), on_hidden=lambda s, h: seen.append((list(s), h)))
     for g in reversed(range(len(groups))):
-        gg.add(g, groups[g])
+        gg.add(g, groups[g], g)
     gg.finish()
     return [p.grad.clone() for p in policy.parameters()], seen
 
@@ -82,7 +82,7 @@ def test_captured_hidden_states_are_the_policys_final_norm_states_and_the_gradie
     groups, cfg = groups_of(policy.cfg.vocab_size), GRPOConfig(micro_batch=3, autocast=autocast)
     plain = GroupGradients(policy, cfg, 0.8, len(groups))
     for g in reversed(range(len(groups))):
-        plain.add(g, groups[g])
+        plain.add(g, groups[g], g)
     stats = plain.finish()
     want = [p.grad.clone() for p in policy.parameters()]
     got, seen = captured(policy, groups, cfg)
@@ -152,7 +152,7 @@ def test_a_learner_asked_to_stop_does_no_further_micro_step(policy, drafter_dir)
     idle.closed = False
     assert n >= 6 and idle.ran_while_closed == 0  # the gate closed: it stopped, and did not start again
     for g, group in enumerate(groups):
-        update.submit(g, group)
+        update.submit(g, group, g)
     deadline = time.monotonic() + HANG_GUARD_S
     while update.has_work:  # queued groups are computed on the open gate, idle work or not
         assert time.monotonic() < deadline, "the queued groups were not computed"

@@ -153,6 +153,24 @@ class TestPlainDecoding:
         assert report.accept_len_ceiling == pytest.approx((tokens - len(out)) / verifies)
         assert report.accept_len_ceiling == chain_ceiling([c.top1 for c in out], 6)
 
+    def test_progress_bounds_every_unfinished_response_from_below(self, rollout, greedy):
+        # The update sums a finished group before the rollout ends only where every response
+        # still decoding ends at least Progress.fewest_unfinished long (tailrl.rl.update): a bound
+        # that is not one would change the gradient's bits.
+        events: list[tuple[str, int]] = []
+        out = rollout.generate(5, paired_requests(), GREEDY, MAX_NEW,
+                               on_progress=lambda p: events.append(("progress", p.fewest_unfinished)),
+                               on_finished=lambda i, c: events.append(("finished", i)))
+        assert [c.token_ids for c in out] == [c.token_ids for c in greedy[0]]
+        unfinished, bounds = set(range(len(out))), []
+        for kind, value in events:
+            if kind == "finished":
+                unfinished.discard(value)
+            elif unfinished:
+                assert value <= min(len(out[i].token_ids) for i in unfinished)
+                bounds.append(value)
+        assert max(bounds) > 0  # it says something once every request has started
+
     def test_a_stop_ends_each_sequence_at_the_token_where_it_says(self, rollout, greedy):
         out = greedy[0]
         # The token most greedy responses reach before their last: most of them stop there.

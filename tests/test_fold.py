@@ -1,5 +1,5 @@
-"""The fixed-tree sum: its association by hand, the same bits in every arrival order, at most
-ceil(n / 2) partial sums waiting, fewer than a fold in order on average; and a lazily zeroed
+"""The ordered fold: its association by hand, the same bits in every arrival order and with any
+true bounds, terms let in early by bounds, what a put leaves waiting; and a lazily zeroed
 tensor is zeros, resident only as written, and a piece of it released is zeros and not resident
 again: the engine releases every cache slot its sequences leave, without changing a token."""
 
@@ -16,75 +16,92 @@ from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import load_model
 from tailrl.memory import lazy_zeros
 from tailrl.records import Request
-from tailrl.rl.fold import TreeSum, most_held
+from tailrl.rl.fold import OrderedFold
 from tailrl.sampling import SamplingParams
 
 
-def _trace(n: int, order, keys=None) -> tuple[str, int]:
-    """The sum as a string of its association, and the most partial sums held at once."""
-    tree: TreeSum[str] = TreeSum(n, lambda a, b: f"({a}+{b})", keys)
+def _trace(keys, order, floors=None) -> tuple[str, int]:
+    """The sum as a string of its association, and the most values held at once. Terms are
+    revealed, then put, in `order`; floors[n], where given, raises every unrevealed key's bound
+    between the n-th term's reveal and its put (as the update's floor rises while a group is scored)."""
+    fold: OrderedFold[str] = OrderedFold(len(keys), lambda a, b: f"({a}+{b})")
     most = 0
-    for i in order:
-        tree.put(i, str(i))
-        most = max(most, tree.held)
-    return tree.result(), most
+    for n, i in enumerate(order):
+        fold.reveal(i, keys[i])
+        if floors and n in floors:
+            fold.floor(floors[n])
+        fold.put(i, keys[i], str(i))
+        most = max(most, fold.held_values)
+    return fold.result(), most
 
 
-def test_the_tree_by_hand():
-    # [0, 5): the left part the largest power of two below 5 (4), then [0, 4) halves.
-    assert _trace(5, range(5))[0] == "(((0+1)+(2+3))+4)"
-    assert _trace(3, [2, 1, 0])[0] == "((0+1)+2)"
-    assert _trace(1, [0])[0] == "0"
-    assert _trace(6, range(6))[0] == "(((0+1)+(2+3))+(4+5))"
+def _true_floors(keys, order) -> dict[int, int]:
+    """After each reveal, the least key still unrevealed: the best bound a caller can give."""
+    return {n: min(keys[i] for i in order[n + 1 :]) for n in range(len(order) - 1)}
 
 
-@pytest.mark.parametrize("n", range(1, 8))
-def test_every_order_gives_the_same_association_and_holds_at_most_ceil_half_n(n):
-    want = _trace(n, range(n))[0]
-    worst = 0
-    for order in itertools.permutations(range(n)):
-        got, most = _trace(n, order)
-        assert got == want, order
-        worst = max(worst, most)
-    assert worst == most_held(n)  # reached by some order, passed by none
-    assert most_held(n) == {1: 0, 2: 1, 3: 2, 4: 2, 5: 3, 6: 3, 7: 4}[n]
+def test_the_fold_by_hand_over_ascending_keys_ties_by_term():
+    keys = [5, 1, 1, 3, 9, 1]  # by (key, term): 1, 2, 5 (tied), 3, 0, 4
+    want = "(((((1+2)+5)+3)+0)+4)"
+    assert all(_trace(keys, order)[0] == want for order in itertools.permutations(range(6)))
+    assert _trace([0], [0])[0] == "0"
+    # Unbounded, a term waits for every unrevealed one (any could come first): arriving in the
+    # order, all but the last wait.
+    order = [1, 2, 5, 3, 0, 4]
+    assert _trace(keys, order)[1] == 5
+    # With true bounds and distinct keys, terms arriving in the order never wait: only the sum does.
+    keys = [5, 1, 2, 3, 9, 4]
+    order = sorted(range(6), key=lambda i: keys[i])
+    assert _trace(keys, order, _true_floors(keys, order))[1] == 1
 
 
-def _held_in_order(order) -> int:
-    """The most buffers a fold in group order holds waiting (finished, not yet added)."""
-    done, head, most = set(), 0, 0
-    for i in order:
-        done.add(i)
-        while head in done:
-            done.discard(head)
-            head += 1
-        most = max(most, len(done))
-    return most
-
-
-def test_sixteen_groups_wait_less_than_in_a_fold_in_order():
-    order = [*range(1, 16), 0]  # a fold in order's worst: group 0 last, 15 waiting
-    assert _held_in_order(order) == 15 and _trace(16, order)[1] == 6  # 1, [2, 4), [4, 8), [8, 12), [12, 14), 14
-    rng, tree, fold = random.Random(0), 0, 0
-    for _ in range(2000):
+def test_floors_let_terms_in_early_and_never_change_the_association():
+    keys = [30, 10, 20, 10, 40]  # the order: 1, 3, 2, 0, 4
+    want = "((((1+3)+2)+0)+4)"
+    assert _trace(keys, [1, 3, 2, 0, 4]) == (want, 4)  # unbounded: every term waits
+    # Every unrevealed key at least 11 once 3 is revealed: 1 and 3 (10, ties by term) are next;
+    # at least 25 once 2 is: 2 is next too; at least 31 once 0 is: 0 too. Only the sum waits.
+    assert _trace(keys, [1, 3, 2, 0, 4], floors={1: 11, 2: 25, 3: 31}) == (want, 1)
+    assert _trace(keys, [1, 3, 2, 0, 4], floors={1: 11, 2: 25}) == (want, 2)  # 0 waits for 4's reveal
+    # Any order, with true bounds or none: the same sum.
+    rng = random.Random(0)
+    for _ in range(200):
+        order = list(range(5))
         rng.shuffle(order)
-        tree += _trace(16, order)[1]
-        fold += _held_in_order(order)
-    assert 7.0 < tree / 2000 < 7.4 and 11.3 < fold / 2000 < 11.7  # 7.2 and 11.5 over 20,000 orders
+        floors = {n: f for n, f in _true_floors(keys, order).items() if rng.random() < 0.5}
+        assert _trace(keys, order, floors)[0] == want, (order, floors)
+
+
+def test_held_after_is_what_a_put_leaves_waiting():
+    fold: OrderedFold[int] = OrderedFold(4, lambda a, b: a + b)
+    for i, key in enumerate([7, 3, 5, 9]):
+        fold.reveal(i, key)  # the order: 1, 2, 0, 3
+    assert fold.held_values_after(0, True) == 1  # waits for 1 and 2
+    assert fold.held_values_after(1, True) == 1  # next: the running sum alone
+    fold.put(2, 5, 10)
+    assert fold.held_values == 1 and fold.held_values_after(1, True) == 1  # 1 lets 2 in: one sum
+    assert fold.held_values_after(1, False) == 1  # no value of its own: 2's becomes the sum
+    fold.put(1, 3, 1)
+    assert fold.added == [1, 2] and fold.held_values == 1
+    fold.put(0, 7, None)
+    assert fold.held_values_after(3, True) == 0  # the last: the sum is done, nothing waits
+    fold.put(3, 9, 100)
+    assert fold.result() == 111 and fold.added == [1, 2, 0, 3]
 
 
 def test_tensor_bits_do_not_depend_on_the_order_and_none_adds_nothing():
     rng = torch.Generator().manual_seed(0)
     terms = [torch.randn(7, generator=rng) * 10.0 ** k for k in range(-3, 4)]  # spread exponents: order matters
     terms[2] = None
+    keys = [4, 2, 0, 6, 1, 5, 3]  # the order: 2, 4, 1, 6, 0, 5, 3
 
     def total(order):
-        tree = TreeSum(len(terms), lambda a, b: a.add_(b))
+        fold = OrderedFold(len(terms), lambda a, b: a.add_(b))
         for i in order:
-            tree.put(i, None if terms[i] is None else terms[i].clone())
-        return tree.result()
+            fold.put(i, keys[i], None if terms[i] is None else terms[i].clone())
+        return fold.result()
 
-    want = (((terms[0] + terms[1]) + terms[3]) + ((terms[4] + terms[5]) + terms[6]))  # the tree of 7, term 2 absent
+    want = (((((terms[4] + terms[1]) + terms[6]) + terms[0]) + terms[5]) + terms[3])  # term 2 absent
     for seed in range(10):
         order = list(range(len(terms)))
         random.Random(seed).shuffle(order)
@@ -92,31 +109,28 @@ def test_tensor_bits_do_not_depend_on_the_order_and_none_adds_nothing():
 
 
 def test_misuse_is_refused():
-    tree = TreeSum(4, lambda a, b: a + b)
-    tree.put(1, 1)
-    tree.put(0, 2)  # [0, 2) complete
+    fold = OrderedFold(4, lambda a, b: a + b)
+    fold.put(1, 5, 1)
     with pytest.raises(ValueError, match="put twice"):
-        tree.put(1, 3)
+        fold.put(1, 5, 3)
     with pytest.raises(ValueError, match="out of range"):
-        tree.put(4, 3)
-    with pytest.raises(RuntimeError, match="2 terms of 4 not put"):
-        tree.result()
-    assert TreeSum(0, lambda a, b: a + b).result() is None
-
-
-def test_a_keyed_sum_folds_over_ascending_keys_ties_by_term():
-    keys = [5, 1, 1, 3, 9, 1]  # by (key, term): 1, 2, 5 (tied), 3, 0, 4
-    want = "(((((1+2)+5)+3)+0)+4)"
-    assert all(_trace(6, order, keys)[0] == want for order in itertools.permutations(range(6)))
-    # All tied: a fold by term, where no keys give the balanced tree.
-    assert _trace(4, range(4), [7] * 4)[0] == "(((0+1)+2)+3)" and _trace(4, range(4))[0] == "((0+1)+(2+3))"
-    # Ties put in the summing order keep the running sum alone waiting (a balanced tree over
-    # four ties holds two partial sums in that order).
-    assert _trace(4, range(4), [7] * 4)[1] == 1 and _trace(4, range(4))[1] == 2
-    # Terms arriving in the keys' order never wait but the running sum: one partial sum held.
-    assert _trace(6, sorted(range(6), key=lambda i: (keys[i], i)), keys)[1] == 1
-    with pytest.raises(ValueError, match="2 keys for 3 terms"):
-        TreeSum(3, lambda a, b: a, [1, 2])
+        fold.put(4, 0, 3)
+    with pytest.raises(ValueError, match="revealed with key 6 after 5"):
+        fold.reveal(1, 6)
+    with pytest.raises(ValueError, match="not revealed"):
+        fold.held_values_after(0, True)
+    fold.bound(0, 8)
+    with pytest.raises(RuntimeError, match="below a bound"):
+        fold.put(0, 7, 2)  # a bound that was not one would change the order
+    fold.put(2, 1, 2)
+    fold.floor(6)
+    fold.put(0, 8, 4)  # 2 and 1 are in (3 is at least 6), 0 waits for 3
+    assert fold.added == [2, 1] and fold.held_values == 2
+    with pytest.raises(RuntimeError, match="below a bound"):
+        fold.reveal(3, 5)  # it would have come before 1, which is in
+    with pytest.raises(RuntimeError, match="2 terms of 4 not added"):
+        fold.result()
+    assert OrderedFold(0, lambda a, b: a + b).result() is None
 
 
 def _rss_kb() -> int:

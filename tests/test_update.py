@@ -48,14 +48,16 @@ def _grads(policy) -> list[torch.Tensor]:
 
 
 def _in_order(policy, groups, cfg, order, keys=None) -> list[torch.Tensor]:
-    gg = GroupGradients(policy, cfg, 0.8, len(groups), keys=keys)
+    """The gradient of `groups` added in `order`, summed by `keys` (None: by group)."""
+    keys = keys or range(len(groups))
+    gg = GroupGradients(policy, cfg, 0.8, len(groups))
     for g in order:
-        gg.add(g, groups[g])
+        gg.add(g, groups[g], keys[g])
     gg.finish()
     return _grads(policy)
 
 
-@pytest.mark.parametrize("keys", [None, [3, 1, 2, 1, 0]])  # the summing order: by group, by key (fold_keys)
+@pytest.mark.parametrize("keys", [None, [3, 1, 2, 1, 0]])  # the summing order: by group, by key (group_key)
 def test_any_finishing_order_gives_the_same_bits(policy, keys):
     groups = _groups(policy.cfg.vocab_size)
     cfg = GRPOConfig(micro_batch=3)
@@ -75,7 +77,7 @@ def test_groups_computed_on_two_threads_give_the_same_bits(policy):
 
     def add(ids: list[int]) -> None:
         for g in ids:
-            gg.add(g, groups[g])
+            gg.add(g, groups[g], g)
 
     threads = [threading.Thread(target=add, args=(ids,)) for ids in ([4, 1, 0], [3, 2])]
     for t in threads:
@@ -117,18 +119,18 @@ def test_overlapped_update_equals_the_synchronous_one(policy):
     cfg = GRPOConfig(micro_batch=3)
     sync = GroupGradients(policy, cfg, 0.8, len(groups))  # the step's groups, the skipped one too: the tree's leaves
     for g, group in enumerate(groups):
-        sync.add(g, group)
+        sync.add(g, group, g)
     stats_sync = sync.finish()
     want = _grads(policy)
     gg = GroupGradients(policy, cfg, 0.8, len(groups))
     update = BackgroundUpdate(gg)
-    update.submit(3, groups[3])
-    update.submit(0, groups[0])
+    update.submit(3, groups[3], 3)
+    update.submit(0, groups[0], 0)
     update.open_gate()  # the tail: the background thread computes what is queued
-    update.submit(4, groups[4])
+    update.submit(4, groups[4], 4)
     update.close_gate()  # a burst of admissions: it stops after its current group
-    update.submit(2, groups[2])
-    update.submit(1, groups[1])
+    update.submit(2, groups[2], 2)
+    update.submit(1, groups[1], 1)
     update.drain()  # the rollout is over: both threads finish the rest
     stats = gg.finish()
     assert stats == stats_sync
@@ -139,20 +141,20 @@ def test_errors_in_the_background_thread_reach_drain(policy):
     gg = GroupGradients(policy, GRPOConfig(), 0.8, 2)
     update = BackgroundUpdate(gg)
     update.open_gate()
-    update.submit(5, [])  # out of range
-    update.submit(0, [])
+    update.submit(5, [], 5)  # out of range
+    update.submit(0, [], 0)
     with pytest.raises(ValueError, match="group 5 out of range"):
         update.drain()
 
 
 def test_misuse_is_refused(policy):
     gg = GroupGradients(policy, GRPOConfig(), 0.8, 2)
-    gg.add(0, [])
-    with pytest.raises(ValueError, match="added twice"):
-        gg.add(0, [])
+    gg.add(0, [], 0)
+    with pytest.raises(ValueError, match="put twice"):
+        gg.add(0, [], 0)
     with pytest.raises(RuntimeError, match="not added"):
         gg.finish()
-    gg.add(1, [])
+    gg.add(1, [], 1)
     assert gg.finish().tokens == 0 and all(p.grad is None for p in policy.parameters())
 
 
@@ -447,13 +449,13 @@ class _Watched(GroupGradients):
         self.where: list[tuple[threading.Thread, int]] = []
         self._count = threading.Lock()
 
-    def add(self, group, samples):
+    def add(self, group, samples, key):
         with self._count:
             self.computing += 1
             self.most_computing = max(self.most_computing, self.computing)
             self.where.append((threading.current_thread(), torch.get_num_threads()))
         try:
-            super().add(group, samples)
+            super().add(group, samples, key)
         finally:
             with self._count:
                 self.computing -= 1
@@ -477,13 +479,13 @@ def test_groups_whose_buffers_would_wait_past_the_cap_are_computed_later_with_th
     update = BackgroundUpdate(gg)
     update.open_gate()  # the tail: every group is computed as it finishes, if it may be
     for g in (7, 5, 6, 3, 4, 1):  # the worst order for the tree: every buffer waits for group 0
-        update.submit(g, groups[g])
+        update.submit(g, groups[g], g)
         _settle(update)
     # While the rollout runs no more than `cap` buffers wait: the rest stay queued.
     assert max(gg.waiting, default=0) <= cap and len(gg.waiting) < 6
     deferred = 6 - len(gg.waiting)
-    update.submit(0, groups[0])  # the group every other one waits for
-    update.submit(2, groups[2])
+    update.submit(0, groups[0], 0)  # the group every other one waits for
+    update.submit(2, groups[2], 2)
     update.drain()
     gg.finish()
     assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
@@ -501,14 +503,14 @@ def test_after_the_rollout_one_thread_computes_one_group_at_a_time_on_the_caller
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        gg = _Watched(policy, cfg, 0.8, len(groups), keys=keys)
+        gg = _Watched(policy, cfg, 0.8, len(groups))
         update = BackgroundUpdate(gg)
         update.open_gate()  # the tail: the background thread computes on one torch thread
-        update.submit(6, groups[6])
+        update.submit(6, groups[6], keys[6])
         _settle(update)
         update.close_gate()
         for g in (7, 5, 3, 4, 1, 0, 2):  # left to the drain
-            update.submit(g, groups[g])
+            update.submit(g, groups[g], keys[g])
         update.drain()
     finally:
         torch.set_num_threads(threads)
@@ -517,3 +519,33 @@ def test_after_the_rollout_one_thread_computes_one_group_at_a_time_on_the_caller
     assert gg.most_computing == 1 and max(gg.waiting) <= 2
     (thread,) = {t for t, _ in gg.where}
     assert thread is not threading.current_thread() and [n for _, n in gg.where] == [1] + [2] * 7
+
+
+def test_bounds_from_the_rollout_let_its_tail_compute_each_group_as_it_finishes(policy):
+    # Groups finishing in the summing order (by their longest response): told that every
+    # response still decoding is longer than the group just finished (the rollout's progress),
+    # the tail computes each group as it finishes, and only the running sum waits. Not told, a
+    # finished group could still be preceded by any unfinished one, so with a cap of 1 the tail
+    # computes one group (and the empty group 2, which holds no buffer) until the last group's
+    # key is known. The same bits either way.
+    groups = _groups(policy.cfg.vocab_size, sizes=(2,) * 6, seed=6)
+    keys = [50, 10, 40, 20, 60, 30]
+    cfg = GRPOConfig(micro_batch=2, waiting_gradients=1)
+    want = _in_order(policy, groups, cfg, range(len(groups)), keys)
+    computed = {}
+    for told in (False, True):
+        gg = _Watched(policy, cfg, 0.8, len(groups))
+        update = BackgroundUpdate(gg)
+        update.open_gate()
+        computed[told] = []
+        for g in sorted(range(len(groups)), key=keys.__getitem__):
+            update.submit(g, groups[g], keys[g])
+            if told:
+                update.floor(keys[g] + 1)
+            _settle(update)
+            computed[told].append(len(gg.waiting))
+        update.drain()
+        gg.finish()
+        assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
+        assert max(gg.waiting) <= 1
+    assert computed == {False: [1, 1, 1, 2, 2, 6], True: [1, 2, 3, 4, 5, 6]}

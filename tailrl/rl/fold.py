@@ -1,136 +1,135 @@
-"""A sum of n values that arrive in any order, added along a fixed binary tree.
+"""A sum of n values that arrive in any order, added left to right in an order their keys decide.
 
 Floating-point addition is not associative, so a sum whose bits must not depend on the order
-its terms arrive in needs a fixed association. A left-to-right fold has one (term i is added
-once terms 0..i-1 are), but every term that arrives before an earlier one must wait: up to n - 1
-of them at once (term 0 last). A fixed binary tree over [0, n) (each range [lo, hi) the sum of
-[lo, mid) and [mid, hi), mid - lo the largest power of two below hi - lo) adds two subtrees as
-soon as both are complete, so fewer wait: at most `most_held(n)` = ceil(n / 2) (every other
-term first), and over random orders of 16 terms 7.2 at the worst moment on average, against
-11.5 for the fold in order (tests/test_fold.py). In the update (tailrl.rl.update) each is a
-policy-sized gradient buffer.
+its terms arrive in needs a fixed association. Here it is a left-to-right fold over the terms
+sorted by (key, index). A term may arrive before the terms that precede it in that order; it
+then waits (in the update, tailrl.rl.update, each waiting term is a policy-sized gradient
+buffer), so the order should be close to the order terms arrive in.
 
-Where the order terms arrive in can be guessed before the first one does (`keys`: a term with a
-smaller key tends to arrive earlier), the terms are summed in the guessed order: a left-to-right
-fold over the terms sorted by (key, index), ties broken by index. Then the waiting ones are only
-those that arrive before a term guessed earlier, and terms put in the summing order (the update
-after its rollout) keep the running sum alone waiting; a balanced tree over each tie would wait
-less while ties arrive in any order, but hold log2 of the tie's size in partial sums even in
-order (docs/memory.md). The guess decides the bits, so it must be fixed before any term is put (the update's:
-each GRPO group's prompt length, which in the default task predicts its longest response, hence
-when it finishes, with correlation 0.96; docs/memory.md). Without keys the tree is the balanced
-one.
+The keys need not be known up front. A term's key comes to light when the term does (`reveal`,
+or with `put`), and until then the caller may say how small it can still be (`floor` for every
+term not yet revealed, `bound` for one): the update's key is a GRPO group's longest response,
+whose length is known when the group finishes, and every unfinished response already has the
+tokens it has so far. A term is added once it is provably next: every term before it in the
+order is in, and every unrevealed one is bounded past it. So the order, and with it the bits,
+is the one sorting all final keys gives, whatever the bounds were; bounds only decide how early
+a term may be added. A bound that is not one (a revealed key below it) is refused: it could
+have let a term in before this one, which would change the bits.
 
 A term may be None (nothing to add: a group without tokens); `add(a, b)` combines two present
-ones and may reuse a's storage (a + b == b + a in IEEE arithmetic, so only the tree's shape
-decides the bits).
+ones and may reuse a's storage.
 
-Knows: the tree. Does not know: what the values are.
+Knows: the order, which terms may be added. Does not know: what the values are.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import Callable, Generic, Iterable, TypeVar
 
 T = TypeVar("T")
 
 
-def most_held(n: int) -> int:
-    """The most partial sums a TreeSum over n terms holds waiting at once, over every arrival order."""
-    return n // 2 + n % 2 if n >= 2 else 0
+class OrderedFold(Generic[T]):
+    """Terms 0..n-1 `put` in any order, each with its key; `result` once all are in: the left
+    fold over (key, index), the same bits for every arrival order and every set of bounds."""
 
-
-def _split(lo: int, hi: int) -> int:
-    """The tree's cut of [lo, hi) (hi - lo >= 2): the left part the largest power of two below its size."""
-    return lo + (1 << ((hi - lo - 1).bit_length() - 1))
-
-
-class TreeSum(Generic[T]):
-    """Terms 0..n-1 `put` in any order; `result` once all are in: the same bits for every order.
-
-    Nodes are ranges of positions in the summing order: term i at position `position[i]` (the
-    terms sorted by (key, index); without keys, i)."""
-
-    def __init__(self, n: int, add: Callable[[T, T], T], keys: Sequence[Any] | None = None):
+    def __init__(self, n: int, add: Callable[[T, T], T]):
         if n < 0:
             raise ValueError(f"a sum of {n} terms")
-        if keys is not None and len(keys) != n:
-            raise ValueError(f"{len(keys)} keys for {n} terms")
         self.n, self._add = n, add
-        order = sorted(range(n), key=lambda i: (keys[i], i)) if keys is not None else list(range(n))
-        self.position = [0] * n
-        for at, i in enumerate(order):
-            self.position[i] = at
-        self._parent: dict[tuple[int, int], tuple[int, int]] = {}
-        self._sibling: dict[tuple[int, int], tuple[int, int]] = {}
-        if keys is not None:
-            for at in range(1, n):
-                self._join((0, at), (at, at + 1))  # the fold: the terms before `at`, then this one
-        stack = [(0, n)] if keys is None else []
-        while stack:
-            lo, hi = stack.pop()
-            if hi - lo < 2:
-                continue
-            mid = _split(lo, hi)
-            self._join((lo, mid), (mid, hi))
-            stack += [(lo, mid), (mid, hi)]
-        self._held: dict[tuple[int, int], T | None] = {}  # complete subtrees whose sibling is not
-        self._done = n == 0  # an empty sum: None
-        self._result: T | None = None
+        self._key: list[int | None] = [None] * n  # revealed keys
+        self._bound = [0] * n  # a lower bound on each unrevealed key
+        self._floor = 0  # one on every unrevealed key
+        self._waiting: dict[int, T | None] = {}  # put, not yet added
+        self._added: list[int] = []  # the terms added so far, in the fold's order
+        self._in: set[int] = set()
+        self._sum: T | None = None
 
-    def _join(self, left: tuple[int, int], right: tuple[int, int]) -> None:
-        self._parent[left] = self._parent[right] = (left[0], right[1])
-        self._sibling[left], self._sibling[right] = right, left
+    # ---- what is known of the order -----------------------------------------------------------
 
-    @property
-    def held(self) -> int:
-        """Partial sums waiting for their sibling subtree."""
-        return len(self._held)
+    def floor(self, at_least: int) -> None:
+        """Every term not yet revealed has a key of at least `at_least`."""
+        self._floor = max(self._floor, at_least)
+
+    def bound(self, i: int, at_least: int) -> None:
+        """Term i's key is at least `at_least`."""
+        self._check(i)
+        self._bound[i] = max(self._bound[i], at_least)
+
+    def reveal(self, i: int, key: int) -> None:
+        """Term i's key (before or when it is put)."""
+        self._check(i)
+        if self._key[i] is not None:
+            if self._key[i] != key:
+                raise ValueError(f"term {i} revealed with key {key} after {self._key[i]}")
+            return
+        if key < max(self._bound[i], self._floor):  # then it could come before a term added already
+            raise RuntimeError(f"term {i}'s key {key} is below a bound it was given: the fold's order is broken")
+        self._key[i] = key
+
+    def _order(self, i: int) -> tuple[int, int]:
+        """Term i's place: its key, or while unrevealed the least it can be; then its index."""
+        key = self._key[i]
+        return (key if key is not None else max(self._bound[i], self._floor), i)
+
+    def _check(self, i: int) -> None:
+        if not 0 <= i < self.n:
+            raise ValueError(f"term {i} out of range for {self.n} terms")
+
+    # ---- the sum --------------------------------------------------------------------------------
+
+    def _next(self, waiting: Iterable[int]) -> list[int]:
+        """The terms of `waiting` that are provably next, in the fold's order: the first term not
+        yet added is revealed and waiting, then the first after it, and so on."""
+        waiting, out = set(waiting), []
+        rest = sorted((i for i in range(self.n) if i not in self._in), key=self._order)
+        for i in rest:
+            if i not in waiting or self._key[i] is None:
+                break
+            out.append(i)
+        return out
+
+    def put(self, i: int, key: int, value: T | None) -> list[int]:
+        """Term i with its key; the terms this adds (i and those that waited for it), in order."""
+        self._check(i)
+        if i in self._waiting or i in self._in:
+            raise ValueError(f"term {i} was put twice")
+        self.reveal(i, key)
+        self._waiting[i] = value
+        added = self._next(self._waiting)
+        for j in added:
+            v = self._waiting.pop(j)
+            self._sum = v if self._sum is None else self._sum if v is None else self._add(self._sum, v)
+            self._in.add(j)
+            self._added.append(j)
+        return added
 
     @property
     def held_values(self) -> int:
-        """Partial sums waiting that hold a value (a subtree of None terms holds nothing)."""
-        return sum(v is not None for v in self._held.values())
+        """Values waiting to be added, the running sum among them until the last term is in."""
+        return (self._sum is not None and not self.done) + sum(v is not None for v in self._waiting.values())
 
     def held_values_after(self, i: int, present: bool) -> int:
-        """held_values once term i is put (a value if `present`, else None), the sums it completes
-        added: whether putting it now makes a value wait, or lets one go."""
-        at = self.position[i]
-        node, waiting = (at, at + 1), self.held_values
-        while node != (0, self.n):
-            sibling = self._sibling[node]
-            if sibling not in self._held:
-                return waiting + present
-            other = self._held[sibling] is not None
-            waiting -= other
-            present = present or other
-            node = self._parent[node]
-        return waiting
+        """held_values once term i (revealed) is put, a value if `present`, the terms it lets in added."""
+        if self._key[i] is None:
+            raise ValueError(f"term {i} is not revealed")
+        added = set(self._next([*self._waiting, i]))
+        present_now = {**{j: v is not None for j, v in self._waiting.items()}, i: present}
+        has_sum = self._sum is not None or any(present_now[j] for j in added)
+        done = len(self._in) + len(added) == self.n
+        return (has_sum and not done) + sum(p for j, p in present_now.items() if j not in added)
 
-    def put(self, i: int, value: T | None) -> None:
-        if not 0 <= i < self.n:
-            raise ValueError(f"term {i} out of range for {self.n} terms")
-        at = self.position[i]
-        node = (at, at + 1)
-        if node in self._held or self._done or any(lo <= at < hi for lo, hi in self._held):
-            raise ValueError(f"term {i} was put twice")
-        while node != (0, self.n):
-            sibling = self._sibling[node]
-            if sibling not in self._held:
-                self._held[node] = value
-                return
-            other = self._held.pop(sibling)
-            left, right = (value, other) if node < sibling else (other, value)
-            value = left if right is None else right if left is None else self._add(left, right)
-            node = self._parent[node]
-        self._done, self._result = True, value
+    @property
+    def added(self) -> list[int]:
+        """The terms added so far, in the order they were added."""
+        return list(self._added)
 
     @property
     def done(self) -> bool:
-        return self._done
+        return len(self._in) == self.n
 
     def result(self) -> T | None:
         """The sum (None where every term was None)."""
-        if not self._done:
-            raise RuntimeError(f"{self.n - sum(hi - lo for lo, hi in self._held)} terms of {self.n} not put")
-        return self._result
+        if not self.done:
+            raise RuntimeError(f"{self.n - len(self._in)} terms of {self.n} not added")
+        return self._sum

@@ -40,7 +40,7 @@ from tailrl.rl.grpo import GRPOConfig, group_advantages
 from tailrl.rl.packing import Sample
 from tailrl.rl.rewards import RewardBatch, safe_rewards
 from tailrl.rl.tasks import Problem, Tokenizer
-from tailrl.rl.update import BackgroundUpdate, GroupGradients, UpdateStats, fold_keys
+from tailrl.rl.update import BackgroundUpdate, GroupGradients, UpdateStats, group_key
 from tailrl.rollout.protocol import IdleCore, PolicyForward, Rollout
 from tailrl.sampling import SamplingParams
 
@@ -143,8 +143,7 @@ def run_step(rollout: Rollout, step: int, inputs: StepInputs, setup: UpdateSetup
     if feed is not None:
         on_hidden = lambda samples, hidden: feed.observe(policy_forwards(samples, hidden))  # noqa: E731
     cfg = setup.cfg
-    grads = GroupGradients(setup.policy, cfg, inputs.params.temperature, len(inputs.problems), setup.ref, on_hidden,
-                           fold_keys([r.prompt_ids for r in inputs.requests[:: inputs.group_size]]))
+    grads = GroupGradients(setup.policy, cfg, inputs.params.temperature, len(inputs.problems), setup.ref, on_hidden)
     if setup.overlap_batch > 0:
         return _overlapped(rollout, step, inputs, grads, setup.overlap_batch, on_progress, peak)
     t0 = time.perf_counter()
@@ -159,7 +158,7 @@ def run_step(rollout: Rollout, step: int, inputs: StepInputs, setup: UpdateSetup
     t2 = time.perf_counter()
     update = BackgroundUpdate(grads)  # its gate never opens before drain: the update after the rollout
     for g, group in enumerate(groups):
-        update.submit(g, group.samples)
+        update.submit(g, group.samples, group_key([c.token_ids for c in completions[g * G : (g + 1) * G]]))
     update.drain()
     stats = grads.finish()
     return StepWork(completions, groups, stats, {"rollout_s": t1 - t0, "reward_s": t2 - t1,
@@ -181,15 +180,18 @@ def _overlapped(rollout: Rollout, step: int, inputs: StepInputs, grads: GroupGra
         g = index // G
         finished[g][index % G] = completion
         left[g] -= 1
-        if left[g] == 0:
-            t = time.perf_counter()
-            groups[g] = score_group(inputs.problems[g], finished[g], inputs.tokenizer, inputs.score,
-                                    inputs.reward_timeout_s, grads.cfg.drop_truncated)
-            reward_s += time.perf_counter() - t
-            update.submit(g, groups[g].samples)
+        if left[g] > 0:
+            update.bound(g, len(completion.token_ids))
+            return
+        t = time.perf_counter()
+        groups[g] = score_group(inputs.problems[g], finished[g], inputs.tokenizer, inputs.score,
+                                inputs.reward_timeout_s, grads.cfg.drop_truncated)
+        reward_s += time.perf_counter() - t
+        update.submit(g, groups[g].samples, group_key([c.token_ids for c in finished[g] if c is not None]))
 
     def progress(p: Progress) -> None:
         on_progress(p)
+        update.floor(p.fewest_unfinished)
         tail = p.running <= overlap_batch and update.has_work
         if tail:
             update.open_gate()

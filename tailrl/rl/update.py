@@ -11,13 +11,16 @@ group was computed:
   its own: nothing is accumulated into shared `.grad`. A parameter's gradient is added to the
   buffer as soon as the backward has it (tailrl.rl.gradients), so a group of several
   micro-batches holds one buffer, not a second for the micro-batch being added.
-- Buffers are added along a fixed tree (tailrl.rl.fold.TreeSum) over the groups in the order
-  of their prompts' lengths (`fold_keys`): a left-to-right fold, ties by group index.
+- Buffers are added in a fixed order (tailrl.rl.fold.OrderedFold): a left-to-right fold over
+  the groups by their longest response's length (`group_key`), ties by group index.
   Floating-point addition is not associative, so a fixed association is what makes the sum's
-  bits independent of the order groups finish in; a buffer waits while a group earlier in the
-  order is still decoding, and a longer question tends to take a longer answer, so that order
-  is about the order groups finish in and few wait (the default run: 1-2 buffers, the sum among
-  them, against 4-5 on a balanced tree in group order; docs/memory.md). The stats and the
+  bits independent of the order groups finish in, and the lengths are the tokens' own, so the
+  order is the same in every schedule. A buffer waits while a group earlier in the order is
+  still decoding; the rollout finishes a group about when its longest response ends, so the
+  order is about the one groups finish in. A finished group need not wait for the rollout's end
+  to know it is next: every response still decoding has at least the tokens it has so far
+  (`floor`, from the rollout's progress; `bound`, a group's finished responses), and a group
+  whose key is below every unfinished group's bound is next (docs/memory.md). The stats and the
   hidden states are folded in group order (they are small).
 - At most `waiting_gradients` buffers wait (tailrl.rl.grpo.GRPOConfig, the gradient sum among
   them): a group whose buffer would wait beyond them stays queued until it would not (only when
@@ -64,7 +67,7 @@ import torch
 from tailrl.loading import resolve_dtype
 from tailrl.memory import trim
 from tailrl.model import Transformer
-from tailrl.rl.fold import TreeSum
+from tailrl.rl.fold import OrderedFold
 from tailrl.rl.gradients import GradientSink, differentiate, routed
 from tailrl.rl.grpo import GRPOConfig, policy_loss
 from tailrl.rl.packing import PackMemory, Sample, packed_behaviour, packed_logprobs, packed_logprobs_and_hidden, packs
@@ -152,49 +155,74 @@ def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig,
 
 
 class GroupGradients:
-    """Gradient shares of `num_groups` groups, summed into the policy's .grad along a fixed tree.
+    """Gradient shares of `num_groups` groups, summed into the policy's .grad in a fixed order.
 
-    Groups may be added in any order, from any thread (one group at a time per thread), and a
-    group without samples (skipped: no reward spread) is added as empty. `finish` waits for
-    nothing: call it once every group is in. on_hidden(samples, hidden) receives each computed
-    group's samples and their hidden states, in group order (as the group is folded).
+    Groups may be added in any order, from any thread (one group at a time per thread), each
+    with its key (its longest response's length, `group_key`), and a group without samples
+    (skipped: no reward spread) is added as empty. `reveal`, `floor` and `bound` tell the order
+    what is known before a group is added (tailrl.rl.fold). `finish` waits for nothing: call it
+    once every group is in. on_hidden(samples, hidden) receives each computed group's samples
+    and their hidden states, in group order (as the group is folded).
     """
 
     def __init__(self, policy: Transformer, cfg: GRPOConfig, temperature: float, num_groups: int,
                  ref: Transformer | None = None,
-                 on_hidden: Callable[[Sequence[Sample], list[torch.Tensor]], None] | None = None,
-                 keys: Sequence[int] | None = None):
+                 on_hidden: Callable[[Sequence[Sample], list[torch.Tensor]], None] | None = None):
         self.policy, self.cfg, self.temperature, self.ref = policy, cfg, temperature, ref
         self.on_hidden = on_hidden
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.num_groups = num_groups
         self._ready: dict[int, _Share] = {}
         self._next = 0  # the first group whose stats are not yet folded
-        self.keys = keys
-        self._sum: TreeSum[list[torch.Tensor]] = TreeSum(num_groups, _add_buffers, keys)
         self._sums = dict.fromkeys(STAT_NAMES, 0.0)
         self._tokens = 0
         self._ratio_max = 0.0
-        self._lock = threading.Lock()
-        # Which buffers wait, apart from the sums: read by the scheduler (held_after) on the
-        # rollout's thread, which must not wait for an addition of gradient buffers under _lock.
-        self._shape: TreeSum[bool] = TreeSum(num_groups, lambda a, b: True, keys)
-        self._added: set[int] = set()
-        self._shape_lock = threading.Lock()
+        self._start()
 
-    def add(self, group: int, samples: Sequence[Sample]) -> None:
+    def _start(self) -> None:
+        # The order, and which buffers wait: under _shape_lock, read by the scheduler (held_after)
+        # on the rollout's thread, which must not wait for an addition of gradient buffers. The
+        # buffers themselves are added under _lock, in the order the shape added their groups.
+        self._shape: OrderedFold[bool] = OrderedFold(self.num_groups, lambda a, b: True)
+        self._shape_lock = threading.Lock()
+        self._order: list[int] = []  # groups in the fold's order, as the shape adds them
+        self._lock = threading.Lock()
+        self._buffers: dict[int, list[torch.Tensor] | None] = {}  # computed, not yet added
+        self._summed = 0  # how many of _order are in _sum
+        self._sum: list[torch.Tensor] | None = None
+
+    def reveal(self, group: int, key: int) -> None:
+        with self._shape_lock:
+            self._shape.reveal(group, key)
+
+    def floor(self, at_least: int) -> None:
+        """Every group not yet revealed has a key of at least `at_least`."""
+        with self._shape_lock:
+            self._shape.floor(at_least)
+
+    def bound(self, group: int, at_least: int) -> None:
+        with self._shape_lock:
+            self._shape.bound(group, at_least)
+
+    def add(self, group: int, samples: Sequence[Sample], key: int) -> None:
         if not 0 <= group < self.num_groups:
             raise ValueError(f"group {group} out of range for {self.num_groups} groups")
         share = (group_share(self.policy, samples, self.cfg, self.temperature, self.ref, self.on_hidden is not None)
                  if samples else _empty_share())
         with self._shape_lock:
-            if group in self._added:
-                raise ValueError(f"group {group} was added twice")
-            self._added.add(group)
-            self._shape.put(group, True if share.grads is not None else None)
+            self._order += self._shape.put(group, key, True if share.grads is not None else None)
         with self._lock:
-            self._sum.put(group, share.grads)
-            share.grads = None  # the tree holds them now
+            self._buffers[group] = share.grads
+            share.grads = None  # the fold holds them now
+            with self._shape_lock:
+                order = self._order[self._summed:]
+            for g in order:  # in the shape's order, as far as the buffers are here
+                if g not in self._buffers:
+                    break
+                buffer = self._buffers.pop(g)
+                if buffer is not None:
+                    self._sum = buffer if self._sum is None else _add_buffers(self._sum, buffer)
+                self._summed += 1
             self._ready[group] = share
             while self._next in self._ready:
                 self._fold(self._ready.pop(self._next))
@@ -214,13 +242,9 @@ class GroupGradients:
         with self._shape_lock:
             return self._shape.held_values
 
-    def position(self, group: int) -> int:
-        """Where the group's buffer comes in the summing order (tailrl.rl.fold: by key, then group)."""
-        return self._sum.position[group] if 0 <= group < self.num_groups else -1
-
     def held_after(self, group: int, samples: Sequence[Sample]) -> int:
-        """held_buffers once `group` (with these samples: none, no buffer) is added, if nothing else is
-        (0 for a group out of range: `add` refuses it)."""
+        """held_buffers once `group` (revealed; with these samples: none, no buffer) is added, if
+        nothing else is (0 for a group out of range: `add` refuses it)."""
         if not 0 <= group < self.num_groups:
             return 0
         with self._shape_lock:
@@ -234,14 +258,14 @@ class GroupGradients:
         """Write the token-mean gradient into .grad (None when no group had tokens); the stats."""
         if not self.done:
             raise RuntimeError(f"finish() with groups {self._next}.. of {self.num_groups} not added")
+        total = self._sum
+        self._start()
         if self._tokens == 0:
             for p in self.params:
                 p.grad = None
             return UpdateStats()
-        for p, g in zip(self.params, self._sum.result()):
+        for p, g in zip(self.params, total):
             p.grad = g.div_(self._tokens)
-        self._sum = TreeSum(self.num_groups, _add_buffers, self.keys)
-        self._shape, self._added = TreeSum(self.num_groups, lambda a, b: True, self.keys), set()
         t = self._tokens
         return UpdateStats(tokens=t, ratio_max=self._ratio_max, **{name: v / t for name, v in self._sums.items()})
 
@@ -252,12 +276,13 @@ def _add_buffers(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Ten
     return a
 
 
-def fold_keys(prompts: Sequence[Sequence[int]]) -> list[int]:
-    """The groups' keys for the summing order (tailrl.rl.fold): their prompts' lengths. A longer
-    question tends to take a longer answer, which finishes later, so the groups are summed about
-    in the order they finish and few buffers wait (docs/memory.md); a poor guess costs memory
-    (more wait), never bits."""
-    return [len(p) for p in prompts]
+def group_key(responses: Sequence[Sequence[int]]) -> int:
+    """A group's key in the summing order (tailrl.rl.fold): its longest response's length, the
+    group's own and every sibling's (a response the update leaves out too). The rollout finishes
+    a group about when its longest response ends, so the groups are summed about in the order
+    they finish and few buffers wait; a response still decoding bounds its group's key from below
+    by the tokens it has, which is what lets a finished group in before the rollout ends."""
+    return max((len(r) for r in responses), default=0)
 
 
 def by_prompt(samples: Sequence[Sample]) -> list[list[Sample]]:
@@ -277,10 +302,9 @@ def accumulate_gradients(policy: Transformer, samples: Sequence[Sample], cfg: GR
     by group (adjacent samples with one prompt) in order, cfg.micro_batch responses per
     forward/backward within a group."""
     groups = by_prompt(samples)
-    keys = fold_keys([g[0].prompt_ids for g in groups])
-    grads = GroupGradients(policy, cfg, temperature, len(groups), ref, keys=keys)
+    grads = GroupGradients(policy, cfg, temperature, len(groups), ref)
     for g, group in enumerate(groups):
-        grads.add(g, group)
+        grads.add(g, group, group_key([s.token_ids for s in group]))
     return grads.finish()
 
 
@@ -303,7 +327,7 @@ class BackgroundUpdate:
     def __init__(self, grads: GroupGradients, idle: DrafterFeed | None = None):
         self.grads = grads
         self.idle = idle
-        self._queue: deque[tuple[int, Sequence[Sample]]] = deque()
+        self._queue: deque[tuple[int, Sequence[Sample], int]] = deque()
         self._cond = threading.Condition()
         self._gate = False
         self._closed = False
@@ -315,9 +339,25 @@ class BackgroundUpdate:
         self._thread = threading.Thread(target=self._run, name="tailrl-update", daemon=True)
         self._thread.start()
 
-    def submit(self, group: int, samples: Sequence[Sample]) -> None:
+    def submit(self, group: int, samples: Sequence[Sample], key: int) -> None:
+        """A finished group, with its key in the summing order (group_key)."""
+        if 0 <= group < self.grads.num_groups:  # one out of range: add refuses it, in drain
+            self.grads.reveal(group, key)
         with self._cond:
-            self._queue.append((group, samples))
+            self._queue.append((group, samples, key))
+            self._cond.notify_all()
+
+    def floor(self, at_least: int) -> None:
+        """Every group not yet submitted has a key of at least `at_least` (its responses still
+        decoding have that many tokens): groups before it in the summing order may be computed."""
+        self.grads.floor(at_least)
+        with self._cond:
+            self._cond.notify_all()
+
+    def bound(self, group: int, at_least: int) -> None:
+        """Group `group`, not yet submitted, has a key of at least `at_least` (a finished response)."""
+        self.grads.bound(group, at_least)
+        with self._cond:
             self._cond.notify_all()
 
     def open_gate(self) -> None:
@@ -354,7 +394,7 @@ class BackgroundUpdate:
             self._cond.notify_all()
         self._thread.join()
 
-    def _pick(self) -> tuple[int, Sequence[Sample]] | None:
+    def _pick(self) -> tuple[int, Sequence[Sample], int] | None:
         """The queued group to compute next; None: none now (caller holds _cond). While the
         rollout runs, a group whose buffer would leave more than cfg.waiting_gradients waiting
         to be added (tailrl.rl.fold) stays queued: it is computed once the groups it would wait
@@ -362,16 +402,15 @@ class BackgroundUpdate:
         the costliest work first, and the least is left for after the rollout). After the
         rollout every group is in and one is computed at a time: the first in the summing
         order, which leaves the fewest buffers waiting the order allows."""
-        first = self.grads.position
         if self._closed:
-            return min(self._queue, key=lambda q: first(q[0])) if self._queue else None
+            return min(self._queue, key=lambda q: (q[2], q[0])) if self._queue else None
         cap = self.grads.cfg.waiting_gradients
-        fitting = [q for q in self._queue if self.grads.held_after(*q) <= cap]
+        fitting = [q for q in self._queue if self.grads.held_after(q[0], q[1]) <= cap]
         if not fitting:
             return None
-        return max(fitting, key=lambda q: (sum(len(s.prompt_ids) + len(s.token_ids) for s in q[1]), -first(q[0])))
+        return max(fitting, key=lambda q: (sum(len(s.prompt_ids) + len(s.token_ids) for s in q[1]), -q[2], -q[0]))
 
-    def _take(self) -> tuple[int, Sequence[Sample]] | object | None:
+    def _take(self) -> tuple[int, Sequence[Sample], int] | object | None:
         with self._cond:
             while True:
                 if self._closed and not self._queue:
@@ -398,7 +437,7 @@ class BackgroundUpdate:
                 self._error = self._error or e
                 self.idle = None  # no second try this step
 
-    def _compute(self, item: tuple[int, Sequence[Sample]]) -> None:
+    def _compute(self, item: tuple[int, Sequence[Sample], int]) -> None:
         t0 = time.perf_counter()
         try:
             self.grads.add(*item)

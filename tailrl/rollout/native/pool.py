@@ -105,9 +105,17 @@ class WorkerPool(AdaptingRollout):
                 ps = self._progress.values()
                 self._on_progress(Progress(sum(p.done for p in ps), sum(p.total for p in ps),
                                            sum(p.running for p in ps), sum(p.tokens for p in ps),
-                                           max(p.seconds for p in ps)))
+                                           max(p.seconds for p in ps), self._fewest_unfinished()))
             if self.runtime.in_process:  # a core the caller lent, or took back, in its callback
                 self._core.apply(self._threads)
+
+    def _fewest_unfinished(self) -> int:
+        """Progress.fewest_unfinished over the workers: the least of those with a request
+        unfinished (0 while one of them has not reported yet)."""
+        unfinished = [rank for rank, idx in enumerate(self._shards) if any(i not in self._reported for i in idx)]
+        if any(rank not in self._progress for rank in unfinished):
+            return 0
+        return min((self._progress[rank].fewest_unfinished for rank in unfinished), default=0)
 
     def _report_finished(self, index: int, completion: Completion) -> None:
         """on_finished once per request: from its Finished beat, or from its shard's result when

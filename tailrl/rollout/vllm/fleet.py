@@ -293,8 +293,10 @@ class _Run:
         """The call's progress: every engine's summed, the finished requests of all."""
         ps = self.latest.values()
         done = sum(c is not None for c in self.out)
+        # The engines still decoding (a finished shard leaves `shards`); one not heard from yet: 0.
+        fewest = min((self.latest[r].fewest_unfinished if r in self.latest else 0 for r in self.shards), default=0)
         return Progress(done, len(self.requests), sum(p.running for p in ps), sum(p.tokens for p in ps),
-                        max((p.seconds for p in ps), default=0.0))
+                        max((p.seconds for p in ps), default=0.0), fewest)
 
     def completions(self) -> list[Completion]:
         if any(c is None for c in self.out):

@@ -202,8 +202,9 @@ class VllmCall:
         stats.timeline.append(step)
 
     def progress(self) -> Progress:
+        fewest = min((len(seq.tokens) for seq, done in zip(self.seqs, self.done) if done is None), default=0)
         return Progress(self.finished, len(self.requests), self.started - self.finished, self.stats.tokens,
-                        self.stats.seconds)
+                        self.stats.seconds, fewest)
 
     def completions(self) -> list[Completion]:
         if any(c is None for c in self.done):
