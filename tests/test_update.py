@@ -445,6 +445,7 @@ class _Watched(GroupGradients):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.waiting: list[int] = []
+        self.added_groups: list[int] = []
         self.computing, self.most_computing = 0, 0
         self.where: list[tuple[threading.Thread, int]] = []
         self._count = threading.Lock()
@@ -460,6 +461,7 @@ class _Watched(GroupGradients):
             with self._count:
                 self.computing -= 1
         self.waiting.append(self.held_buffers)
+        self.added_groups.append(group)
 
 
 def _settle(update: BackgroundUpdate) -> None:
@@ -549,3 +551,29 @@ def test_bounds_from_the_rollout_let_its_tail_compute_each_group_as_it_finishes(
         assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
         assert max(gg.waiting) <= 1
     assert computed == {False: [1, 1, 1, 2, 2, 6], True: [1, 2, 3, 4, 5, 6]}
+
+
+def test_the_tail_computes_the_groups_next_in_the_summing_order_before_a_costlier_one(policy):
+    # Finished groups queued while the rollout kept its cores (keys 10-40; group 4, key 60, the
+    # most tokens), then the tail: every group still decoding is longer than 45. Under a cap of 1
+    # the next groups in the order go first, each added to the sum as it is computed; group 4
+    # would wait for group 0 (key 50, still decoding), so it stays queued. Taken first for its
+    # cost, it would have waited and blocked the rest.
+    groups = _groups(policy.cfg.vocab_size, sizes=(2, 2, 2, 2, 8, 2), seed=7)
+    keys = [50, 10, 40, 20, 60, 30]
+    tokens = [sum(len(s.prompt_ids) + len(s.token_ids) for s in g) for g in groups]
+    assert max(range(6), key=tokens.__getitem__) == 4
+    cfg = GRPOConfig(micro_batch=2, waiting_gradients=1)
+    want = _in_order(policy, groups, cfg, range(len(groups)), keys)
+    gg = _Watched(policy, cfg, 0.8, len(groups))
+    update = BackgroundUpdate(gg)
+    for g in (4, 1, 3, 5, 2):
+        update.submit(g, groups[g], keys[g])
+    update.floor(45)
+    update.open_gate()
+    _settle(update)
+    assert gg.added_groups == [2, 1, 3, 5] and gg.waiting == [0, 1, 1, 1]  # the empty group first: it holds nothing
+    update.submit(0, groups[0], keys[0])
+    update.drain()
+    gg.finish()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))

@@ -398,17 +398,16 @@ class BackgroundUpdate:
         """The queued group to compute next; None: none now (caller holds _cond). While the
         rollout runs, a group whose buffer would leave more than cfg.waiting_gradients waiting
         to be added (tailrl.rl.fold) stays queued: it is computed once the groups it would wait
-        for are in; of those that fit, the one with the most tokens (the tail's spare core takes
-        the costliest work first, and the least is left for after the rollout). After the
-        rollout every group is in and one is computed at a time: the first in the summing
-        order, which leaves the fewest buffers waiting the order allows."""
+        for are in; of those that fit, the one that leaves the fewest waiting, then the first in
+        the summing order: a group computed out of order holds its buffer, and under a cap of 1
+        blocks every other group until the groups before it are in (docs/memory.md). After the
+        rollout every group is in and one is computed at a time, in the summing order."""
         if self._closed:
             return min(self._queue, key=lambda q: (q[2], q[0])) if self._queue else None
         cap = self.grads.cfg.waiting_gradients
-        fitting = [q for q in self._queue if self.grads.held_after(q[0], q[1]) <= cap]
-        if not fitting:
-            return None
-        return max(fitting, key=lambda q: (sum(len(s.prompt_ids) + len(s.token_ids) for s in q[1]), -q[2], -q[0]))
+        held = [(self.grads.held_after(q[0], q[1]), q[2], q[0], q) for q in self._queue]
+        fitting = [h for h in held if h[0] <= cap]
+        return min(fitting, key=lambda h: h[:3])[3] if fitting else None
 
     def _take(self) -> tuple[int, Sequence[Sample], int] | object | None:
         with self._cond:
