@@ -220,13 +220,13 @@ def install(probe: Probe) -> None:
 
     orig_add = update_mod.GroupGradients.add
 
-    def add(self, group, samples):
+    def add(self, group, samples, key):
         probe.grads = self
         probe.computing += 1
         t = time.perf_counter() - T0
         tokens = sum(len(s.prompt_ids) + len(s.token_ids) for s in samples)
         try:
-            return orig_add(self, group, samples)
+            return orig_add(self, group, samples, key)
         finally:
             probe.computing -= 1
             probe.events.append({"step": probe.step, "event": "computed", "group": group, "tokens": tokens,
@@ -235,10 +235,10 @@ def install(probe: Probe) -> None:
 
     orig_submit = update_mod.BackgroundUpdate.submit
 
-    def submit(self, group, samples):
+    def submit(self, group, samples, key):
         probe.events.append({"step": probe.step, "event": "finished", "group": group, "samples": len(samples),
-                             "at_s": round(time.perf_counter() - T0, 2)})
-        return orig_submit(self, group, samples)
+                             "key": key, "at_s": round(time.perf_counter() - T0, 2)})
+        return orig_submit(self, group, samples, key)
 
     update_mod.BackgroundUpdate.submit = submit
 

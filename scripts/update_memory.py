@@ -14,9 +14,9 @@ of all responses, whole logits, no checkpointing) for lengths up to N.
 
 `--step METRICS.jsonl:N` measures instead a whole step's update as the default run computes it
 after its rollout: the step's recorded response lengths (random tokens) after the default task's
-prompts, one group per prompt, every group drained on two threads (tailrl.rl.update.BackgroundUpdate),
-for each `--settings MICRO_BATCH_TOKENS,CHECKPOINT_TOKENS` in turn, `--repeats` rounds of them
-interleaved, each in a process of its own. Not part of the tests.
+prompts, one group per prompt, drained as after a rollout (tailrl.rl.update.BackgroundUpdate: one
+group at a time on every torch thread), for each `--settings MICRO_BATCH_TOKENS,CHECKPOINT_TOKENS`
+in turn, `--repeats` rounds of them interleaved, each in a process of its own. Not part of the tests.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def step(metrics: str, micro_batch_tokens: int, checkpoint_tokens: int) -> dict:
     from tailrl.rl.sft import sft
     from tailrl.rl.tasks import encode_question, make_task
     from tailrl.rl.train import TrainConfig
-    from tailrl.rl.update import BackgroundUpdate, GroupGradients
+    from tailrl.rl.update import BackgroundUpdate, GroupGradients, group_key
 
     fix_mmap_threshold()
     path, number = metrics.rsplit(":", 1)
@@ -93,7 +93,7 @@ def step(metrics: str, micro_batch_tokens: int, checkpoint_tokens: int) -> dict:
     grads = GroupGradients(policy, cfg, 1.0, len(groups))
     update = BackgroundUpdate(grads)
     for g, group in enumerate(groups):
-        update.submit(g, group)
+        update.submit(g, group, group_key([s.token_ids for s in group]))
     update.drain()
     grads.finish()
     seconds = time.perf_counter() - t0
