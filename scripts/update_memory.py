@@ -1,7 +1,7 @@
 """Peak resident memory and seconds of the update of one GRPO group, by response length.
 
 One group of `--group` responses of N tokens each (random tokens after a 200-token prompt, the
-default model), its gradient computed as the RL step computes it (tailrl.rl.update.group_share),
+default model), its gradient computed as the RL step computes it (tailrl.rl.share.group_share),
 each (N, settings) in a process of its own so that each peak is its own. Printed per case: the
 resident peak above the policy, its gradient buffers' and AdamW's state (what any update holds
 whatever the length), the seconds, and the per-token slope between consecutive lengths.
@@ -35,7 +35,7 @@ def one(tokens: int, group: int, autocast: str, flat: bool) -> dict:
     from tailrl.memory import Peak, fix_mmap_threshold
     from tailrl.rl.grpo import GRPOConfig
     from tailrl.rl.packing import ON_POLICY, Sample
-    from tailrl.rl.update import group_share
+    from tailrl.rl.share import group_share
 
     fix_mmap_threshold()  # as tailrl train does
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ def one(tokens: int, group: int, autocast: str, flat: bool) -> dict:
     t0 = time.perf_counter()
     share = group_share(policy, samples, cfg, 1.0)
     seconds = time.perf_counter() - t0
-    assert share.grads is not None and len(held) == 3 * len(params)
+    assert len(share.grads) == 1 and len(held) == 3 * len(params)
     return {"tokens": tokens, "group": group, "autocast": autocast, "flat": flat,
             "peak_above_gb": round(peak.gb - base, 3), "seconds": round(seconds, 1)}
 

@@ -1,5 +1,5 @@
-"""The ordered fold: its association by hand, the same bits in every arrival order and with any
-true bounds, terms let in early by bounds, what a put leaves waiting; and a lazily zeroed
+"""The ordered fold: its order by hand, the same in every arrival order and with any true
+bounds, terms let in early by bounds, what a put leaves waiting; and a lazily zeroed
 tensor is zeros, resident only as written, and a piece of it released is zeros and not resident
 again: the engine releases every cache slot its sequences leave, without changing a token."""
 
@@ -20,19 +20,21 @@ from tailrl.rl.fold import OrderedFold
 from tailrl.sampling import SamplingParams
 
 
-def _trace(keys, order, floors=None) -> tuple[str, int]:
-    """The sum as a string of its association, and the most values held at once. Terms are
-    revealed, then put, in `order`; floors[n], where given, raises every unrevealed key's bound
-    between the n-th term's reveal and its put (as the update's floor rises while a group is scored)."""
-    fold: OrderedFold[str] = OrderedFold(len(keys), lambda a, b: f"({a}+{b})")
+def _trace(keys, order, floors=None) -> tuple[list[int], int]:
+    """The order the terms were added in, and the most buffers held at once (each term put with
+    one). Terms are revealed, then put, in `order`; floors[n], where given, raises every
+    unrevealed key's bound between the n-th term's reveal and its put (as the update's floor
+    rises while a group is scored)."""
+    fold = OrderedFold(len(keys))
     most = 0
     for n, i in enumerate(order):
         fold.reveal(i, keys[i])
         if floors and n in floors:
             fold.floor(floors[n])
-        fold.put(i, keys[i], str(i))
-        most = max(most, fold.held_values)
-    return fold.result(), most
+        fold.put(i, keys[i], 1)
+        most = max(most, fold.held)
+    assert fold.done
+    return fold.added, most
 
 
 def _true_floors(keys, order) -> dict[int, int]:
@@ -42,28 +44,25 @@ def _true_floors(keys, order) -> dict[int, int]:
 
 def test_the_fold_by_hand_over_ascending_keys_ties_by_term():
     keys = [5, 1, 1, 3, 9, 1]  # by (key, term): 1, 2, 5 (tied), 3, 0, 4
-    want = "(((((1+2)+5)+3)+0)+4)"
-    assert all(_trace(keys, order)[0] == want for order in itertools.permutations(range(6)))
-    assert _trace([0], [0])[0] == "0"
+    assert all(_trace(keys, order)[0] == [1, 2, 5, 3, 0, 4] for order in itertools.permutations(range(6)))
     # Unbounded, a term waits for every unrevealed one (any could come first): arriving in the
     # order, all but the last wait.
-    order = [1, 2, 5, 3, 0, 4]
-    assert _trace(keys, order)[1] == 5
+    assert _trace(keys, [1, 2, 5, 3, 0, 4])[1] == 5
     # With true bounds and distinct keys, terms arriving in the order never wait: only the sum does.
     keys = [5, 1, 2, 3, 9, 4]
     order = sorted(range(6), key=lambda i: keys[i])
-    assert _trace(keys, order, _true_floors(keys, order))[1] == 1
+    assert _trace(keys, order, _true_floors(keys, order)) == (order, 1)
 
 
-def test_floors_let_terms_in_early_and_never_change_the_association():
-    keys = [30, 10, 20, 10, 40]  # the order: 1, 3, 2, 0, 4
-    want = "((((1+3)+2)+0)+4)"
+def test_floors_let_terms_in_early_and_never_change_the_order():
+    keys = [30, 10, 20, 10, 40]
+    want = [1, 3, 2, 0, 4]
     assert _trace(keys, [1, 3, 2, 0, 4]) == (want, 4)  # unbounded: every term waits
     # Every unrevealed key at least 11 once 3 is revealed: 1 and 3 (10, ties by term) are next;
     # at least 25 once 2 is: 2 is next too; at least 31 once 0 is: 0 too. Only the sum waits.
     assert _trace(keys, [1, 3, 2, 0, 4], floors={1: 11, 2: 25, 3: 31}) == (want, 1)
     assert _trace(keys, [1, 3, 2, 0, 4], floors={1: 11, 2: 25}) == (want, 2)  # 0 waits for 4's reveal
-    # Any order, with true bounds or none: the same sum.
+    # Any order, with true bounds or none: the same order.
     rng = random.Random(0)
     for _ in range(200):
         order = list(range(5))
@@ -72,65 +71,56 @@ def test_floors_let_terms_in_early_and_never_change_the_association():
         assert _trace(keys, order, floors)[0] == want, (order, floors)
 
 
+def test_a_waiting_term_is_added_once_a_bound_shows_it_next():
+    fold = OrderedFold(3)
+    assert fold.put(1, 10, 2) == []  # two buffers (micro-batches), waiting: 0 or 2 could come first
+    assert fold.held == 2 and not fold.is_next(0)
+    fold.reveal(0, 12)
+    fold.floor(13)  # 2, unrevealed, comes after 0
+    assert fold.is_next(0)  # 1 is next now, and 0 after it
+    assert fold.settle() == [1] and fold.held == 1  # its buffers are the sum now
+    assert fold.put(0, 12, 0, in_sum=True) == [0] and fold.held == 1  # added into the sum as it was computed
+    assert fold.put(2, 30, 1) == [2] and fold.held == 0 and fold.added == [1, 0, 2]
+
+
 def test_held_after_is_what_a_put_leaves_waiting():
-    fold: OrderedFold[int] = OrderedFold(4, lambda a, b: a + b)
+    fold = OrderedFold(4)
     for i, key in enumerate([7, 3, 5, 9]):
         fold.reveal(i, key)  # the order: 1, 2, 0, 3
-    assert fold.held_values_after(0, True) == 1  # waits for 1 and 2
-    assert fold.held_values_after(1, True) == 1  # next: the running sum alone
-    fold.put(2, 5, 10)
-    assert fold.held_values == 1 and fold.held_values_after(1, True) == 1  # 1 lets 2 in: one sum
-    assert fold.held_values_after(1, False) == 1  # no value of its own: 2's becomes the sum
-    fold.put(1, 3, 1)
-    assert fold.added == [1, 2] and fold.held_values == 1
-    fold.put(0, 7, None)
-    assert fold.held_values_after(3, True) == 0  # the last: the sum is done, nothing waits
-    fold.put(3, 9, 100)
-    assert fold.result() == 111 and fold.added == [1, 2, 0, 3]
-
-
-def test_tensor_bits_do_not_depend_on_the_order_and_none_adds_nothing():
-    rng = torch.Generator().manual_seed(0)
-    terms = [torch.randn(7, generator=rng) * 10.0 ** k for k in range(-3, 4)]  # spread exponents: order matters
-    terms[2] = None
-    keys = [4, 2, 0, 6, 1, 5, 3]  # the order: 2, 4, 1, 6, 0, 5, 3
-
-    def total(order):
-        fold = OrderedFold(len(terms), lambda a, b: a.add_(b))
-        for i in order:
-            fold.put(i, keys[i], None if terms[i] is None else terms[i].clone())
-        return fold.result()
-
-    want = (((((terms[4] + terms[1]) + terms[6]) + terms[0]) + terms[5]) + terms[3])  # term 2 absent
-    for seed in range(10):
-        order = list(range(len(terms)))
-        random.Random(seed).shuffle(order)
-        assert torch.equal(total(order), want), order
+    assert fold.held_after(0, 2) == 2  # its two buffers wait for 1 and 2
+    assert fold.held_after(1, 0, into_sum=True) == 1  # next, into the sum: the sum alone
+    assert fold.held_after(1, 0) == 0  # next, with nothing to add: nothing at all
+    fold.put(2, 5, 1)
+    assert fold.held == 1 and fold.held_after(1, 0, into_sum=True) == 1  # 1 lets 2 in: the sum
+    assert fold.held_after(1, 0) == 1  # no value of its own: 2's buffer becomes the sum
+    fold.put(1, 3, 0, in_sum=True)
+    assert fold.added == [1, 2] and fold.held == 1
+    fold.put(0, 7, 0)
+    assert fold.held_after(3, 1) == 0  # the last: the sum is done, nothing waits
+    assert fold.put(3, 9, 1) == [3] and fold.added == [1, 2, 0, 3] and fold.done
 
 
 def test_misuse_is_refused():
-    fold = OrderedFold(4, lambda a, b: a + b)
+    fold = OrderedFold(4)
     fold.put(1, 5, 1)
     with pytest.raises(ValueError, match="put twice"):
-        fold.put(1, 5, 3)
+        fold.put(1, 5, 1)
     with pytest.raises(ValueError, match="out of range"):
-        fold.put(4, 0, 3)
+        fold.put(4, 0, 1)
     with pytest.raises(ValueError, match="revealed with key 6 after 5"):
         fold.reveal(1, 6)
     with pytest.raises(ValueError, match="not revealed"):
-        fold.held_values_after(0, True)
+        fold.held_after(0, 1)
     fold.bound(0, 8)
     with pytest.raises(RuntimeError, match="below a bound"):
-        fold.put(0, 7, 2)  # a bound that was not one would change the order
-    fold.put(2, 1, 2)
+        fold.put(0, 7, 1)  # a bound that was not one would change the order
+    fold.put(2, 1, 1)
     fold.floor(6)
-    fold.put(0, 8, 4)  # 2 and 1 are in (3 is at least 6), 0 waits for 3
-    assert fold.added == [2, 1] and fold.held_values == 2
+    fold.put(0, 8, 1)  # 2 and 1 are in (3 is at least 6), 0 waits for 3
+    assert fold.added == [2, 1] and fold.held == 2
     with pytest.raises(RuntimeError, match="below a bound"):
         fold.reveal(3, 5)  # it would have come before 1, which is in
-    with pytest.raises(RuntimeError, match="2 terms of 4 not added"):
-        fold.result()
-    assert OrderedFold(0, lambda a, b: a + b).result() is None
+    assert not fold.done and OrderedFold(0).done
 
 
 def _rss_kb() -> int:

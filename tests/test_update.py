@@ -5,37 +5,22 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 import weakref
 
 import pytest
 import torch
+from update_helpers import grads_of, groups_of, summed_in_order
 
 from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import load_model
 from tailrl.records import Completion, Request
-from tailrl.rl import gradients as gradients_mod, update as update_mod
+from tailrl.rl import gradients as gradients_mod, share as share_mod
+from tailrl.rl.gradients import GradientSink
 from tailrl.rl.grpo import GRPOConfig, chunked_logprobs, sequence_logprobs
 from tailrl.rl.packing import ON_POLICY, Sample, pack_tokens, packed_logprobs, packs
-from tailrl.rl.update import BackgroundUpdate, GroupGradients, accumulate_gradients, by_prompt, group_share
+from tailrl.rl.share import group_share
+from tailrl.rl.update import BackgroundUpdate, GroupGradients, accumulate_gradients, by_prompt
 from tailrl.sampling import SamplingParams
-
-
-def _groups(vocab: int, sizes=(4, 4, 4, 4, 4), seed: int = 0) -> list[list[Sample]]:
-    """Five groups of ragged responses, one empty (a skipped group: no reward spread). Their
-    behaviour log-probs are drawn around the tiny model's (~ -log 96 = -4.6), so ratios spread
-    over ~0.4-2.7: some tokens clip, some are capped."""
-    rng = random.Random(seed)
-    out = []
-    for g, n in enumerate(sizes):
-        prompt = tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(3, 9)))
-        if g == 2:
-            out.append([])
-            continue
-        lengths = [rng.randrange(1, 12) for _ in range(n)]
-        out.append([Sample(prompt, [rng.randrange(3, vocab) for _ in range(k)], rng.uniform(-1.5, 1.5),
-                           [rng.uniform(-5.5, -3.5) for _ in range(k)]) for k in lengths])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -43,36 +28,22 @@ def policy(tiny_dir):
     return load_model(tiny_dir, dtype="fp32").requires_grad_(True)
 
 
-def _grads(policy) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in policy.parameters()]
-
-
-def _in_order(policy, groups, cfg, order, keys=None) -> list[torch.Tensor]:
-    """The gradient of `groups` added in `order`, summed by `keys` (None: by group)."""
-    keys = keys or range(len(groups))
-    gg = GroupGradients(policy, cfg, 0.8, len(groups))
-    for g in order:
-        gg.add(g, groups[g], keys[g])
-    gg.finish()
-    return _grads(policy)
-
-
 @pytest.mark.parametrize("keys", [None, [3, 1, 2, 1, 0]])  # the summing order: by group, by key (group_key)
 def test_any_finishing_order_gives_the_same_bits(policy, keys):
-    groups = _groups(policy.cfg.vocab_size)
+    groups = groups_of(policy.cfg.vocab_size)
     cfg = GRPOConfig(micro_batch=3)
-    want = _in_order(policy, groups, cfg, range(len(groups)), keys)
+    want = summed_in_order(policy, groups, cfg, range(len(groups)), keys)
     for seed in range(4):
         order = list(range(len(groups)))
         random.Random(seed).shuffle(order)
-        got = _in_order(policy, groups, cfg, order, keys)
+        got = summed_in_order(policy, groups, cfg, order, keys)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), order
 
 
 def test_groups_computed_on_two_threads_give_the_same_bits(policy):
-    groups = _groups(policy.cfg.vocab_size, seed=1)
+    groups = groups_of(policy.cfg.vocab_size, seed=1)
     cfg = GRPOConfig(micro_batch=2)
-    want = _in_order(policy, groups, cfg, range(len(groups)))
+    want = summed_in_order(policy, groups, cfg, range(len(groups)))
     gg = GroupGradients(policy, cfg, 0.8, len(groups))
 
     def add(ids: list[int]) -> None:
@@ -85,7 +56,7 @@ def test_groups_computed_on_two_threads_give_the_same_bits(policy):
     for t in threads:
         t.join()
     gg.finish()
-    assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
+    assert all(torch.equal(a, b) for a, b in zip(grads_of(policy), want))
 
 
 def test_the_group_sum_is_the_token_mean_gradient_of_the_batch(tiny_dir):
@@ -95,7 +66,7 @@ def test_the_group_sum_is_the_token_mean_gradient_of_the_batch(tiny_dir):
     from tailrl.rl.grpo import policy_loss
 
     policy = load_model(tiny_dir, dtype="fp32").double().requires_grad_(True)
-    groups = _groups(policy.cfg.vocab_size, seed=2)
+    groups = groups_of(policy.cfg.vocab_size, seed=2)
     samples = [s for g in groups for s in g]
     total = sum(len(s.token_ids) for s in samples)
     policy.zero_grad()
@@ -106,22 +77,22 @@ def test_the_group_sum_is_the_token_mean_gradient_of_the_batch(tiny_dir):
         loss = loss + policy_loss(lp, behaviour, torch.full_like(lp, s.advantage),
                                   torch.ones_like(lp, dtype=torch.bool), num_tokens=total).loss
     loss.backward()
-    want = _grads(policy)
+    want = grads_of(policy)
     stats = accumulate_gradients(policy, samples, GRPOConfig(micro_batch=3), 0.8)
     assert stats.tokens == total and stats.loss == pytest.approx(loss.item(), abs=1e-12)
     assert stats.clip_fraction > 0 and stats.capped_fraction > 0  # every branch of the loss is in the sum
-    for a, b in zip(_grads(policy), want):
+    for a, b in zip(grads_of(policy), want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 def test_overlapped_update_equals_the_synchronous_one(policy):
-    groups = _groups(policy.cfg.vocab_size, seed=3)
+    groups = groups_of(policy.cfg.vocab_size, seed=3)
     cfg = GRPOConfig(micro_batch=3)
     sync = GroupGradients(policy, cfg, 0.8, len(groups))  # the step's groups, the skipped one too: the tree's leaves
     for g, group in enumerate(groups):
         sync.add(g, group, g)
     stats_sync = sync.finish()
-    want = _grads(policy)
+    want = grads_of(policy)
     gg = GroupGradients(policy, cfg, 0.8, len(groups))
     update = BackgroundUpdate(gg)
     update.submit(3, groups[3], 3)
@@ -134,7 +105,7 @@ def test_overlapped_update_equals_the_synchronous_one(policy):
     update.drain()  # the rollout is over: both threads finish the rest
     stats = gg.finish()
     assert stats == stats_sync
-    assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
+    assert all(torch.equal(a, b) for a, b in zip(grads_of(policy), want))
 
 
 def test_errors_in_the_background_thread_reach_drain(policy):
@@ -337,15 +308,15 @@ def test_a_chunked_and_checkpointed_update_is_the_ordinary_one(tiny_dir):
     micro-batches, in fp64 (bound as above); checkpointing alone recomputes each layer with the
     same shapes, so in fp32 it gives the same bits. autocast fp32: where bf16 is native, "auto"
     would run the products in bf16 and the two updates would differ by bf16 rounding."""
-    groups = _groups(96)
+    groups = groups_of(96)
     plain = GRPOConfig(micro_batch=3, micro_batch_tokens=24, autocast="fp32")
     flat = GRPOConfig(micro_batch=3, micro_batch_tokens=24, logprob_chunk=3, checkpoint_tokens=1, autocast="fp32")
     policy64 = load_model(tiny_dir, dtype="fp32").double().requires_grad_(True)
-    want, got = (_in_order(policy64, groups, cfg, range(len(groups))) for cfg in (plain, flat))
+    want, got = (summed_in_order(policy64, groups, cfg, range(len(groups))) for cfg in (plain, flat))
     assert all(torch.allclose(x, y, rtol=1e-12, atol=1e-12 * y.abs().max().item()) for x, y in zip(got, want))
     policy = load_model(tiny_dir, dtype="fp32").requires_grad_(True)
     checkpointed = GRPOConfig(micro_batch=3, micro_batch_tokens=24, checkpoint_tokens=1, autocast="fp32")
-    want, got = (_in_order(policy, groups, cfg, range(len(groups))) for cfg in (plain, checkpointed))
+    want, got = (summed_in_order(policy, groups, cfg, range(len(groups))) for cfg in (plain, checkpointed))
     assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
@@ -412,7 +383,7 @@ def test_chunking_and_checkpointing_lower_what_the_update_keeps_for_its_backward
 @pytest.mark.parametrize("model", ["tiny_dir", "char_model_dir"])  # untied head, tied head (as SmolLM2)
 def test_a_groups_micro_batches_are_added_as_their_backward_produces_them(model, request, monkeypatch):
     policy = load_model(request.getfixturevalue(model), dtype="fp32").requires_grad_(True)
-    group = _groups(policy.cfg.vocab_size, sizes=(7,), seed=3)[0]
+    group = groups_of(policy.cfg.vocab_size, sizes=(7,), seed=3)[0]
     cfg = GRPOConfig(micro_batch=2, autocast="fp32")  # four micro-batches
     returned: list[tuple[torch.Tensor, ...]] = []
     grad = torch.autograd.grad
@@ -421,159 +392,28 @@ def test_a_groups_micro_batches_are_added_as_their_backward_produces_them(model,
         returned.append(grad(*args, **kwargs))
         return returned[-1]
 
+    params = [p for p in policy.parameters() if p.requires_grad]
     monkeypatch.setattr(torch.autograd, "grad", spy)
-    routed = group_share(policy, group, cfg, 0.8)
-    # Nothing autograd.grad returned holds a gradient: each went into the share as it was produced.
+    routed = GradientSink(params)  # a running sum: every micro-batch added into it
+    assert group_share(policy, group, cfg, 0.8, into=routed).grads == []
+    # Nothing autograd.grad returned holds a gradient: each went into the sum as it was produced.
     assert len(returned) == 4 and all(x.stride() == (0,) * x.dim() for out in returned for x in out)
+    # Computed before its turn: one buffer per micro-batch, added later in the same order.
+    separate = group_share(policy, group, cfg, 0.8).grads
+    later = GradientSink(params)
+    for buffers in separate:
+        for i, b in enumerate(buffers):
+            later.take_at(i, b)
 
     # The same bits as adding what autograd.grad returns, a micro-batch at a time (the update before).
     def whole(loss, params, sink):
         for p, x in zip(params, grad(loss, params, allow_unused=True)):
             sink.take(id(p), torch.zeros_like(p) if x is None else x)
 
-    monkeypatch.setattr(update_mod, "differentiate", whole)
-    plain = group_share(policy, group, cfg, 0.8)
-    assert all(torch.equal(a, b) for a, b in zip(routed.grads, plain.grads))
+    monkeypatch.setattr(share_mod, "differentiate", whole)
+    plain = GradientSink(params)
+    group_share(policy, group, cfg, 0.8, into=plain)
+    assert len(separate) == 4 and all(torch.equal(a, b) for a, b in zip(routed.grads, plain.grads))
+    assert all(torch.equal(a, b) for a, b in zip(later.grads, plain.grads))
     # No hook is left on the policy: a backward outside the update is autograd's own.
     assert not gradients_mod._hooks
-
-
-class _Watched(GroupGradients):
-    """GroupGradients that records the buffers waiting after every group it adds, and for every
-    group the groups being computed beside it, the thread and its torch thread count."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.waiting: list[int] = []
-        self.added_groups: list[int] = []
-        self.computing, self.most_computing = 0, 0
-        self.where: list[tuple[threading.Thread, int]] = []
-        self._count = threading.Lock()
-
-    def add(self, group, samples, key):
-        with self._count:
-            self.computing += 1
-            self.most_computing = max(self.most_computing, self.computing)
-            self.where.append((threading.current_thread(), torch.get_num_threads()))
-        try:
-            super().add(group, samples, key)
-        finally:
-            with self._count:
-                self.computing -= 1
-        self.waiting.append(self.held_buffers)
-        self.added_groups.append(group)
-
-
-def _settle(update: BackgroundUpdate) -> None:
-    """Wait until the background thread may compute nothing more now."""
-    deadline = time.monotonic() + 120  # guards a hang only
-    while update.has_work:
-        assert time.monotonic() < deadline, "the background thread did not settle"
-        time.sleep(0.01)
-
-
-@pytest.mark.parametrize("cap", [0, 1, 2])
-def test_groups_whose_buffers_would_wait_past_the_cap_are_computed_later_with_the_same_bits(policy, cap):
-    groups = _groups(policy.cfg.vocab_size, sizes=(2,) * 8, seed=4)  # group 2 has no samples
-    cfg = GRPOConfig(micro_batch=2, waiting_gradients=cap)
-    want = _in_order(policy, groups, cfg, range(len(groups)))
-    gg = _Watched(policy, cfg, 0.8, len(groups))
-    update = BackgroundUpdate(gg)
-    update.open_gate()  # the tail: every group is computed as it finishes, if it may be
-    for g in (7, 5, 6, 3, 4, 1):  # the worst order for the tree: every buffer waits for group 0
-        update.submit(g, groups[g], g)
-        _settle(update)
-    # While the rollout runs no more than `cap` buffers wait: the rest stay queued.
-    assert max(gg.waiting, default=0) <= cap and len(gg.waiting) < 6
-    deferred = 6 - len(gg.waiting)
-    update.submit(0, groups[0], 0)  # the group every other one waits for
-    update.submit(2, groups[2], 2)
-    update.drain()
-    gg.finish()
-    assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
-    assert len(gg.waiting) == 8 and deferred > 0
-
-
-def test_after_the_rollout_one_thread_computes_one_group_at_a_time_on_the_callers_torch_threads(policy):
-    # Two groups at once held two groups' activations in two malloc arenas, and each, picked as
-    # if the other were not there, let the buffers waiting pass the cap (docs/memory.md). One at
-    # a time in the summing order (distinct keys: a left fold), only the running sum waits.
-    groups = _groups(policy.cfg.vocab_size, sizes=(2,) * 8, seed=5)
-    cfg = GRPOConfig(micro_batch=2, waiting_gradients=2)
-    keys = [3, 1, 4, 0, 6, 2, 7, 5]
-    want = _in_order(policy, groups, cfg, range(len(groups)), keys)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        gg = _Watched(policy, cfg, 0.8, len(groups))
-        update = BackgroundUpdate(gg)
-        update.open_gate()  # the tail: the background thread computes on one torch thread
-        update.submit(6, groups[6], keys[6])
-        _settle(update)
-        update.close_gate()
-        for g in (7, 5, 3, 4, 1, 0, 2):  # left to the drain
-            update.submit(g, groups[g], keys[g])
-        update.drain()
-    finally:
-        torch.set_num_threads(threads)
-    gg.finish()
-    assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
-    assert gg.most_computing == 1 and max(gg.waiting) <= 2
-    (thread,) = {t for t, _ in gg.where}
-    assert thread is not threading.current_thread() and [n for _, n in gg.where] == [1] + [2] * 7
-
-
-def test_bounds_from_the_rollout_let_its_tail_compute_each_group_as_it_finishes(policy):
-    # Groups finishing in the summing order (by their longest response): told that every
-    # response still decoding is longer than the group just finished (the rollout's progress),
-    # the tail computes each group as it finishes, and only the running sum waits. Not told, a
-    # finished group could still be preceded by any unfinished one, so with a cap of 1 the tail
-    # computes one group (and the empty group 2, which holds no buffer) until the last group's
-    # key is known. The same bits either way.
-    groups = _groups(policy.cfg.vocab_size, sizes=(2,) * 6, seed=6)
-    keys = [50, 10, 40, 20, 60, 30]
-    cfg = GRPOConfig(micro_batch=2, waiting_gradients=1)
-    want = _in_order(policy, groups, cfg, range(len(groups)), keys)
-    computed = {}
-    for told in (False, True):
-        gg = _Watched(policy, cfg, 0.8, len(groups))
-        update = BackgroundUpdate(gg)
-        update.open_gate()
-        computed[told] = []
-        for g in sorted(range(len(groups)), key=keys.__getitem__):
-            update.submit(g, groups[g], keys[g])
-            if told:
-                update.floor(keys[g] + 1)
-            _settle(update)
-            computed[told].append(len(gg.waiting))
-        update.drain()
-        gg.finish()
-        assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))
-        assert max(gg.waiting) <= 1
-    assert computed == {False: [1, 1, 1, 2, 2, 6], True: [1, 2, 3, 4, 5, 6]}
-
-
-def test_the_tail_computes_the_groups_next_in_the_summing_order_before_a_costlier_one(policy):
-    # Finished groups queued while the rollout kept its cores (keys 10-40; group 4, key 60, the
-    # most tokens), then the tail: every group still decoding is longer than 45. Under a cap of 1
-    # the next groups in the order go first, each added to the sum as it is computed; group 4
-    # would wait for group 0 (key 50, still decoding), so it stays queued. Taken first for its
-    # cost, it would have waited and blocked the rest.
-    groups = _groups(policy.cfg.vocab_size, sizes=(2, 2, 2, 2, 8, 2), seed=7)
-    keys = [50, 10, 40, 20, 60, 30]
-    tokens = [sum(len(s.prompt_ids) + len(s.token_ids) for s in g) for g in groups]
-    assert max(range(6), key=tokens.__getitem__) == 4
-    cfg = GRPOConfig(micro_batch=2, waiting_gradients=1)
-    want = _in_order(policy, groups, cfg, range(len(groups)), keys)
-    gg = _Watched(policy, cfg, 0.8, len(groups))
-    update = BackgroundUpdate(gg)
-    for g in (4, 1, 3, 5, 2):
-        update.submit(g, groups[g], keys[g])
-    update.floor(45)
-    update.open_gate()
-    _settle(update)
-    assert gg.added_groups == [2, 1, 3, 5] and gg.waiting == [0, 1, 1, 1]  # the empty group first: it holds nothing
-    update.submit(0, groups[0], keys[0])
-    update.drain()
-    gg.finish()
-    assert all(torch.equal(a, b) for a, b in zip(_grads(policy), want))

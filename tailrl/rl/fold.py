@@ -1,49 +1,48 @@
-"""A sum of n values that arrive in any order, added left to right in an order their keys decide.
+"""The order a sum of n terms is added in, left to right, when the terms arrive in any order.
 
 Floating-point addition is not associative, so a sum whose bits must not depend on the order
 its terms arrive in needs a fixed association. Here it is a left-to-right fold over the terms
 sorted by (key, index). A term may arrive before the terms that precede it in that order; it
-then waits (in the update, tailrl.rl.update, each waiting term is a policy-sized gradient
-buffer), so the order should be close to the order terms arrive in.
+then waits (in the update, tailrl.rl.update, each waiting term holds policy-sized gradient
+buffers), so the order should be close to the order terms arrive in.
 
 The keys need not be known up front. A term's key comes to light when the term does (`reveal`,
 or with `put`), and until then the caller may say how small it can still be (`floor` for every
 term not yet revealed, `bound` for one): the update's key is a GRPO group's longest response,
 whose length is known when the group finishes, and every unfinished response already has the
-tokens it has so far. A term is added once it is provably next: every term before it in the
-order is in, and every unrevealed one is bounded past it. So the order, and with it the bits,
-is the one sorting all final keys gives, whatever the bounds were; bounds only decide how early
-a term may be added. A bound that is not one (a revealed key below it) is refused: it could
-have let a term in before this one, which would change the bits.
+tokens it has so far. A term is added once it is provably next (`is_next`): every term before it
+in the order is in, and every unrevealed one is bounded past it. So the order, and with it the
+bits, is the one sorting all final keys gives, whatever the bounds were; bounds only decide how
+early a term may be added. A bound that is not one (a revealed key below it) is refused: it
+could have let a term in before this one, which would change the bits.
 
-A term may be None (nothing to add: a group without tokens); `add(a, b)` combines two present
-ones and may reuse a's storage.
+`OrderedFold` holds no values: `put` says which terms are added now, in order, and the caller
+adds them. It counts what waits: each term put with the buffers it holds until it is added (0: a
+term with nothing to add, or one the caller added into the sum itself because it was next),
+and the running sum once it holds anything.
 
-Knows: the order, which terms may be added. Does not know: what the values are.
+Knows: the order, which terms may be added, what waits. Does not know: what the values are.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterable, TypeVar
-
-T = TypeVar("T")
+from typing import Iterable
 
 
-class OrderedFold(Generic[T]):
-    """Terms 0..n-1 `put` in any order, each with its key; `result` once all are in: the left
-    fold over (key, index), the same bits for every arrival order and every set of bounds."""
+class OrderedFold:
+    """Terms 0..n-1 `put` in any order, each with its key; the left fold over (key, index)."""
 
-    def __init__(self, n: int, add: Callable[[T, T], T]):
+    def __init__(self, n: int):
         if n < 0:
             raise ValueError(f"a sum of {n} terms")
-        self.n, self._add = n, add
+        self.n = n
         self._key: list[int | None] = [None] * n  # revealed keys
         self._bound = [0] * n  # a lower bound on each unrevealed key
         self._floor = 0  # one on every unrevealed key
-        self._waiting: dict[int, T | None] = {}  # put, not yet added
+        self._waiting: dict[int, int] = {}  # put, not yet added: the buffers each holds
         self._added: list[int] = []  # the terms added so far, in the fold's order
         self._in: set[int] = set()
-        self._sum: T | None = None
+        self._sum = False  # the running sum holds a value
 
     # ---- what is known of the order -----------------------------------------------------------
 
@@ -82,42 +81,55 @@ class OrderedFold(Generic[T]):
         """The terms of `waiting` that are provably next, in the fold's order: the first term not
         yet added is revealed and waiting, then the first after it, and so on."""
         waiting, out = set(waiting), []
-        rest = sorted((i for i in range(self.n) if i not in self._in), key=self._order)
-        for i in rest:
+        for i in sorted((i for i in range(self.n) if i not in self._in), key=self._order):
             if i not in waiting or self._key[i] is None:
                 break
             out.append(i)
         return out
 
-    def put(self, i: int, key: int, value: T | None) -> list[int]:
-        """Term i with its key; the terms this adds (i and those that waited for it), in order."""
-        self._check(i)
-        if i in self._waiting or i in self._in:
-            raise ValueError(f"term {i} was put twice")
-        self.reveal(i, key)
-        self._waiting[i] = value
+    def is_next(self, i: int) -> bool:
+        """Whether term i (revealed, not yet put) is next once the waiting terms that are next
+        now are added (`settle`): put now, it would be added at once."""
+        return i in self._next([*self._waiting, i])
+
+    def settle(self) -> list[int]:
+        """Add the waiting terms that are next now (bounds may have risen since they were put);
+        they are returned in order: the caller adds them."""
         added = self._next(self._waiting)
         for j in added:
-            v = self._waiting.pop(j)
-            self._sum = v if self._sum is None else self._sum if v is None else self._add(self._sum, v)
+            buffers = self._waiting.pop(j)
+            self._sum = self._sum or buffers > 0
             self._in.add(j)
             self._added.append(j)
         return added
 
-    @property
-    def held_values(self) -> int:
-        """Values waiting to be added, the running sum among them until the last term is in."""
-        return (self._sum is not None and not self.done) + sum(v is not None for v in self._waiting.values())
+    def put(self, i: int, key: int, buffers: int, in_sum: bool = False) -> list[int]:
+        """Term i with its key and the buffers it holds until it is added (in_sum: none, the
+        caller added it into the sum itself, as it was next); the terms this adds (i and those
+        that waited for it), in order: the caller adds them."""
+        self._check(i)
+        if i in self._waiting or i in self._in:
+            raise ValueError(f"term {i} was put twice")
+        self.reveal(i, key)
+        self._waiting[i] = buffers
+        self._sum = self._sum or in_sum
+        return self.settle()
 
-    def held_values_after(self, i: int, present: bool) -> int:
-        """held_values once term i (revealed) is put, a value if `present`, the terms it lets in added."""
+    @property
+    def held(self) -> int:
+        """Buffers waiting to be added, the running sum among them until the last term is in."""
+        return (self._sum and not self.done) + sum(self._waiting.values())
+
+    def held_after(self, i: int, buffers: int, into_sum: bool = False) -> int:
+        """`held` once term i (revealed) is put with `buffers`, the terms it lets in added;
+        into_sum: i adds itself to the sum as it is computed (it is next), so nothing of it waits."""
         if self._key[i] is None:
             raise ValueError(f"term {i} is not revealed")
-        added = set(self._next([*self._waiting, i]))
-        present_now = {**{j: v is not None for j, v in self._waiting.items()}, i: present}
-        has_sum = self._sum is not None or any(present_now[j] for j in added)
+        waiting = {**self._waiting, i: buffers}
+        added = self._next(waiting)
+        has_sum = self._sum or into_sum or any(waiting[j] > 0 for j in added)
         done = len(self._in) + len(added) == self.n
-        return (has_sum and not done) + sum(p for j, p in present_now.items() if j not in added)
+        return (has_sum and not done) + sum(b for j, b in waiting.items() if j not in added)
 
     @property
     def added(self) -> list[int]:
@@ -127,9 +139,3 @@ class OrderedFold(Generic[T]):
     @property
     def done(self) -> bool:
         return len(self._in) == self.n
-
-    def result(self) -> T | None:
-        """The sum (None where every term was None)."""
-        if not self.done:
-            raise RuntimeError(f"{self.n - len(self._in)} terms of {self.n} not added")
-        return self._sum

@@ -1,18 +1,18 @@
-"""A micro-batch's gradient added to a group's buffer parameter by parameter, as the backward
-produces it (tailrl.rl.update.group_share).
+"""A micro-batch's gradient added to a buffer parameter by parameter, as the backward produces
+it (tailrl.rl.update.group_share): the update's running sum, or the micro-batch's own buffer.
 
 `torch.autograd.grad(loss, params)` returns every parameter's gradient at once, so adding a
-micro-batch's gradient to a group's buffer held two policy-sized buffers for a moment (0.54 GB in
-fp32 for SmolLM2-135M). Here a hook on each parameter hands its gradient, once autograd has
-summed it, to the computing thread's `GradientSink`, which keeps the first micro-batch's and
-adds a later one's at once; autograd.grad gets back a zero-strided zero in its place. The same
+micro-batch's gradient to a buffer held two policy-sized buffers for a moment (0.54 GB in fp32
+for SmolLM2-135M). Here a hook on each parameter hands its gradient, once autograd has summed
+it, to the computing thread's `GradientSink`, which keeps it where it holds nothing yet and adds
+it at once otherwise; autograd.grad gets back a zero-strided zero in its place. The same
 additions in the same order as adding the returned tensors: the same bits
 (tests/test_update.py). The hooks are shared by every thread computing a group (one per
 parameter while any is: `routed`); CPU autograd runs a backward on the thread that asked for it,
 so each finds its own sink, and a backward outside `differentiate` passes through.
 
-Knows: autograd's hooks, threads. Does not know: the loss, groups, the tree the buffers are
-summed along.
+Knows: autograd's hooks, threads. Does not know: the loss, groups, the order buffers are
+summed in.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 
 class GradientSink:
     """Where the gradients of the parameters a thread differentiates go, as autograd produces
-    them (`routed`): the first micro-batch's gradient of each parameter is kept, a later one's is
-    added to it at once and dropped, so a group holds one gradient-sized buffer however many
-    micro-batches it has, not a second one for the micro-batch being added."""
+    them (`routed`): the first gradient of each parameter is kept, a later one's is added to it
+    at once and dropped, so a sink fed micro-batch after micro-batch (the update's running sum)
+    holds one gradient-sized buffer, not a second one for the micro-batch being added."""
 
     def __init__(self, params: Sequence[torch.Tensor]):
         self.index = {id(p): i for i, p in enumerate(params)}
@@ -38,12 +38,16 @@ class GradientSink:
         i = self.index.get(key)
         if i is None:
             return False
+        self.take_at(i, g)
+        self.seen.add(i)
+        return True
+
+    def take_at(self, i: int, g: torch.Tensor) -> None:
+        """Parameter i's gradient: kept if it is the first, else added to what is kept."""
         if self.grads[i] is None:
             self.grads[i] = g
         else:
             self.grads[i].add_(g)
-        self.seen.add(i)
-        return True
 
 
 _sinks = threading.local()  # .sink: the GradientSink of the micro-batch this thread differentiates

@@ -5,23 +5,22 @@ A group whose responses are all finished has its rewards and advantages; its sha
 group and combines the shares so the result does not depend on when, or on which thread, each
 group was computed:
 
-- A group's gradient is the gradient of its *unnormalised* loss (the sum over its tokens of the
-  per-token PPO-clip loss against the log-probs the rollout sampled with,
-  tailrl.rl.grpo.policy_loss with num_tokens=1), taken with torch.autograd.grad into a buffer of
-  its own: nothing is accumulated into shared `.grad`. A parameter's gradient is added to the
-  buffer as soon as the backward has it (tailrl.rl.gradients), so a group of several
-  micro-batches holds one buffer, not a second for the micro-batch being added.
-- Buffers are added in a fixed order (tailrl.rl.fold.OrderedFold): a left-to-right fold over
-  the groups by their longest response's length (`group_key`), ties by group index.
-  Floating-point addition is not associative, so a fixed association is what makes the sum's
-  bits independent of the order groups finish in, and the lengths are the tokens' own, so the
-  order is the same in every schedule. A buffer waits while a group earlier in the order is
-  still decoding; the rollout finishes a group about when its longest response ends, so the
-  order is about the one groups finish in. A finished group need not wait for the rollout's end
-  to know it is next: every response still decoding has at least the tokens it has so far
-  (`floor`, from the rollout's progress; `bound`, a group's finished responses), and a group
-  whose key is below every unfinished group's bound is next (docs/memory.md). The stats and the
-  hidden states are folded in group order (they are small).
+- A group's share (tailrl.rl.share) is the gradient of its *unnormalised* loss, taken micro-batch
+  by micro-batch: nothing is accumulated into shared `.grad`.
+- Micro-batch gradients are added to one running sum in a fixed order (tailrl.rl.fold.OrderedFold):
+  a left-to-right fold over the groups by their longest response's length (`group_key`), ties
+  by group index, each group's micro-batches in turn. Floating-point addition is not
+  associative, so a fixed association is what makes the sum's bits independent of the order
+  groups finish in, and the lengths are the tokens' own, so the order is the same in every
+  schedule. A group that is next in the order adds each micro-batch's gradient to the sum
+  parameter by parameter as its backward produces it (tailrl.rl.gradients): it holds no buffer
+  of its own. A group computed before its turn keeps one buffer per micro-batch, which wait
+  until the groups before it are in. The rollout finishes a group about when its longest
+  response ends, so the order is about the one groups finish in, and a finished group need not
+  wait for the rollout's end to know it is next: every response still decoding has at least the
+  tokens it has so far (`floor`, from the rollout's progress; `bound`, a group's finished
+  responses), and a group whose key is below every unfinished group's bound is next
+  (docs/memory.md). The stats and the hidden states are folded in group order (they are small).
 - At most `waiting_gradients` buffers wait (tailrl.rl.grpo.GRPOConfig, the gradient sum among
   them): a group whose buffer would wait beyond them stays queued until it would not (only when
   it is computed changes: the same bits).
@@ -50,8 +49,8 @@ background thread runs it while the gate is open and no group may be computed: p
 first, the idle work stopping between its units as soon as a group may be, the gate closes or
 the rollout ends.
 
-Knows: samples, the GRPO loss, autograd, threads. Does not know: how tokens were produced,
-rewards, workers, the optimizer.
+Knows: the summing order, what waits, threads. Does not know: the loss (tailrl.rl.share), how
+tokens were produced, rewards, workers, the optimizer.
 """
 
 from __future__ import annotations
@@ -59,22 +58,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from tailrl.loading import resolve_dtype
 from tailrl.memory import trim
 from tailrl.model import Transformer
 from tailrl.rl.fold import OrderedFold
-from tailrl.rl.gradients import GradientSink, differentiate, routed
-from tailrl.rl.grpo import GRPOConfig, policy_loss
-from tailrl.rl.packing import PackMemory, Sample, packed_behaviour, packed_logprobs, packed_logprobs_and_hidden, packs
+from tailrl.rl.gradients import GradientSink
+from tailrl.rl.grpo import GRPOConfig
+from tailrl.rl.packing import Sample
+from tailrl.rl.share import STAT_NAMES, GroupShare, empty_share, group_share, micro_batches
 from tailrl.rollout.protocol import DrafterFeed
-
-# Token means (policy_loss's LossTerms of the same names), added up as token-weighted sums.
-STAT_NAMES = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "capped_fraction", "mismatch_kl")
 
 
 @dataclass(frozen=True)
@@ -91,67 +87,6 @@ class UpdateStats:
     mismatch_kl: float = 0.0
     ratio_max: float = 0.0
     tokens: int = 0
-
-
-@dataclass
-class _Share:
-    """One group's unnormalised share: gradient buffers, token-weighted stat sums, the max ratio."""
-
-    grads: list[torch.Tensor] | None  # one per trainable parameter; None: the group had no tokens
-    sums: dict[str, float]
-    tokens: int
-    ratio_max: float = 0.0
-    # With keep_hidden: the group's samples and each one's hidden states (packing.packed_logprobs_and_hidden).
-    samples: list[Sample] = field(default_factory=list)
-    hidden: list[torch.Tensor] = field(default_factory=list)
-
-
-def _empty_share() -> _Share:
-    return _Share(None, dict.fromkeys(STAT_NAMES, 0.0), 0)
-
-
-def group_share(policy: Transformer, samples: Sequence[Sample], cfg: GRPOConfig, temperature: float,
-                ref: Transformer | None = None, keep_hidden: bool = False) -> _Share:
-    """The gradient of sum-over-tokens of the GRPO loss of `samples`, micro-batches of at most
-    cfg.micro_batch responses and (where responses allow) cfg.micro_batch_tokens tokens per
-    forward/backward, added in order; with keep_hidden, each sample's hidden states from the same
-    forwards. Long micro-batches keep memory flat (packing.PackMemory); the reference model's
-    pass keeps no autograd state; each micro-batch's gradient is added parameter by parameter as
-    its backward produces it (tailrl.rl.gradients)."""
-    params = [p for p in policy.parameters() if p.requires_grad]
-    share = _empty_share()
-    device_type = params[0].device.type
-    bf16 = resolve_dtype(cfg.autocast, params[0].device) == "bf16"
-    memory = PackMemory(cfg.logprob_chunk, cfg.checkpoint_tokens)
-    sink = GradientSink(params)
-    with routed(params):
-        for pack in packs(samples, cfg.micro_batch, cfg.micro_batch_tokens):
-            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
-                if keep_hidden:
-                    logprobs, hidden = packed_logprobs_and_hidden(policy, pack, temperature, memory)  # (1, N)
-                    share.samples += pack
-                    share.hidden += hidden
-                else:
-                    logprobs = packed_logprobs(policy, pack, temperature, memory)  # (1, N)
-            ref_logprobs = None
-            if ref is not None:
-                with torch.no_grad():
-                    ref_logprobs = packed_logprobs(ref, pack, temperature, memory)  # (1, N)
-            adv = torch.tensor([[s.advantage for s in pack for _ in s.token_ids]], dtype=torch.float64)  # (1, N)
-            out = policy_loss(
-                logprobs, packed_behaviour(pack, logprobs), adv.to(logprobs.device),
-                torch.ones_like(logprobs, dtype=torch.bool), cfg.clip_low, cfg.clip_upper, cfg.is_cap, ref_logprobs,
-                cfg.kl_coef, num_tokens=1,
-            )
-            differentiate(out.loss, params, sink)
-            n = logprobs.shape[1]
-            share.tokens += n
-            share.sums["loss"] += out.loss.item()  # already a sum over the pack's tokens
-            for name in STAT_NAMES[1:]:
-                share.sums[name] += getattr(out, name) * n  # token means over the pack -> sums
-            share.ratio_max = max(share.ratio_max, out.ratio_max)
-    share.grads = sink.grads if share.tokens else None
-    return share
 
 
 class GroupGradients:
@@ -172,7 +107,7 @@ class GroupGradients:
         self.on_hidden = on_hidden
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.num_groups = num_groups
-        self._ready: dict[int, _Share] = {}
+        self._ready: dict[int, GroupShare] = {}
         self._next = 0  # the first group whose stats are not yet folded
         self._sums = dict.fromkeys(STAT_NAMES, 0.0)
         self._tokens = 0
@@ -183,13 +118,13 @@ class GroupGradients:
         # The order, and which buffers wait: under _shape_lock, read by the scheduler (held_after)
         # on the rollout's thread, which must not wait for an addition of gradient buffers. The
         # buffers themselves are added under _lock, in the order the shape added their groups.
-        self._shape: OrderedFold[bool] = OrderedFold(self.num_groups, lambda a, b: True)
+        self._shape = OrderedFold(self.num_groups)
         self._shape_lock = threading.Lock()
         self._order: list[int] = []  # groups in the fold's order, as the shape adds them
         self._lock = threading.Lock()
-        self._buffers: dict[int, list[torch.Tensor] | None] = {}  # computed, not yet added
-        self._summed = 0  # how many of _order are in _sum
-        self._sum: list[torch.Tensor] | None = None
+        self._buffers: dict[int, list[list[torch.Tensor]]] = {}  # computed, not yet in the sum
+        self._summed = 0  # how many of _order are in the sum
+        self._sum = GradientSink(self.params)  # the running sum: its grads, None until a group adds to it
 
     def reveal(self, group: int, key: int) -> None:
         with self._shape_lock:
@@ -205,30 +140,48 @@ class GroupGradients:
             self._shape.bound(group, at_least)
 
     def add(self, group: int, samples: Sequence[Sample], key: int) -> None:
+        """Compute the group's share and sum it in its turn. A group that is next in the summing
+        order adds its micro-batches to the sum as its backwards produce them, holding no buffer
+        of its own (no other group is added before it is in); any other keeps one buffer per
+        micro-batch until its turn, then adds them in the same order: the same bits."""
         if not 0 <= group < self.num_groups:
             raise ValueError(f"group {group} out of range for {self.num_groups} groups")
-        share = (group_share(self.policy, samples, self.cfg, self.temperature, self.ref, self.on_hidden is not None)
-                 if samples else _empty_share())
+        with self._lock:  # groups that became next since they were put (bounds rose) go in first
+            with self._shape_lock:
+                self._shape.reveal(group, key)
+                self._order += self._shape.settle()
+            self._sum_in_order()
+            with self._shape_lock:  # next, with every group before it in the sum already
+                into = self._shape.is_next(group) and self._summed == len(self._order)
+        share = (group_share(self.policy, samples, self.cfg, self.temperature, self.ref, self.on_hidden is not None,
+                             self._sum if into else None)
+                 if samples else empty_share())
         with self._shape_lock:
-            self._order += self._shape.put(group, key, True if share.grads is not None else None)
+            self._order += self._shape.put(group, key, len(share.grads), in_sum=into and share.tokens > 0)
         with self._lock:
             self._buffers[group] = share.grads
-            share.grads = None  # the fold holds them now
-            with self._shape_lock:
-                order = self._order[self._summed:]
-            for g in order:  # in the shape's order, as far as the buffers are here
-                if g not in self._buffers:
-                    break
-                buffer = self._buffers.pop(g)
-                if buffer is not None:
-                    self._sum = buffer if self._sum is None else _add_buffers(self._sum, buffer)
-                self._summed += 1
+            share.grads = []  # the sum holds them now, or will
+            self._sum_in_order()
             self._ready[group] = share
             while self._next in self._ready:
                 self._fold(self._ready.pop(self._next))
                 self._next += 1
 
-    def _fold(self, share: _Share) -> None:
+    def _sum_in_order(self) -> None:
+        """Add the buffers of the groups the shape has added, in its order, as far as they are
+        here (a group still being computed on another thread stops it; that thread goes on).
+        Caller holds _lock."""
+        with self._shape_lock:
+            order = self._order[self._summed:]
+        for g in order:
+            if g not in self._buffers:
+                break
+            for buffers in self._buffers.pop(g):
+                for i, b in enumerate(buffers):
+                    self._sum.take_at(i, b)
+            self._summed += 1
+
+    def _fold(self, share: GroupShare) -> None:
         for name in STAT_NAMES:
             self._sums[name] += share.sums[name]
         self._tokens += share.tokens
@@ -240,7 +193,7 @@ class GroupGradients:
     def held_buffers(self) -> int:
         """Gradient buffers of finished groups waiting to be added, the gradient sum among them."""
         with self._shape_lock:
-            return self._shape.held_values
+            return self._shape.held
 
     def held_after(self, group: int, samples: Sequence[Sample]) -> int:
         """held_buffers once `group` (revealed; with these samples: none, no buffer) is added, if
@@ -248,7 +201,9 @@ class GroupGradients:
         if not 0 <= group < self.num_groups:
             return 0
         with self._shape_lock:
-            return self._shape.held_values_after(group, bool(samples))
+            if self._shape.is_next(group):
+                return self._shape.held_after(group, 0, into_sum=bool(samples))
+            return self._shape.held_after(group, micro_batches(samples, self.cfg) if samples else 0)
 
     @property
     def done(self) -> bool:
@@ -258,22 +213,16 @@ class GroupGradients:
         """Write the token-mean gradient into .grad (None when no group had tokens); the stats."""
         if not self.done:
             raise RuntimeError(f"finish() with groups {self._next}.. of {self.num_groups} not added")
-        total = self._sum
+        total = self._sum.grads
         self._start()
         if self._tokens == 0:
             for p in self.params:
                 p.grad = None
             return UpdateStats()
         for p, g in zip(self.params, total):
-            p.grad = g.div_(self._tokens)
+            p.grad = g.div_(self._tokens)  # type: ignore[union-attr]  # every parameter was differentiated
         t = self._tokens
         return UpdateStats(tokens=t, ratio_max=self._ratio_max, **{name: v / t for name, v in self._sums.items()})
-
-
-def _add_buffers(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
-    for x, y in zip(a, b):
-        x.add_(y)
-    return a
 
 
 def group_key(responses: Sequence[Sequence[int]]) -> int:
