@@ -5,7 +5,8 @@ rollout's KV caches and model copies (`fixed`, GiB); the update holds the finish
 gradient buffers waiting to be added, the gradient sum among them (at most `waiting_gradients`,
 tailrl.rl.update), and the one group it computes at a time (tailrl.rl.update.BackgroundUpdate):
 that group's gradient buffer and what its largest micro-batch keeps for the backward
-(`computing_group_gb`). What is left of the budget after the fixed part and the waiting buffers
+(`computing_group_gb`; a group next in the summing order adds into the sum and holds no buffer
+of its own, so for it the estimate is one buffer high). What is left of the budget after the fixed part and the waiting buffers
 sizes:
 
 - `checkpoint_tokens`: the most tokens a micro-batch may keep every layer's activations for; a
