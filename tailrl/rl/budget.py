@@ -6,8 +6,8 @@ gradient buffers waiting to be added, the gradient sum among them (at most `wait
 tailrl.rl.update), and the one group it computes at a time (tailrl.rl.update.BackgroundUpdate):
 that group's gradient buffer and what its largest micro-batch keeps for the backward
 (`computing_group_gb`; a group next in the summing order adds into the sum and holds no buffer
-of its own, so for it the estimate is one buffer high). What is left of the budget after the fixed part and the waiting buffers
-sizes:
+of its own, so for it the estimate is one buffer high). What is left of the budget after the
+fixed part and the waiting buffers sizes:
 
 - `checkpoint_tokens`: the most tokens a micro-batch may keep every layer's activations for; a
   longer one is checkpointed (tailrl.rl.packing: its layers' inputs only, ~1.3x the compute);
