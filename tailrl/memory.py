@@ -11,6 +11,8 @@ unknown: `Peak.gb` is None then, never a guess.
 `available_gb` is what the kernel says the process may still take: MemAvailable, or less where
 a cgroup (v2) limit is nearer.
 
+`resident_gb` is this process's resident size now (VmRSS).
+
 `total_gb` is the memory the machine gives this process: MemTotal, or a cgroup (v2) limit where
 that is less.
 
@@ -45,14 +47,20 @@ MMAP_THRESHOLD = 4 * 2**20
 _CGROUP = Path("/sys/fs/cgroup")
 
 
-def _high_water_kb() -> int | None:
+def _status_kb(key: str) -> int | None:
     try:
         for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1])
     except OSError:
         return None
     return None
+
+
+def resident_gb() -> float | None:
+    """This process's resident size now, in GiB; None where the kernel does not say."""
+    kb = _status_kb("VmRSS")
+    return kb / 2**20 if kb is not None else None
 
 
 class Peak:
@@ -71,7 +79,7 @@ class Peak:
 
     @property
     def gb(self) -> float | None:
-        kb = _high_water_kb() if self._reset else None
+        kb = _status_kb("VmHWM") if self._reset else None
         return kb / 2**20 if kb is not None else None
 
 

@@ -158,7 +158,7 @@ TIMING = {"rollout_s", "reward_s", "train_s", "step_s", "prefill_s", "rollout_to
           "rollout_share", "tail_s", "tail_share", "drafter_after_s", "idle_seconds_harvested", "idle_seconds_left",
           "preempt_latency_s"}
 # Resident memory: what the allocator and the kernel did, not what the run computed.
-MEMORY = {"peak_rss_gb", "update_peak_rss_gb"}
+MEMORY = {"peak_rss_gb", "rollout_peak_rss_gb", "update_peak_rss_gb", "held_rss_gb"}
 # How the rollout decoded: with --spec auto (the default) the tuner picks arms by measured
 # speed, so these differ between runs that emit the same tokens.
 DECODE_PATH = {"decode_steps", "spec_verify_steps", "spec_proposed", "spec_accepted", "spec_accept_len", "sd_fraction",

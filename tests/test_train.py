@@ -42,7 +42,7 @@ REQUIRED = {
     "train_s", "step_s", "tokens_generated", "loss", "pg_loss", "kl", "reward_failures", "reward_timeouts",
     "groups_skipped", "response_lens", "grad_norm", "sd_fraction", "plain_s", "draft_s", "verify_s",
     "accept_hist", "by_bucket", "arm_by_bucket", "batch_timeline", "clip_fraction", "ratio_mean", "ratio_max",
-    "capped_fraction", "mismatch_kl", "peak_rss_gb", "update_peak_rss_gb",
+    "capped_fraction", "mismatch_kl", "peak_rss_gb", "rollout_peak_rss_gb", "update_peak_rss_gb", "held_rss_gb",
 }
 
 
@@ -175,8 +175,11 @@ def test_metrics_config_and_plots(straight_run, char_model_dir, task_file):
         assert (r["reward_failures"], r["reward_timeouts"]) == (0, 0)
         # bf16 rollouts, fp32 policy: the ratio against the engine's log-probs sees the difference.
         assert r["ratio_max"] > 1.0 and r["mismatch_kl"] > 0.0
-        # The step's resident peak covers the update's (Linux counts both: tailrl.memory).
-        assert sys.platform != "linux" or 0.0 < r["update_peak_rss_gb"] <= r["peak_rss_gb"]
+        # The step's resident peak covers the rollout's, the update's and what the step's end holds
+        # (Linux counts them all: tailrl.memory).
+        if sys.platform == "linux":
+            assert 0.0 < max(r["rollout_peak_rss_gb"], r["update_peak_rss_gb"]) <= r["peak_rss_gb"]
+            assert 0.0 < r["held_rss_gb"] <= r["peak_rss_gb"]
     assert [e.metrics["step"] for e in events if isinstance(e, StepDone)] == [1, 2, 3]
     assert any(isinstance(e, RolloutProgress) for e in events)
     # Off a terminal the printer writes the notices, one rollout line (it is rate-limited) and a

@@ -79,12 +79,13 @@ def step_times(work: StepWork, step_s: float) -> dict[str, float]:
 
 
 def memory_metrics(rollout_gb: float | None, update_gb: float | None, end_gb: float | None,
-                   budget_gb: float | None) -> dict[str, float | None]:
+                   held_gb: float | None, budget_gb: float | None) -> dict[str, float | None]:
     """The step's resident peak (its rollout's, its update's and its publish's: GiB, None where
-    the kernel cannot tell, tailrl.memory), the update's (from the rollout's end to the
-    optimizer step) and the budget the run was sized to. The update's counts on its own: the
-    kernel's high-water mark includes the resident size at the time it is read, so a later read
-    can be a few pages lower."""
+    the kernel cannot tell, tailrl.memory), the rollout's and the update's (from the rollout's end
+    to the optimizer step) on their own, what stays resident at the step's end (after the update's
+    memory is handed back and the policy published: what the run holds from one step to the next,
+    where a leak would show) and the budget the run was sized to. The kernel's high-water mark
+    includes the resident size at the time it is read, so a later read can be a few pages lower."""
     known = [x for x in (rollout_gb, update_gb, end_gb) if x is not None]
-    return {"peak_rss_gb": max(known) if known else None, "update_peak_rss_gb": update_gb,
-            "memory_budget_gb": budget_gb}
+    return {"peak_rss_gb": max(known) if known else None, "rollout_peak_rss_gb": rollout_gb,
+            "update_peak_rss_gb": update_gb, "held_rss_gb": held_gb, "memory_budget_gb": budget_gb}

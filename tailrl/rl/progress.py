@@ -96,6 +96,7 @@ def summary_line(m: dict[str, Any], steps: int) -> str:
         + (f" | peak {m['peak_rss_gb']:.1f} GiB (update {m['update_peak_rss_gb']:.1f})"
            if m.get("peak_rss_gb") is not None and m.get("update_peak_rss_gb") is not None else "")
         + (f" of {m['memory_budget_gb']:.1f} budget" if m.get("memory_budget_gb") is not None else "")
+        + (f", {m['held_rss_gb']:.1f} held" if m.get("held_rss_gb") is not None else "")
         + (f", {m['kv_preempted']} sequences preempted for KV room" if m.get("kv_preempted") else "")
         + (f" | reward failures {m['reward_failures']} timeouts {m['reward_timeouts']}"
            if m["reward_failures"] or m["reward_timeouts"] else "")

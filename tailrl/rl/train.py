@@ -66,7 +66,7 @@ from tailrl.loading import (
     resolve_dtype,
     resolve_model_dir,
 )
-from tailrl.memory import Peak, available_gb, fix_mmap_threshold, parameters_gb, total_gb, trim
+from tailrl.memory import Peak, available_gb, fix_mmap_threshold, parameters_gb, resident_gb, total_gb, trim
 from tailrl.model import Transformer
 from tailrl.records import Request
 from tailrl.rl import heldout
@@ -416,7 +416,8 @@ def train(cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = Fals
                 state.step, state.data_cursor = step, state.data_cursor + tc.num_prompts
                 metrics = step_metrics(step, tc.max_new_tokens, work, grad_norm, step_times(work, t_train - t_start),
                                        trainer.rollout.report(), trainer.gc.lr_at(step))
-                metrics.update(memory_metrics(work.rollout_peak_gb, update_peak, peak.gb, trainer.budget_gb))
+                held = resident_gb()  # before the high-water mark, which then covers it
+                metrics.update(memory_metrics(work.rollout_peak_gb, update_peak, peak.gb, held, trainer.budget_gb))
                 trainer.run.append_metrics(metrics)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     trainer.save()  # 5. checkpoint
