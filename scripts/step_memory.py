@@ -141,8 +141,7 @@ class Probe:
         while not self.stopped.wait(self.every_s):
             c = counters()
             c["groups_computing"] = self.computing
-            c["buffers_waiting"] = (sum(v is not None for v in list(self.grads._sum._held.values()))
-                                    if self.grads is not None else 0)
+            c["buffers_waiting"] = self.grads.held_buffers if self.grads is not None else 0
             with self.lock:
                 rec = self.records.setdefault(self._key(), {"step": self.step, "phase": self.phase})
                 if c["rss"] > rec.get("peak", {}).get("rss", -1):
