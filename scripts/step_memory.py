@@ -3,9 +3,10 @@
     python scripts/step_memory.py OUT.json -- train [tailrl train flags]
 
 Runs the CLI in this process with a probe around it: a thread samples /proc/self/status (RssAnon,
-RssFile) and glibc's mallinfo2 (bytes in use and free in malloc's arenas, bytes in malloc's own
-mappings) every 0.2 s, each sample labelled with the phase the trainer is in (hooks on the step's
-stages: rollout, drain, finish, clip, optimizer, trim, publish, save); at each phase's end it
+RssFile, RssShmem: Ray's object store mapped in) and glibc's mallinfo2 (bytes in use and free in
+malloc's arenas, bytes in malloc's own mappings) every 0.2 s, each sample labelled with the phase
+the trainer is in (hooks on the step's stages: rollout, drain, finish, clip, optimizer, trim (the
+publish after it included), save); at each phase's end it
 takes a snapshot: the same counters, /proc/self/smaps by kind of mapping, and the live tensors
 reachable from Python by owner (the policy's parameters and gradients, each AdamW's moments, the
 rest), storages counted once. Writes OUT.json: per step and phase the peak sample and the
@@ -48,7 +49,8 @@ def counters() -> dict[str, float]:
         if k in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
             status[k] = int(v.split()[0]) * 1024 / GIB
     m = _libc.mallinfo2()
-    return {"rss": status["VmRSS"], "anon": status["RssAnon"], "file": status["RssFile"], "hwm": status["VmHWM"],
+    return {"rss": status["VmRSS"], "anon": status["RssAnon"], "file": status["RssFile"], "shmem": status["RssShmem"],
+            "hwm": status["VmHWM"],
             "malloc_in_use": m.uordblks / GIB, "malloc_free": m.fordblks / GIB,
             "malloc_mmapped": m.hblkhd / GIB, "malloc_arena": m.arena / GIB}
 
