@@ -393,7 +393,7 @@ class Engine:
             self.cache.copy_slot(len(running), i, last.length)
             self.decoder.moved(len(running), i, last)
             running[i] = last
-        if memory.is_lazy(self.cache.k[0]):  # a resized cache is not
+        if memory.is_lazy(self.cache.k[0]):  # a cache off the CPU is not
             for kv in (*self.cache.k, *self.cache.v):
                 memory.release(kv[len(running)])
 

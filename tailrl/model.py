@@ -185,7 +185,8 @@ class KVCache:
             raise ValueError(f"cannot keep {keep} slots x {length} positions in {slots} x {capacity}")
         for kvs in (self.k, self.v):
             for layer, old in enumerate(kvs):
-                new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
+                # Lazily zeroed as the first cache: resident where kept or written, not whole.
+                new = memory.lazy_zeros((slots, old.shape[1], capacity, old.shape[3]), old.dtype, old.device)
                 new[:keep, :, :length] = old[:keep, :, :length]
                 kvs[layer] = new  # the old layer's memory goes before the next layer's is allocated
         self.slots, self.capacity = slots, capacity

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tailrl import cli, engine as engine_mod, model as model_mod
+from tailrl import cli, engine as engine_mod, memory, model as model_mod
 from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import load_model
 from tailrl.model import KV_CHUNK, KVCache
@@ -207,6 +207,8 @@ def test_a_full_cache_grows_and_preempts_without_changing_a_bit(tiny, monkeypatc
     assert engine.stats.cache_resizes == 2 and engine.stats.preempted == 4
     assert (engine.cache.slots, engine.cache.capacity) == (2, 3 * KV_CHUNK)
     assert max(r.batch for r in engine.stats.timeline) == 6
+    # The grown cache is lazily zeroed too, so the slots its sequences left were handed back.
+    assert all(memory.is_lazy(kv) and kv.abs().sum().item() == 0.0 for kv in (*engine.cache.k, *engine.cache.v))
     for a, b in zip(roomy, tight):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 300
         assert a.logprobs == b.logprobs
