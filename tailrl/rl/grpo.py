@@ -42,7 +42,10 @@ class GRPOConfig:
     logprob_chunk: int = field(default=2048, metadata={"help": (
         "response tokens whose (tokens, vocabulary) logits are held at once: a longer micro-batch computes "
         "its log-probs chunk by chunk and recomputes the logits in the backward")})
-    checkpoint_tokens: int = field(default=2560, metadata={"help": (
+    # As micro_batch_tokens: a micro-batch past it is one response too long to share one, and its
+    # kept activations (~2.5 MB a token in fp32) would set the run's peak (docs/memory.md,
+    # "configs/long.toml").
+    checkpoint_tokens: int = field(default=1024, metadata={"help": (
         "a micro-batch of more tokens recomputes each layer's activations in the backward (activation "
         "checkpointing) instead of keeping them: memory per token ~30x smaller, ~1.3x the compute; lowered where "
         "the memory budget needs")})
