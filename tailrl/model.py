@@ -178,14 +178,13 @@ class KVCache:
             kv[dst, :, :length] = kv[src, :, :length]
 
     def resize(self, slots: int, capacity: int, keep: int, length: int) -> None:
-        """Reallocate to `slots` x `capacity` (whole chunks), keeping the first `length` positions
-        of slots 0..keep-1."""
+        """Reallocate to `slots` x `capacity` (whole chunks, lazily zeroed as the first cache: resident
+        where kept or written), keeping the first `length` positions of slots 0..keep-1."""
         capacity = whole_chunks(capacity)
         if keep > slots or length > capacity:
             raise ValueError(f"cannot keep {keep} slots x {length} positions in {slots} x {capacity}")
         for kvs in (self.k, self.v):
             for layer, old in enumerate(kvs):
-                # Lazily zeroed as the first cache: resident where kept or written, not whole.
                 new = memory.lazy_zeros((slots, old.shape[1], capacity, old.shape[3]), old.dtype, old.device)
                 new[:keep, :, :length] = old[:keep, :, :length]
                 kvs[layer] = new  # the old layer's memory goes before the next layer's is allocated
