@@ -26,6 +26,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -85,6 +86,25 @@ def smaps_by_kind() -> dict[str, float]:
 _OPTIMIZERS: list[torch.optim.Optimizer] = []
 
 
+def _tensors_alive() -> list[torch.Tensor]:
+    """Every tensor the garbage collector tracks. The walk holds a reference to every object,
+    other threads' half-built tuples included, and a thread that then fills one fails
+    (PyTuple_SetItem: "bad argument to internal function"; it stopped a run in the update's
+    backward): so no other thread runs until those references are dropped (the interpreter's
+    switch interval raised, and no warning written, whose write could yield)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            objects = gc.get_objects()
+            found = [o for o in objects if isinstance(o, torch.Tensor)]
+            del objects
+    finally:
+        sys.setswitchinterval(interval)
+    return found
+
+
 def tensors_by_owner() -> dict[str, float]:
     """GiB of live tensor storages reachable from Python, by owner, each storage once."""
     owner: dict[int, str] = {}
@@ -110,10 +130,9 @@ def tensors_by_owner() -> dict[str, float]:
             for v in st.values():
                 if isinstance(v, torch.Tensor):
                     claim(v, f"{label}: moments")
-    for obj in gc.get_objects():
+    for obj in _tensors_alive():
         try:
-            if isinstance(obj, torch.Tensor):
-                claim(obj, "other tensors >= 4 MB" if obj.untyped_storage().nbytes() >= 4 * 2**20 else "other tensors")
+            claim(obj, "other tensors >= 4 MB" if obj.untyped_storage().nbytes() >= 4 * 2**20 else "other tensors")
         except Exception:  # noqa: BLE001 - a tensor being torn down
             pass
     out: dict[str, float] = {}
