@@ -23,7 +23,9 @@ Recipes (name: train prompts, solutions, rule):
   own prediction, as a chain's later tokens do);
 - plateau-ce1: plateau with the cross-entropy term weighted 1.0 (the default 0.1): acceptance is
   the draft's argmax agreeing with the target's, which the feature loss serves only indirectly;
-- plateau-ce003, plateau-ce001: the other way, the cross-entropy term weighted 0.03 and 0.01.
+- plateau-ce003, plateau-ce001: the other way, the cross-entropy term weighted 0.03 and 0.01;
+- plateau-2layers: plateau with a drafter of two decoder layers (a draft step costs two);
+- plateau-data-2layers: plateau-data with two layers.
 Not part of the tests.
 """
 
@@ -45,6 +47,8 @@ RECIPES = {
     "plateau-ce1": (20, 256, dict(ce_weight=1.0)),
     "plateau-ce003": (20, 256, dict(ce_weight=0.03)),
     "plateau-ce001": (20, 256, dict(ce_weight=0.01)),
+    "plateau-2layers": (20, 256, dict(drafter_layers=2)),
+    "plateau-data-2layers": (None, None, dict(drafter_layers=2)),
 }
 
 
@@ -110,7 +114,8 @@ def main() -> None:
         if args.max_steps:
             cfg = dataclasses.replace(cfg, steps=min(cfg.steps, args.max_steps))
         vocab = build_draft_vocab(train, cfg.draft_vocab_size, target.cfg.vocab_size, target.cfg.eos_token_ids)
-        drafter = Drafter.from_target(target, vocab, resolve_model_dir(args.model).name, seed=cfg.seed)
+        drafter = Drafter.from_target(target, vocab, resolve_model_dir(args.model).name, seed=cfg.seed,
+                                      num_layers=cfg.drafter_layers)
         t0 = time.perf_counter()
         run = _train(drafter, target, train, held, cfg, on_progress=None)
         train_s = time.perf_counter() - t0

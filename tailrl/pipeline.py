@@ -161,15 +161,23 @@ def warmup_config(tc: TrainConfig) -> WarmupConfig:
         solutions = 0
     return WarmupConfig(model=tc.model, task=tc.task, num_prompts=WARMUP_PROMPTS, group_size=WARMUP_GROUP,
                         holdout_prompts=4, max_new_tokens=tc.max_new_tokens, temperature=tc.temperature,
-                        solutions=solutions, steps=WARMUP_STEPS, eval_greedy=False)
+                        solutions=solutions, steps=WARMUP_STEPS, eval_greedy=False,
+                        drafter_layers=tc.drafter_layers)
+
+
+def warmup_cache_dir(cfg: WarmupConfig) -> Path:
+    """Where the drafter warmed up by cfg is cached: keyed by the model's fingerprint and the settings."""
+    h = hashlib.sha256(model_fingerprint(resolve_model_dir(cfg.model)).encode())
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
+    if settings["drafter_layers"] == 1:  # one layer keeps the key it had before layers were a setting
+        del settings["drafter_layers"]
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return cache_root() / "drafters" / h.hexdigest()[:16]
 
 
 def cached_warmup(cfg: WarmupConfig, on_progress: Callable[[WarmupProgress], None] | None) -> tuple[Path, bool]:
     """The warmed-up drafter for cfg from the cache, or a new one written there atomically."""
-    h = hashlib.sha256(model_fingerprint(resolve_model_dir(cfg.model)).encode())
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
-    h.update(json.dumps(settings, sort_keys=True).encode())
-    out = cache_root() / "drafters" / h.hexdigest()[:16]
+    out = warmup_cache_dir(cfg)
     if out.is_dir():
         return out, True
     out.parent.mkdir(parents=True, exist_ok=True)

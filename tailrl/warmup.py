@@ -99,6 +99,7 @@ class WarmupConfig:
     min_gain: float = field(default=0.01, metadata={"help": "replayed accept_len gain that counts as progress"})
     batch_tokens: int = field(default=1024, metadata={"help": "drafter entries per optimiser step"})
     draft_vocab_size: int = field(default=4096, metadata={"help": "tokens the drafter can propose"})
+    drafter_layers: int = field(default=1, metadata={"help": "decoder layers of the drafter (EAGLE-1: 1)"})
     ce_weight: float = field(default=0.1, metadata={"help": "weight of the cross-entropy term (TLT: 0.1)"})
     noise: float = field(default=0.0, metadata={"help": "uniform noise on input hidden states while training"})
     train_head: bool = field(default=True, metadata={"help": "train the head (else keep the target's LM-head rows)"})
@@ -116,8 +117,8 @@ class WarmupConfig:
                              f"{self.num_prompts}")
         if self.seconds <= 0 and self.steps <= 0:
             raise ValueError("give a time budget (seconds > 0) or a step budget (steps > 0)")
-        if self.group_size < 1 or self.max_new_tokens < 1 or self.draft_vocab_size < 1:
-            raise ValueError("group_size, max_new_tokens and draft_vocab_size must be >= 1")
+        if min(self.group_size, self.max_new_tokens, self.draft_vocab_size, self.drafter_layers) < 1:
+            raise ValueError("group_size, max_new_tokens, draft_vocab_size and drafter_layers must be >= 1")
         if self.solutions < 0 or (self.solutions and self.prompts):
             raise ValueError("solutions must be >= 0 and come from the task, not a prompts file")
         if self.eval_every < 0 or self.stop_depth < 1:
@@ -250,7 +251,8 @@ def warmup(cfg: WarmupConfig, out: Path, on_progress: Callable[[WarmupProgress],
     sample_seconds = time.perf_counter() - t0
 
     vocab = build_draft_vocab(train_seqs, cfg.draft_vocab_size, target.cfg.vocab_size, target.cfg.eos_token_ids)
-    drafter = Drafter.from_target(target, vocab, resolve_model_dir(cfg.model).name, seed=cfg.seed)
+    drafter = Drafter.from_target(target, vocab, resolve_model_dir(cfg.model).name, seed=cfg.seed,
+                                  num_layers=cfg.drafter_layers)
     t1 = time.perf_counter()
     run = _train(drafter, target, train_seqs, held, cfg, on_progress)
     train_seconds = time.perf_counter() - t1

@@ -61,9 +61,9 @@ def seqs(target):
     return result
 
 
-def _drafter(target, seed: int = 0) -> Drafter:
+def _drafter(target, seed: int = 0, layers: int = 1) -> Drafter:
     """A drafter with every parameter random, so no part of it is a no-op in the comparisons."""
-    d = Drafter.from_target(target, VOCAB, "tiny", seed=seed)
+    d = Drafter.from_target(target, VOCAB, "tiny", seed=seed, num_layers=layers)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in d.parameters():
@@ -81,14 +81,36 @@ def _outputs(d: Drafter, seqs) -> torch.Tensor:
 # ---- files --------------------------------------------------------------------------------
 
 
-def test_save_load_round_trip_gives_identical_outputs(tmp_path, target, seqs):
-    d = _drafter(target)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_save_load_round_trip_gives_identical_outputs(tmp_path, target, seqs, layers):
+    d = _drafter(target, layers=layers)
     save_drafter(d, tmp_path / "dr")
     cfg = json.loads((tmp_path / "dr" / "drafter.json").read_text())
     assert cfg["draft_vocab"] == sorted(VOCAB) and cfg["target_name"] == "tiny" and cfg["version"] == 0
+    assert cfg["layer"]["num_layers"] == layers
     back = load_drafter(tmp_path / "dr", target)
     assert back.dtype == torch.float32 and torch.equal(back.d2t, d.d2t)
     assert torch.equal(_outputs(back, seqs), _outputs(d, seqs))
+
+
+def test_a_second_layer_changes_the_outputs_and_a_format_1_drafter_still_loads(tmp_path, target, seqs):
+    """Layer 0 of a two-layer drafter alone is the one-layer drafter; the second layer (its input
+    norm included) changes the prediction. Format 1 (one layer, named `layer.`) reads as before."""
+    two = _drafter(target, layers=2)
+    one = Drafter.from_target(target, VOCAB, "tiny", num_layers=1)
+    one.load_state_dict({k: v for k, v in two.state_dict().items() if not k.startswith("layers.1.")})
+    assert not torch.allclose(_outputs(one, seqs), _outputs(two, seqs), atol=1e-3)
+    save_drafter(one, tmp_path / "v1")
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "v1" / "drafter.safetensors"
+    save_file({k.replace("layers.0.", "layer.", 1): v for k, v in load_file(weights).items()}, weights)
+    cfg = json.loads((tmp_path / "v1" / "drafter.json").read_text())
+    (tmp_path / "v1" / "drafter.json").write_text(json.dumps(cfg | {"format": 1}))
+    assert torch.equal(_outputs(load_drafter(tmp_path / "v1", target), seqs), _outputs(one, seqs))
+    (tmp_path / "v1" / "drafter.json").write_text(json.dumps(cfg | {"format": 3}))
+    with pytest.raises(DrafterError, match="unsupported drafter format 3"):
+        load_drafter(tmp_path / "v1", target)
 
 
 def test_refuses_missing_corrupt_or_foreign_drafters(tmp_path, target):
@@ -290,11 +312,12 @@ def _replay(proposers, seqs, arm, steps, switch_on, retire_at):
     return trees
 
 
-@pytest.mark.parametrize("arm", [Arm("drafter", 3, 2, 5), Arm("drafter", 4, 3, 12)])
-def test_catch_up_equals_drafting_from_the_start(target, seqs, arm):
+@pytest.mark.parametrize("arm,layers", [(Arm("drafter", 3, 2, 5), 1), (Arm("drafter", 4, 3, 12), 1),
+                                        (Arm("drafter", 4, 3, 12), 2)])
+def test_catch_up_equals_drafting_from_the_start(target, seqs, arm, layers):
     """SD on from the first step, switched on at step 3, or at step 6 (after a slot move):
     the same trees once on, and every tree is valid."""
-    d = _drafter(target)
+    d = _drafter(target, layers=layers)
     runs = _replay([DrafterProposer(d) for _ in range(3)], seqs, arm, steps=8, switch_on=[0, 3, 6], retire_at=5)
     allowed = set(VOCAB)
     for step, trees in enumerate(runs):
@@ -314,12 +337,13 @@ class _TreePath(DrafterProposer):
         return self.propose_tree(engine, running, arm)
 
 
-@pytest.mark.parametrize("arm", [Arm("drafter", 4, 1, 4), Arm("drafter", 6, 1, 3), Arm("drafter", 1, 1, 1)])
-def test_chain_fast_path_equals_the_build_tree_path(target, seqs, arm):
+@pytest.mark.parametrize("arm,layers", [(Arm("drafter", 4, 1, 4), 1), (Arm("drafter", 6, 1, 3), 1),
+                                        (Arm("drafter", 1, 1, 1), 1), (Arm("drafter", 4, 1, 4), 2)])
+def test_chain_fast_path_equals_the_build_tree_path(target, seqs, arm, layers):
     """Chains skip build_tree; they must give its trees, step after step (catch-up, slot moves),
     in fp32 and in bf16."""
     for dtype in (torch.float32, torch.bfloat16):
-        d = _drafter(target).to(dtype)
+        d = _drafter(target, layers=layers).to(dtype)
         runs = _replay([_TreePath(d), DrafterProposer(d)], seqs, arm, steps=8, switch_on=[0, 0], retire_at=5)
         for ref, fast in runs:
             assert ref.parents.tolist() == [list(range(-1, arm.num_draft_tokens - 1))] * ref.batch_size
@@ -355,8 +379,10 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(target, seqs):
 # llama_eagle.py, EagleLlamaForCausalLM.load_weights -> LlamaModel (fc is a ReplicatedLinear with
 # bias=False). SGLang: python/sglang/srt/models/llama_eagle.py, LlamaForCausalLMEagle.load_weights
 # -> LlamaModel (fc is torch.nn.Linear, whose bias is on and must be loaded).
+# A second layer has its input norm (vLLM: LlamaDecoderLayer(disable_input_layernorm=i == 0)).
 _LAYER_NAMES = {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} | {
     f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")} | {"layers.0.post_attention_layernorm.weight"}
+_SECOND_LAYER = {n.replace("layers.0.", "layers.1.") for n in _LAYER_NAMES} | {"layers.1.input_layernorm.weight"}
 EXPECTED_WEIGHTS = {"vllm": _LAYER_NAMES | {"fc.weight"}, "sglang": _LAYER_NAMES | {"fc.weight", "fc.bias"}}
 # The class each resolves: vLLM's method="eagle" prefixes "Eagle" to the architecture
 # (vllm/transformers_utils/configs/eagle.py, EAGLEConfig) and its registry maps EagleLlamaForCausalLM
@@ -369,20 +395,21 @@ EXPECTED_KEYS = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_a
                  "vocab_size", "hidden_act", "tie_word_embeddings"}
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_export_has_exactly_what_the_engine_loader_reads_and_round_trips(tmp_path, target, seqs, engine):
+@pytest.mark.parametrize("engine,layers", [("vllm", 1), ("sglang", 1), ("vllm", 2), ("sglang", 2)])
+def test_export_has_exactly_what_the_engine_loader_reads_and_round_trips(tmp_path, target, seqs, engine, layers):
     from safetensors.torch import load_file
 
-    d = _drafter(target)
+    d = _drafter(target, layers=layers)
     save_drafter(d, tmp_path / "dr")
     out = export(tmp_path / "dr", tmp_path / "eagle", engine, dtype=torch.float32)
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [EXPECTED_CLASS[engine]] and config["num_hidden_layers"] == 1
+    assert config["architectures"] == [EXPECTED_CLASS[engine]] and config["num_hidden_layers"] == layers
     assert EXPECTED_KEYS <= set(config) and config["vocab_size"] == 96
     assert "tailrl" not in config and "fingerprint" not in json.dumps(config)  # provenance is a side file
     # Both loaders read every *.safetensors (and, without one, *.pt / *.bin) at the top level only.
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
-    assert set(load_file(out / "model.safetensors")) == EXPECTED_WEIGHTS[engine]
+    second = _SECOND_LAYER if layers == 2 else set()
+    assert set(load_file(out / "model.safetensors")) == EXPECTED_WEIGHTS[engine] | second
     if engine == "sglang":
         assert torch.equal(torch.load(out / "hot_token_ids.pt"), d.d2t)  # --speculative-token-map
         assert not load_file(out / "model.safetensors")["fc.bias"].any()

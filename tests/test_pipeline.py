@@ -2,10 +2,14 @@
 found in the cache by the next run, and hand GRPO the model and drafter they wrote; the regime
 plot is drawn from metrics records."""
 
+import dataclasses
+import hashlib
+import json
 
 import pytest
 
 from tailrl import pipeline
+from tailrl.loading import model_fingerprint
 from tailrl.pipeline import TRAIN_SECTIONS, run_config
 from tailrl.rl.plots import write_plots
 from tailrl.rl.progress import Notice
@@ -156,6 +160,24 @@ def test_the_default_warmup_is_a_number_of_steps_not_seconds(tmp_path):
     cfg = pipeline.warmup_config(TrainConfig())
     assert (cfg.steps, cfg.seconds) == (pipeline.WARMUP_STEPS, 0.0) and cfg.eval_every > 0
     assert WarmupConfig().seconds == 0.0 and WarmupConfig().steps > 0 and WarmupConfig().eval_every > 0
+
+
+def test_the_drafters_layers_are_a_run_setting_and_a_one_layer_drafter_keeps_its_cache(char_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """drafter_layers reaches the warm-up and its cache key; a one-layer drafter's key is the one
+    it had before the setting existed (every setting but the model, hashed after the model's
+    fingerprint), so drafters already cached stay found."""
+    monkeypatch.setenv("TAILRL_CACHE", str(tmp_path))
+    two = pipeline.warmup_config(TrainConfig(model=str(char_model_dir), drafter_layers=2))
+    one = dataclasses.replace(two, drafter_layers=1)
+    assert two.drafter_layers == 2 and pipeline.warmup_config(TrainConfig()).drafter_layers == 1
+    before = {k: v for k, v in dataclasses.asdict(one).items() if k not in ("model", "drafter_layers")}
+    h = hashlib.sha256(model_fingerprint(char_model_dir).encode())
+    h.update(json.dumps(before, sort_keys=True).encode())
+    assert pipeline.warmup_cache_dir(one) == tmp_path / "drafters" / h.hexdigest()[:16]
+    assert pipeline.warmup_cache_dir(two).parent == tmp_path / "drafters" != pipeline.warmup_cache_dir(one)
+    with pytest.raises(ValueError, match="drafter_layers must be >= 1"):
+        TrainConfig(drafter_layers=0)
 
 
 def test_warmup_progress_estimates_the_time_left(capsys):

@@ -100,6 +100,8 @@ class TrainConfig:
                                                      "model on the task's worked solutions (tailrl sft; cached)"})
     warmup_drafter: bool = field(default=True, metadata={"help": "a new run with speculation and no --drafter first "
                                                          "warms a drafter up on the policy (cached)"})
+    drafter_layers: int = field(default=1, metadata={"help": "decoder layers of the drafter a new run warms up "
+                                                     "(2 follows long running sums: configs/long.toml)"})
     device: str = field(default="auto", metadata={"help": "auto = cuda when present, else cpu", "choices": DEVICES})
     engine: str = field(default=registry.DEFAULT, metadata={
         "help": "rollout engine: native (tailrl's own) or vllm (an in-process vLLM engine, the [vllm] section; "
@@ -147,7 +149,8 @@ class TrainConfig:
                              f"got {self.temperature}")
         if self.overlap_batch < 0:
             raise ValueError(f"overlap_batch must be >= 0, got {self.overlap_batch}")
-        for name in ("num_prompts", "max_new_tokens", "checkpoint_every", "keep_checkpoints", "eval_problems"):
+        for name in ("num_prompts", "max_new_tokens", "checkpoint_every", "keep_checkpoints", "eval_problems",
+                     "drafter_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < 0 or self.seed < 0 or self.eval_every < 0:

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from safetensors.torch import load_file
-
 from tailrl.engine import EngineConfig
 from tailrl.linears import PACKED_DTYPES
 from tailrl.memory import parameters_gb
@@ -34,7 +32,7 @@ from tailrl.rollout.protocol import EngineEntry, HeldMemory, check_state
 from tailrl.rollout.workers import WorkerConfig
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.drafter.learner import AdaptConfig
-from tailrl.speculative.drafter.model import WEIGHTS_FILE
+from tailrl.speculative.drafter.model import read_drafter_weights
 from tailrl.speculative.modes import RolloutSpeculationConfig, SpeculationConfig
 from tailrl.tuner import TunerConfig
 
@@ -108,7 +106,7 @@ class NativeRolloutConfig:
         drafter = None
         if speculation.drafter and speculation.spec != "off":
             # fp32, as saved
-            drafter = DrafterState(0, load_file(Path(speculation.drafter).expanduser() / WEIGHTS_FILE))
+            drafter = DrafterState(0, read_drafter_weights(Path(speculation.drafter).expanduser()))
         adapting = drafter is not None and self.adapt.adapt_drafter
         tuners = state.tuners if state is not None else None
         if tuners is not None and len(tuners) != workers.workers:

@@ -14,15 +14,17 @@ They also name the class differently: vLLM's `method="eagle"` prefixes "Eagle" t
 architecture (LlamaForCausalLM -> EagleLlamaForCausalLM), SGLang looks up LlamaForCausalLMEagle.
 
 What is written (directory OUT; docs/serving.md names each file against the loader source):
-- config.json: the target's Llama/Qwen2 config with num_hidden_layers 1 and the engine's class.
+- config.json: the target's Llama/Qwen2 config with the drafter's num_hidden_layers (1 unless
+  warmed up with more) and the engine's class.
 - model.safetensors, names as both loaders expect (they prefix "model." themselves):
     fc.weight                               <- Drafter.fc.weight            (E, 2E), [embed | hidden]
     fc.bias (SGLang only)                   <- zeros (E,): our fc has none
-    layers.0.self_attn.{q,k,v,o}_proj.*     <- Drafter.layer.self_attn.*
-    layers.0.mlp.{gate,up,down}_proj.weight <- Drafter.layer.mlp.*
-    layers.0.post_attention_layernorm.weight<- Drafter.layer.post_attention_layernorm.weight
-  No input_layernorm (both loaders replace it by the identity, as we do), no embed_tokens and no
-  lm_head (both engines take the target's).
+    layers.N.self_attn.{q,k,v,o}_proj.*     <- Drafter.layers[N].self_attn.*
+    layers.N.mlp.{gate,up,down}_proj.weight <- Drafter.layers[N].mlp.*
+    layers.N.post_attention_layernorm.weight<- Drafter.layers[N].post_attention_layernorm.weight
+    layers.N.input_layernorm.weight (N > 0) <- Drafter.layers[N].input_layernorm.weight
+  No input_layernorm in layer 0 (both loaders replace it by the identity, as we do), no
+  embed_tokens and no lm_head (both engines take the target's).
 - hot_token_ids.pt (SGLang only): the draft vocabulary as target ids, the file SGLang's FR-Spec
   option `--speculative-token-map` reads; SGLang then drafts over the target's LM-head rows of
   those tokens. Its weight loader reads *.pt files only when no *.safetensors file is present.
@@ -53,12 +55,12 @@ from safetensors.torch import load_file, save_file
 
 from tailrl.model import Transformer
 from tailrl.speculative.drafter.model import (
-    WEIGHTS_FILE,
     Drafter,
     DrafterConfig,
     DrafterError,
     check_target,
     read_drafter_config,
+    read_drafter_weights,
 )
 
 ENGINES = ("vllm", "sglang")
@@ -72,7 +74,7 @@ MODEL_FILE = "model.safetensors"
 HEAD_FILE = "draft_head.safetensors"
 PROVENANCE_FILE = "provenance.json"
 TOKEN_MAP_FILE = "hot_token_ids.pt"
-_LAYER = "layers.0."
+_LAYERS = "layers."
 
 
 def eagle_config(cfg: DrafterConfig, engine: str) -> dict:
@@ -86,7 +88,7 @@ def eagle_config(cfg: DrafterConfig, engine: str) -> dict:
         "model_type": c.model_type,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim,
@@ -108,9 +110,7 @@ def eagle_weights(state: dict[str, torch.Tensor], engine: str) -> dict[str, torc
     weights = {"fc.weight": state["fc.weight"]}
     if engine == "sglang":
         weights["fc.bias"] = torch.zeros(state["fc.weight"].shape[0])
-    for name, w in state.items():
-        if name.startswith("layer."):
-            weights[_LAYER + name.removeprefix("layer.")] = w
+    weights.update({name: w for name, w in state.items() if name.startswith(_LAYERS)})
     return weights
 
 
@@ -146,10 +146,7 @@ def export(drafter_dir: str | Path, out_dir: str | Path, engine: str, dtype: tor
     drafter_dir, out = Path(drafter_dir), Path(out_dir)
     cfg = read_drafter_config(drafter_dir)
     eagle_config(cfg, engine)  # refuse an unsupported family before any file is written
-    try:
-        state = load_file(drafter_dir / WEIGHTS_FILE)
-    except Exception as e:  # safetensors raises several types for missing/corrupt files
-        raise DrafterError(f"cannot read drafter weights {drafter_dir / WEIGHTS_FILE}: {e}") from None
+    state = read_drafter_weights(drafter_dir)
     if out.exists() and any(out.iterdir()) and not (out / SIDE_DIR / PROVENANCE_FILE).is_file():
         raise DrafterError(f"{out} exists and is not a tailrl export; choose an empty or new directory")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -174,14 +171,15 @@ def load_exported(path: str | Path, target: Transformer) -> Drafter:
     head = load_file(path / SIDE_DIR / HEAD_FILE)
     meta = json.loads((path / SIDE_DIR / PROVENANCE_FILE).read_text())
     d2t = head["d2t"] + torch.arange(head["d2t"].shape[0])
-    layer_cfg = dataclasses.replace(target.cfg, num_layers=1)
+    layers = {int(k.split(".")[1]) for k in weights if k.startswith(_LAYERS)}
+    layer_cfg = dataclasses.replace(target.cfg, num_layers=len(layers))
     vocab, fingerprint = tuple(d2t.tolist()), tuple(meta["fingerprint"])
     cfg = DrafterConfig(meta["target_name"], layer_cfg, vocab, fingerprint, meta["version"])
     check_target(cfg, target)
     if "fc.bias" in weights and bool(weights["fc.bias"].any()):
         raise DrafterError(f"{path}: fc.bias is not zero; tailrl drafters have no fc bias")
     state = {"fc.weight": weights["fc.weight"], "head.weight": head["lm_head.weight"]}
-    state.update({"layer." + k.removeprefix(_LAYER): v for k, v in weights.items() if k.startswith(_LAYER)})
+    state.update({k: v for k, v in weights.items() if k.startswith(_LAYERS)})
     net = Drafter(cfg, target.model.embed_tokens.weight.detach())
     net.load_state_dict(state, strict=True)
     w = target.lm_head.weight

@@ -2,12 +2,13 @@
 
 Model. One entry per position i: input = concat(embed(x_{i+1}), h_i), h_i the target's hidden
 state at i (post final norm, the LM head's input; it produced x_{i+1}), through fc (2E -> E),
-one decoder layer of the target's architecture (tailrl.model.DecoderLayer, attention over the
-drafter's own causal cache) -> predicted h_{i+1}; a head over the draft vocabulary (K frequent
-target tokens, `d2t` maps draft index -> target id) reads it as the drafter's distribution of
-x_{i+2}. The entry sits at rope position i, as EAGLE and vLLM place it. As in EAGLE-1 the layer has
-no input norm (fc's output goes straight in) and there is no final norm (the prediction lives in
-the target's post-norm space, the head's input space). The embedding is the target's, shared and
+decoder layers of the target's architecture (tailrl.model.DecoderLayer, attention over the
+drafter's own causal cache; one by default, `cfg.layer.num_layers`) -> predicted h_{i+1}; a head
+over the draft vocabulary (K frequent target tokens, `d2t` maps draft index -> target id) reads it
+as the drafter's distribution of x_{i+2}. The entry sits at rope position i, as EAGLE and vLLM
+place it. As in EAGLE-1 the first layer has no input norm (fc's output goes straight in), later
+layers have theirs (vLLM's EAGLE stack: llama_eagle.py), and there is no final norm (the
+prediction lives in the target's post-norm space, the head's input space). The embedding is the target's, shared and
 frozen: it is never saved, and a drafter is always loaded against a target.
 
 Files. `drafter.json` (format, target name and fingerprint, the layer's architecture, the draft
@@ -51,7 +52,9 @@ from tailrl.model import CacheView, DecoderLayer, KVCache, ModelConfig, Transfor
 from tailrl.speculative.tree import DraftTree, Expansion, Frontier, build_tree, chain
 from tailrl.tuner import Arm
 
-FORMAT = 1
+# Format 2 names its layers layers.0, layers.1, ...; format 1 had one, named layer (still read).
+FORMAT = 2
+_FORMATS = (1, 2)
 CONFIG_FILE = "drafter.json"
 WEIGHTS_FILE = "drafter.safetensors"
 _FINGERPRINT_ROWS, _FINGERPRINT_DIMS = 32, 16
@@ -68,7 +71,7 @@ class DrafterConfig:
     """What a drafter is: its layer's architecture, its draft vocabulary and the target it serves."""
 
     target_name: str  # the target model's directory name (informational)
-    layer: ModelConfig  # the target's architecture with num_layers = 1: the drafter layer's shape
+    layer: ModelConfig  # the target's architecture with the drafter's num_layers: its layers' shape
     draft_vocab: tuple[int, ...]  # target token id of each draft index, ascending
     fingerprint: tuple[float, ...]  # target_fingerprint() of the target it was trained for
     version: int = 0  # bumped by each training round that publishes it
@@ -93,8 +96,8 @@ class DrafterConfig:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "DrafterConfig":
-        if d.get("format") != FORMAT:
-            raise DrafterError(f"unsupported drafter format {d.get('format')!r} (this tailrl reads {FORMAT})")
+        if d.get("format") not in _FORMATS:
+            raise DrafterError(f"unsupported drafter format {d.get('format')!r} (this tailrl reads {_FORMATS})")
         layer = dict(d["layer"])
         scaling = layer.get("rope_scaling")
         layer["rope_scaling"] = tuple(tuple(kv) for kv in scaling) if scaling else None
@@ -137,15 +140,15 @@ def check_target(cfg: DrafterConfig, target: Transformer) -> None:
 
 
 class Drafter(nn.Module):
-    """fc + one decoder layer + draft-vocabulary head; the embedding is the target's."""
+    """fc + decoder layers + draft-vocabulary head; the embedding is the target's."""
 
     def __init__(self, cfg: DrafterConfig, embed: torch.Tensor):
         super().__init__()
         self.cfg = cfg
         e = cfg.hidden_size
         self.fc = nn.Linear(2 * e, e, bias=False)
-        # EAGLE-1 feeds fc's output to the layer without its input norm (serving engines do too).
-        self.layer = DecoderLayer(cfg.layer, input_norm=False)
+        # EAGLE-1 feeds fc's output to the first layer without its input norm (serving engines do too).
+        self.layers = nn.ModuleList(DecoderLayer(cfg.layer, input_norm=i > 0) for i in range(cfg.layer.num_layers))
         self.head = nn.Linear(e, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.tensor(cfg.draft_vocab, dtype=torch.long), persistent=False)
         # Plain attributes, not parameters/buffers: never saved, never trained, not cast by .to().
@@ -153,13 +156,16 @@ class Drafter(nn.Module):
         self.inv_freq = rope_inv_freq(cfg.layer).float()
 
     @classmethod
-    def from_target(cls, target: Transformer, draft_vocab: list[int], target_name: str, seed: int = 0) -> "Drafter":
+    def from_target(cls, target: Transformer, draft_vocab: list[int], target_name: str, seed: int = 0,
+                    num_layers: int = 1) -> "Drafter":
         """A fresh fp32 drafter: head = the target's LM-head rows of the draft vocabulary.
 
-        fc passes h_i straight through (embedding half small and random), the layer starts random
+        fc passes h_i straight through (embedding half small and random), the layers start random
         with small output projections, so the first prediction of h_{i+1} is h_i: a sane start.
         """
-        layer_cfg = dataclasses.replace(target.cfg, num_layers=1)
+        if num_layers < 1:
+            raise DrafterError(f"a drafter needs at least one layer, got {num_layers}")
+        layer_cfg = dataclasses.replace(target.cfg, num_layers=num_layers)
         vocab = tuple(sorted(set(int(t) for t in draft_vocab)))
         cfg = DrafterConfig(target_name, layer_cfg, vocab, target_fingerprint(target))
         gen = torch.Generator().manual_seed(seed)
@@ -167,7 +173,7 @@ class Drafter(nn.Module):
         net = cls(cfg, embed)
         e = cfg.hidden_size
         with torch.no_grad():
-            for name, p in net.layer.named_parameters():
+            for name, p in net.layers.named_parameters():
                 if p.dim() == 2:
                     std = 0.02 / math.sqrt(2) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
@@ -200,7 +206,10 @@ class Drafter(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         ang = positions.float().unsqueeze(-1) * self.inv_freq  # (B, T, D/2)
         ang = torch.cat((ang, ang), dim=-1).unsqueeze(1)  # (B, 1, T, D)
-        return self.layer(x, ang.cos().to(dt), ang.sin().to(dt), 0, view, mask)
+        cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, view, mask)
+        return x
 
     def logits(self, pred: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of x_{i+2}.  # (..., E) -> (..., K)"""
@@ -236,12 +245,13 @@ def read_drafter_config(path: str | Path) -> DrafterConfig:
 
 
 def read_drafter_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """A drafter directory's weights (fp32, as saved)."""
+    """A drafter directory's weights (fp32, as saved), under format 2's names."""
     path = Path(path)
     try:
-        return load_file(path / WEIGHTS_FILE)
+        state = load_file(path / WEIGHTS_FILE)
     except Exception as e:  # safetensors raises several types for missing/corrupt files
         raise DrafterError(f"cannot read drafter weights {path / WEIGHTS_FILE}: {e}") from None
+    return {"layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k: v for k, v in state.items()}
 
 
 def load_drafter(
