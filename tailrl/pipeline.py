@@ -123,8 +123,9 @@ def prepare(cfg: RunConfig, on_event: Callable[[PhaseEvent], None],
             on_event(Phase(index, total, name,
                            f"sampling {wcfg.num_prompts} x {wcfg.group_size} responses from the policy"
                            + (f" and {wcfg.solutions} worked solutions" if wcfg.solutions else "")
-                           + ", then drafter training until its held-out acceptance stops rising (at most "
-                           f"{wcfg.steps} steps; cached)"))
+                           + f", then training a drafter of {wcfg.drafter_layers} layer"
+                           + ("s" if wcfg.drafter_layers > 1 else "")
+                           + f" until its held-out acceptance stops rising (at most {wcfg.steps} steps; cached)"))
             drafter, reused = cached_warmup(wcfg, on_warmup)
             on_event(Notice(f"drafter {'reused from' if reused else 'written to'} {drafter}"))
             rollout = rollout.with_drafter(drafter)
