@@ -1,7 +1,8 @@
 """Helpers the rollout tests share (test_engine_contract.py, test_workers.py, test_ray.py): an
 engine opened as a run opens it, requests, the reference decodings a rollout's tokens are checked
-against, and a policy moved as an update moves it. Fixtures live in conftest.py; this module holds
-plain functions, so no test module imports another."""
+against, a policy moved as an update moves it, and sampled responses as drafter training data.
+Fixtures live in conftest.py; this module holds plain functions, so no test module imports
+another."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tailrl.rollout.protocol import Rollout
 from tailrl.rollout.workers import WorkerConfig
 from tailrl.sampling import SamplingParams, derive_seed
 from tailrl.speculative.drafter.learner import AdaptConfig
+from tailrl.speculative.drafter.training import TrainSeq
 from tailrl.speculative.modes import SpeculationConfig
 from tailrl.speculative.report import chain_ceiling
 from tailrl.tuner import TunerConfig
@@ -130,3 +132,17 @@ def start_pool(workers: WorkerConfig, adapt: AdaptConfig, target: Transformer,
                spec: SpeculationConfig = SpeculationConfig(), state: NativeRolloutState | None = None) -> WorkerPool:
     """The native rollout on `workers`, as a run opens it (seed 0)."""
     return NativeRolloutConfig(EngineConfig(max_batch=8), spec, TunerConfig(), adapt, workers).open(target, 0, state)
+
+
+def train_seqs(model: Transformer, reqs: list[Request], params: SamplingParams, max_new_tokens: int) -> list[TrainSeq]:
+    """The model's responses to reqs as drafter training data: the prompt's hidden states from one
+    forward, the response's as the engine kept them while sampling."""
+    outs = Engine(model, EngineConfig(capture_hidden=True)).generate(reqs, params, max_new_tokens)
+    result = []
+    with torch.no_grad():
+        for r, c in zip(reqs, outs):
+            p = torch.tensor([r.prompt_ids])
+            hp = model.hidden(p, torch.arange(p.shape[1])[None])[0, :-1]
+            tokens = torch.tensor(list(r.prompt_ids) + c.token_ids)
+            result.append(TrainSeq(tokens, torch.cat([hp, c.hidden]), p.shape[1]))
+    return result

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import build_hf
+from rollout_helpers import train_seqs
 
-from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import load_model
 from tailrl.records import Request
 from tailrl.sampling import SamplingParams
@@ -50,15 +50,7 @@ def seqs(target):
     lens = torch.randint(3, 12, (6,), generator=g).tolist()
     prompts = [tuple(torch.randint(2, 96, (n,), generator=g).tolist()) for n in lens]
     reqs = [Request(p, seed=i, group=i) for i, p in enumerate(prompts)]
-    outs = Engine(target, EngineConfig(capture_hidden=True)).generate(reqs, SamplingParams(temperature=1.0), 24)
-    result = []
-    with torch.no_grad():
-        for r, c in zip(reqs, outs):
-            p = torch.tensor([r.prompt_ids])
-            hp = target.hidden(p, torch.arange(p.shape[1])[None])[0, :-1]
-            tokens = torch.tensor(list(r.prompt_ids) + c.token_ids)
-            result.append(TrainSeq(tokens, torch.cat([hp, c.hidden]), p.shape[1]))
-    return result
+    return train_seqs(target, reqs, SamplingParams(temperature=1.0), 24)
 
 
 def _drafter(target, seed: int = 0, layers: int = 1) -> Drafter:

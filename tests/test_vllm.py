@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from conftest import VLLM_TINY, build_hf, write_char_model, write_sharp_llama  # noqa: E402
+from rollout_helpers import train_seqs  # noqa: E402
 
 from tailrl.engine import Engine, EngineConfig  # noqa: E402
 from tailrl.loading import load_model  # noqa: E402
@@ -28,7 +29,7 @@ from tailrl.rollout.workers import WorkerConfig  # noqa: E402
 from tailrl.sampling import SamplingParams, token_logprobs  # noqa: E402
 from tailrl.speculative.drafter.learner import AdaptConfig  # noqa: E402
 from tailrl.speculative.drafter.model import Drafter, save_drafter  # noqa: E402
-from tailrl.speculative.drafter.training import DrafterTrainConfig, TrainSeq, pack, train_drafter  # noqa: E402
+from tailrl.speculative.drafter.training import DrafterTrainConfig, pack, train_drafter  # noqa: E402
 from tailrl.speculative.modes import RolloutSpeculationConfig  # noqa: E402
 from tailrl.tuner import TunerConfig  # noqa: E402
 
@@ -229,14 +230,7 @@ def test_a_two_layer_drafter_drafts_in_vllm_what_it_drafts_natively(tmp_path):
         g = torch.Generator().manual_seed(seed)
         return [Request(tuple(torch.randint(2, 96, (8,), generator=g).tolist()), seed=i, group=i) for i in range(n)]
 
-    train = prompts(32, 1)
-    outs = Engine(model, EngineConfig(capture_hidden=True)).generate(train, SamplingParams(temperature=0.0), 32)
-    seqs = []
-    with torch.no_grad():
-        for r, c in zip(train, outs):
-            p = torch.tensor([r.prompt_ids])
-            hp = model.hidden(p, torch.arange(p.shape[1])[None])[0, :-1]
-            seqs.append(TrainSeq(torch.tensor(list(r.prompt_ids) + c.token_ids), torch.cat([hp, c.hidden]), p.shape[1]))
+    seqs = train_seqs(model, prompts(32, 1), SamplingParams(temperature=0.0), 32)
     d = Drafter.from_target(model, list(range(96)), "model", num_layers=2)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
