@@ -8,8 +8,8 @@ over the draft vocabulary (K frequent target tokens, `d2t` maps draft index -> t
 as the drafter's distribution of x_{i+2}. The entry sits at rope position i, as EAGLE and vLLM
 place it. As in EAGLE-1 the first layer has no input norm (fc's output goes straight in), later
 layers have theirs (vLLM's EAGLE stack: llama_eagle.py), and there is no final norm (the
-prediction lives in the target's post-norm space, the head's input space). The embedding is the target's, shared and
-frozen: it is never saved, and a drafter is always loaded against a target.
+prediction lives in the target's post-norm space, the head's input space). The embedding is the
+target's, shared and frozen: it is never saved, and a drafter is always loaded against a target.
 
 Files. `drafter.json` (format, target name and fingerprint, the layer's architecture, the draft
 vocabulary, version) and `drafter.safetensors` (fc, layer, head). The fingerprint (a fixed sample
