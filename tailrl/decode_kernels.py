@@ -1,8 +1,8 @@
 """An engine forward's non-matmul work on CPU as compiled calls: a decode step's attention (RoPE
 on the new tokens' queries and keys, the new keys and values into the slotted cache, each token's
 query heads over its own first L keys where they lie in the cache; one token a row in a plain
-step, a chain of them in a verify) in one call a layer, and every cached forward's two RMSNorms
-with the residual add between them in two.
+step, a chain of them in a verify) in one call a layer, every cached forward's two RMSNorms
+with the residual add between them in two, and its fp32 linears of a few rows (`linear`).
 
 Why the attention: torch's CPU SDPA (its flash kernel) computes a decode step's attention as two
 small GEMMs per (sequence, kv head, 512-key block), each a separate library call whose fixed
@@ -16,7 +16,9 @@ ahead prefetched (at long contexts a step is a stream through its cache: docs/pe
 splits the (sequence, kv head) pairs over threads; it reads bf16 or fp32 caches, so the cache
 stays in the run's dtype. Why RoPE, the cache write and the norms: at a few rows a step's time is mostly
 small tensor operations and their Python dispatch (about 40 per layer, these two dozen of
-them), not arithmetic (same section).
+them), not arithmetic (same section). Why the linears: at a few rows a step streams its weights
+from memory, and oneDNN's prepacked fp32 kernel reads them slower than a loop that reads each
+weight row once for every row of x, besides a fixed ~28 us a call ("Linears of a few rows").
 
 It is C (csrc/decode_kernels.c), compiled at first use with the machine's C compiler for the
 machine's own instruction set (`-march=native`) into the cache directory, keyed by the source,
@@ -27,7 +29,7 @@ requirement. They are not row-invariant by design (no exact mode): exact mode ke
 (tailrl.model).
 
 Knows: the KV cache's layout (slot, kv head, position, dim), rotate-half RoPE, grouped-query
-heads, RMSNorm's roundings, the C compiler, ctypes.
+heads, RMSNorm's roundings, a linear's weight layout (out, in), the C compiler, ctypes.
 Does not know: the model's modules, masks other than a row's key count, engines.
 """
 
@@ -51,6 +53,10 @@ from tailrl.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode_kernels.c"
 MAX_ROWS, MAX_DIM, MAX_HIDDEN = 64, 256, 8192  # the C source's fixed limits
+# Rows up to which `linear` computes an fp32 linear: on a Zen 3 it streams a model's weights
+# 1.1-1.3x faster than oneDNN's prepacked kernel at 1-8 rows and as fast at 16
+# (docs/performance.md, "Linears of a few rows").
+LINEAR_ROWS = 8
 DTYPES = (torch.bfloat16, torch.float32)
 # "0" turns the kernel off (SDPA then computes every step), read at each call so that one process
 # can compare the two (scripts/step_cost.py).
@@ -111,6 +117,8 @@ def library() -> ctypes.CDLL | None:
     lib.decode_step.restype = ctypes.c_int
     lib.add_rms_norm.argtypes = [p, p, p, p, p, i, i, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.add_rms_norm.restype = ctypes.c_int
+    lib.skinny_linear.argtypes = [p, i, ctypes.c_int, p, p, p, p, i, i, i, ctypes.c_int]
+    lib.skinny_linear.restype = ctypes.c_int
     return lib
 
 
@@ -186,3 +194,29 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if status:
         raise RuntimeError(f"RMSNorm kernel failed (status {status})")
     return out, h
+
+
+def linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` can take x (..., K) through this weight (N, K): `_enabled`, both fp32, at
+    most LINEAR_ROWS rows, K a multiple of 8, the weight contiguous (a parameter is)."""
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= LINEAR_ROWS * x.shape[-1]
+            and x.shape[-1] % 8 == 0 and weight.is_contiguous() and _enabled(x))
+
+
+def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    """x W_j^T + b_j for each of up to three weights reading x, side by side in one output's last
+    dimension (FusedLinears splits it); each weight must be `linear_usable` with x.
+    x (..., K), weights (N_j, K), biases (N_j,) or None  -> (..., sum N_j) fp32"""
+    k = x.shape[-1]
+    rows = _rows(x, k)
+    sizes = [w.shape[0] for w in weights]
+    out = x.new_empty(*x.shape[:-1], sum(sizes))
+    count = len(weights)
+    biases = tuple(None if b is None else b.contiguous() for b in biases)  # kept alive through the call
+    status = library().skinny_linear(
+        rows.data_ptr(), rows.stride(0), count, (ctypes.c_void_p * count)(*[w.data_ptr() for w in weights]),
+        (ctypes.c_void_p * count)(*[None if b is None else b.data_ptr() for b in biases]),
+        (ctypes.c_int64 * count)(*sizes), out.data_ptr(), out.shape[-1], rows.shape[0], k, torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"linear kernel failed (status {status})")
+    return out

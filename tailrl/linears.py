@@ -6,7 +6,10 @@ Exact mode (tailrl.model, "Row invariance") computes every matmul on blocks of e
 (no autograd) in a dtype oneDNN computes well hands it a weight reordered once into its blocked
 layout (`Linear`, `FusedLinears`) instead of the row-major parameter it would reorder on every
 call; `release_packed` drops those copies (a model's size) where no decoding needs them before the
-weights change. Training (autograd, autocast) always takes F.linear.
+weights change. In fp32 a forward of at most `decode_kernels.LINEAR_ROWS` rows (a plain step of a
+few sequences, a short chain's verify, a draft step) reads the row-major weight through
+tailrl.decode_kernels.linear instead, which streams it faster there. Training (autograd,
+autocast) always takes F.linear.
 
 Knows: torch's CPU kernels (MKL, oneDNN), the CPU's vendor. Does not know: the architecture,
 the KV cache, sampling.
@@ -17,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tailrl import decode_kernels
 
 # Rows per matmul call in exact mode (see "Row invariance"): small blocks keep a 1-row decode step
 # cheap; bf16 gets a larger block because CPU bf16 matrix units work on tiles of 16 rows, so a
@@ -90,6 +95,10 @@ class FusedLinears:
         self._weight = self._bias = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if decode_kernels.linear_usable(x, self.layers[0].weight):  # a few fp32 rows (Linear's doc)
+            out = decode_kernels.linear(x, tuple(layer.weight for layer in self.layers),
+                                        tuple(layer.bias for layer in self.layers))
+            return out.split(self.sizes, -1)
         params = [p for layer in self.layers for p in (layer.weight, layer.bias) if p is not None]
         key = tuple((p.data_ptr(), p._version) for p in params)
         if key != self._key:
@@ -134,6 +143,8 @@ class Linear(nn.Linear):
                           self.exact_rows(x.dtype))
             return out.reshape(*x.shape[:-1], out.shape[-1])
         if packed_path(x, self.weight):
+            if decode_kernels.linear_usable(x, self.weight):
+                return decode_kernels.linear(x, (self.weight,), (self.bias,))
             return torch.ops.mkldnn._linear_pointwise(x, self._packed(), self.bias, "none", [], "")
         return super().forward(x)
 

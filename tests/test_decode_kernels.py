@@ -138,3 +138,44 @@ def test_add_rms_norm_equals_the_models_norm(dtype, rows):
     for got, ref in ((h, want), (h_alone, want_alone)):
         bound = ref.double().abs() * (2**-6 if dtype == torch.bfloat16 else 1e-6) + 1e-6
         assert got.dtype == dtype and bool(((got.double() - ref.double()).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])  # each of the kernel's tiles (1, 2, up to 8 rows), full and partial
+def test_linear_equals_reference(threads, rows):
+    """Three weights reading one x, each into its own columns, against float64: 5 and 7 output rows
+    (partial tiles), 300 (past the size where the call uses threads, split between threads
+    mid-weight); x a strided slice, as a fused projection's output slice is. fp32 sums of K
+    products differ from exact ones by at most ~K u sum|x w| (u = 2^-24; the bias add and the
+    output's rounding add ~2u of it), which bounds the assertion; a wrong row, column, stride or
+    bias is off by the size of a product."""
+    gen = torch.Generator().manual_seed(rows)
+    k = 64
+    wide = torch.randn(rows, 1, k + 16, generator=gen)
+    x = wide[..., 8 : 8 + k]  # row stride k + 16
+    weights = tuple(torch.randn(n, k, generator=gen) for n in (5, 300, 7))
+    biases = (None, torch.randn(300, generator=gen), torch.randn(7, generator=gen))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            assert decode_kernels.linear_usable(x, weights[0])
+            got = decode_kernels.linear(x, weights, biases)
+    finally:
+        torch.set_num_threads(before)
+    w = torch.cat(weights).double()
+    b = torch.cat([torch.zeros(5), *biases[1:]]).double()
+    want = x.double() @ w.T + b
+    bound = (k + 2) * 2**-24 * (x.double().abs() @ w.abs().T + b.abs())
+    assert got.shape == (rows, 1, 312) and bool(((got.double() - want).abs() <= bound).all())
+
+
+def test_linear_usable_only_for_a_few_fp32_rows():
+    """The linear kernel takes fp32 x of at most LINEAR_ROWS rows and K a multiple of 8, without autograd."""
+    w = torch.zeros(4, 16)
+    with torch.no_grad():
+        assert decode_kernels.linear_usable(torch.zeros(decode_kernels.LINEAR_ROWS, 1, 16), w)
+        assert not decode_kernels.linear_usable(torch.zeros(decode_kernels.LINEAR_ROWS + 1, 1, 16), w)
+        assert not decode_kernels.linear_usable(torch.zeros(1, 12), torch.zeros(4, 12))
+        assert not decode_kernels.linear_usable(torch.zeros(1, 16, dtype=torch.bfloat16), w.bfloat16())
+    assert not decode_kernels.linear_usable(torch.zeros(1, 16), w)  # autograd on: no backward here

@@ -1,4 +1,5 @@
-/* A decode step's attention and norms (add_rms_norm, at the end).
+/* A decode step's attention, its norms (add_rms_norm) and its linears of a few fp32 rows
+ * (skinny_linear, at the end).
  *
  * The attention over a slotted KV cache, from the QKV projection's output to the
  * output projection's input: RoPE on the new tokens' queries and keys, the new keys and values
@@ -26,6 +27,7 @@
 #endif
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -345,5 +347,86 @@ int add_rms_norm(const void *x, const void *delta, const void *w, void *x_out, v
     }
 #pragma omp parallel for num_threads(threads)
     for (int64_t r = 0; r < rows; r++) norm_row(&job, r);
+    return 0;
+}
+
+/* ---- A linear of a few fp32 rows (skinny_linear) ------------------------------------------------
+ *
+ * y = x W^T + b for up to three weights that read the same x (q, k, v; gate, up), each into its
+ * own columns of y: at a few rows a decode step's linears stream their weights from memory, and
+ * oneDNN's prepacked kernel reads them ~10-30% slower than this loop at 1-8 rows on a Zen 3
+ * besides its ~28 us a call (docs/performance.md, "Linears of a few rows"). Each weight row is read
+ * once for all rows of x: tiles of R weight rows x MB rows of x keep R x MB vector sums in
+ * registers (8 or 12 of the 16 AVX2 ones), the weight rows prefetched AHEAD floats on. Threads take
+ * contiguous ranges of the weights' rows. x (m, k) with row stride xs, W (n, k) contiguous, K a
+ * multiple of 8, y (m, total n) with row stride ys. */
+#define LIN_AHEAD 512
+#define MAX_WEIGHTS 3
+
+#define TILE(NAME, R, MB)                                                                              \
+    static inline void NAME(const float *x, int64_t xs, const float *w, const float *b, float *y,       \
+                            int64_t ys, int64_t i, int64_t mm, int64_t r, int64_t nr, int64_t k, int pf) { \
+        const float *wr[R], *xr[MB];                                                                     \
+        for (int a = 0; a < R; a++) wr[a] = w + (r + (a < nr ? a : 0)) * k; /* past n: row r again */    \
+        for (int c = 0; c < MB; c++) xr[c] = x + (i + (c < mm ? c : 0)) * xs;                            \
+        vf acc[R][MB];                                                                                   \
+        for (int a = 0; a < R; a++)                                                                      \
+            for (int c = 0; c < MB; c++) acc[a][c] = (vf){0};                                            \
+        for (int64_t d = 0; d < k; d += W) {                                                             \
+            vf xv[MB];                                                                                   \
+            for (int c = 0; c < MB; c++) xv[c] = vload(0, xr[c], d);                                     \
+            for (int a = 0; a < R; a++) {                                                                \
+                if (pf && (d & 15) == 0) __builtin_prefetch(wr[a] + d + LIN_AHEAD, 0, 0);                \
+                const vf wv = vload(0, wr[a], d);                                                        \
+                for (int c = 0; c < MB; c++) acc[a][c] += wv * xv[c];                                    \
+            }                                                                                            \
+        }                                                                                                \
+        for (int a = 0; a < nr; a++)                                                                     \
+            for (int c = 0; c < mm; c++) y[(i + c) * ys + r + a] = hsum(acc[a][c]) + (b ? b[r + a] : 0.f); \
+    }
+TILE(tile1, 8, 1)
+TILE(tile2, 6, 2)
+TILE(tile8, 1, 8)
+
+/* Rows [r0, r1) of one weight into y's columns from r0 (y already offset to the weight's first column). */
+static void linear_rows(const float *x, int64_t xs, const float *w, const float *b, float *y, int64_t ys,
+                        int64_t m, int64_t r0, int64_t r1, int64_t k) {
+    if (m == 1) {
+        for (int64_t r = r0; r < r1; r += 8) tile1(x, xs, w, b, y, ys, 0, 1, r, r1 - r < 8 ? r1 - r : 8, k, 1);
+    } else if (m == 2) {
+        for (int64_t r = r0; r < r1; r += 6) tile2(x, xs, w, b, y, ys, 0, 2, r, r1 - r < 6 ? r1 - r : 6, k, 1);
+    } else {
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t i = 0; i < m; i += 8) /* the weight rows stay in L1 after the first MB rows */
+                tile8(x, xs, w, b, y, ys, i, m - i < 8 ? m - i : 8, r, 1, k, i == 0);
+    }
+}
+
+/* Rows [lo, hi) of the weights' concatenated rows. */
+static void linear_range(const float *x, int64_t xs, const float *const *w, const float *const *b, const int64_t *n,
+                         int count, float *y, int64_t ys, int64_t m, int64_t k, int64_t lo, int64_t hi) {
+    int64_t first = 0; /* the current weight's first row in the concatenation */
+    for (int j = 0; j < count && first < hi; first += n[j], j++) {
+        const int64_t r0 = lo > first ? lo - first : 0, r1 = hi - first < n[j] ? hi - first : n[j];
+        if (r0 < r1) linear_rows(x, xs, w[j], b[j], y + first, ys, m, r0, r1, k);
+    }
+}
+
+/* Returns 0, or 1 for shapes it does not take (K not a multiple of 8, more than MAX_WEIGHTS). */
+int skinny_linear(const float *x, int64_t xs, int count, const float *const *w, const float *const *b,
+                  const int64_t *n, float *y, int64_t ys, int64_t m, int64_t k, int threads) {
+    if (k % W || count < 1 || count > MAX_WEIGHTS) return 1;
+    int64_t total = 0;
+    for (int j = 0; j < count; j++) total += n[j];
+    if (threads <= 1 || total < 256) { /* a small weight costs less than entering an OpenMP region */
+        linear_range(x, xs, w, b, n, count, y, ys, m, k, 0, total);
+        return 0;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), per = ((total + nt - 1) / nt + 7) / 8 * 8;
+        const int64_t lo = t * per, hi = lo + per < total ? lo + per : total;
+        if (lo < hi) linear_range(x, xs, w, b, n, count, y, ys, m, k, lo, hi);
+    }
     return 0;
 }

@@ -48,6 +48,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tailrl.engine import Engine, Seq
+from tailrl.linears import Linear
 from tailrl.model import CacheView, DecoderLayer, KVCache, ModelConfig, Transformer, rope_inv_freq
 from tailrl.speculative.tree import DraftTree, Expansion, Frontier, build_tree, chain
 from tailrl.tuner import Arm
@@ -146,10 +147,11 @@ class Drafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         e = cfg.hidden_size
-        self.fc = nn.Linear(2 * e, e, bias=False)
+        # tailrl's Linear, nn.Linear's parameters: a draft step decodes through the engine's kernels.
+        self.fc = Linear(2 * e, e, bias=False)
         # EAGLE-1 feeds fc's output to the first layer without its input norm (serving engines do too).
         self.layers = nn.ModuleList(DecoderLayer(cfg.layer, input_norm=i > 0) for i in range(cfg.layer.num_layers))
-        self.head = nn.Linear(e, cfg.draft_vocab_size, bias=False)
+        self.head = Linear(e, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.tensor(cfg.draft_vocab, dtype=torch.long), persistent=False)
         # Plain attributes, not parameters/buffers: never saved, never trained, not cast by .to().
         self.embed = embed  # (V, E) the target's embedding
