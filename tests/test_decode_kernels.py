@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tailrl import decode_kernels
+from tailrl.linears import PACKED_DTYPES, FusedLinears, Linear
 from tailrl.model import CacheView, KVCache, RMSNorm
 
 pytestmark = pytest.mark.skipif(decode_kernels.library() is None, reason="no C compiler: the kernel is not built")
@@ -179,3 +180,21 @@ def test_linear_usable_only_for_a_few_fp32_rows():
         assert not decode_kernels.linear_usable(torch.zeros(1, 12), torch.zeros(4, 12))
         assert not decode_kernels.linear_usable(torch.zeros(1, 16, dtype=torch.bfloat16), w.bfloat16())
     assert not decode_kernels.linear_usable(torch.zeros(1, 16), w)  # autograd on: no backward here
+
+
+def test_linears_take_the_kernel_up_to_linear_rows_on_the_packed_path():
+    """Where fp32 decoding takes the packed path (AMD CPUs), Linear and FusedLinears compute up to
+    LINEAR_ROWS rows through the kernel, bit for bit, and more rows through oneDNN, bit for bit."""
+    if torch.float32 not in PACKED_DTYPES:
+        pytest.skip("fp32 linears are not prepacked on this CPU (AMD CPUs only)")
+    gen = torch.Generator().manual_seed(3)
+    lin = Linear(64, 40)
+    fused = FusedLinears(Linear(64, 24, bias=False), Linear(64, 16, bias=False))
+    rows = decode_kernels.LINEAR_ROWS
+    with torch.no_grad():
+        x = torch.randn(rows, 1, 64, generator=gen)
+        assert torch.equal(lin(x), decode_kernels.linear(x, (lin.weight,), (lin.bias,)))
+        want = decode_kernels.linear(x, tuple(layer.weight for layer in fused.layers), (None, None))
+        assert torch.equal(torch.cat(fused(x), -1), want)
+        wide = torch.randn(rows + 1, 1, 64, generator=gen)
+        assert torch.equal(lin(wide), torch.ops.mkldnn._linear_pointwise(wide, lin.weight, lin.bias, "none", [], ""))
