@@ -1,4 +1,4 @@
-"""An engine forward's non-matmul work on CPU as compiled calls: a decode step's attention (RoPE
+"""Parts of an engine forward on CPU as compiled calls: a decode step's attention (RoPE
 on the new tokens' queries and keys, the new keys and values into the slotted cache, each token's
 query heads over its own first L keys where they lie in the cache; one token a row in a plain
 step, a chain of them in a verify) in one call a layer, every cached forward's two RMSNorms
@@ -54,8 +54,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode_kernels.c"
 MAX_ROWS, MAX_DIM, MAX_HIDDEN = 64, 256, 8192  # the C source's fixed limits
 # Rows up to which `linear` computes an fp32 linear: on a Zen 3 it streams a model's weights
-# 1.1-1.3x faster than oneDNN's prepacked kernel at 1-8 rows and as fast at 16
-# (docs/performance.md, "Linears of a few rows").
+# 1.1-1.2x faster than oneDNN's prepacked kernel at 1-8 rows, and decode steps of 12 and 16 rows
+# were slower with it (docs/performance.md, "Linears of a few rows").
 LINEAR_ROWS = 8
 DTYPES = (torch.bfloat16, torch.float32)
 # "0" turns the kernel off (SDPA then computes every step), read at each call so that one process
