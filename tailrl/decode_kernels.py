@@ -2,7 +2,7 @@
 on the new tokens' queries and keys, the new keys and values into the slotted cache, each token's
 query heads over its own first L keys where they lie in the cache; one token a row in a plain
 step, a chain of them in a verify) in one call a layer, every cached forward's two RMSNorms
-with the residual add between them in two, and its fp32 linears of a few rows (`linear`).
+with the residual add between them in two, and its linears of a few rows (`linear`).
 
 Why the attention: torch's CPU SDPA (its flash kernel) computes a decode step's attention as two
 small GEMMs per (sequence, kv head, 512-key block), each a separate library call whose fixed
@@ -17,8 +17,9 @@ splits the (sequence, kv head) pairs over threads; it reads bf16 or fp32 caches,
 stays in the run's dtype. Why RoPE, the cache write and the norms: at a few rows a step's time is mostly
 small tensor operations and their Python dispatch (about 40 per layer, these two dozen of
 them), not arithmetic (same section). Why the linears: at a few rows a step streams its weights
-from memory, and oneDNN's prepacked fp32 kernel reads them slower than a loop that reads each
-weight row once for every row of x, besides a fixed ~28 us a call ("Linears of a few rows").
+from memory, and oneDNN's prepacked kernels (fp32; bf16 too, on a Zen 4) read them slower than a
+loop that reads each weight row once for every row of x, besides a fixed ~28 us a call ("Linears
+of a few rows").
 
 It is C (csrc/decode_kernels.c), compiled at first use with the machine's C compiler for the
 machine's own instruction set (`-march=native`) into the cache directory, keyed by the source,
@@ -53,10 +54,11 @@ from tailrl.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode_kernels.c"
 MAX_ROWS, MAX_DIM, MAX_HIDDEN = 64, 256, 8192  # the C source's fixed limits
-# Rows up to which `linear` computes an fp32 linear: on a Zen 3 it streams a model's weights
-# 1.1-1.2x faster than oneDNN's prepacked kernel at 1-8 rows, and decode steps of 12 and 16 rows
-# were slower with it (docs/performance.md, "Linears of a few rows").
-LINEAR_ROWS = 8
+# Rows up to which `linear` computes a linear, by dtype. fp32: on a Zen 3 it streams a model's
+# weights 1.1-1.2x faster than oneDNN's prepacked kernel at 1-8 rows, and decode steps of 12 and 16
+# rows were slower with it. bf16: on a Zen 4 1.2-1.3x at 1-4 rows, even at 5-8, slower from 10
+# (docs/performance.md, "Linears of a few rows").
+LINEAR_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 DTYPES = (torch.bfloat16, torch.float32)
 # "0" turns the kernel off (SDPA then computes every step), read at each call so that one process
 # can compare the two (scripts/step_cost.py).
@@ -119,6 +121,9 @@ def library() -> ctypes.CDLL | None:
     lib.add_rms_norm.restype = ctypes.c_int
     lib.skinny_linear.argtypes = [p, i, ctypes.c_int, p, p, p, p, i, i, i, ctypes.c_int]
     lib.skinny_linear.restype = ctypes.c_int
+    lib.skinny_linear_bf16.argtypes = lib.skinny_linear.argtypes
+    lib.skinny_linear_bf16.restype = ctypes.c_int
+    lib.linear_bf16_available.restype = ctypes.c_int
     return lib
 
 
@@ -197,23 +202,31 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 def linear_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` can take x (..., K) through this weight (N, K): `_enabled`, both fp32, at
-    most LINEAR_ROWS rows, K a multiple of 8, the weight contiguous (a parameter is)."""
-    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= LINEAR_ROWS * x.shape[-1]
-            and x.shape[-1] % 8 == 0 and weight.is_contiguous() and _enabled(x))
+    """Whether `linear` can take x (..., K) through this weight (N, K): `_enabled`, both fp32 (K a
+    multiple of 8) or both bf16 on a CPU with bf16 dot products (K a multiple of 32), at most
+    LINEAR_ROWS[dtype] rows, the weight contiguous (a parameter is)."""
+    k = x.shape[-1]
+    if (x.dtype != weight.dtype or x.dtype not in LINEAR_ROWS or x.numel() > LINEAR_ROWS[x.dtype] * k
+            or not weight.is_contiguous() or not _enabled(x)):
+        return False
+    if x.dtype == torch.bfloat16:
+        return k % 32 == 0 and bool(library().linear_bf16_available())
+    return k % 8 == 0
 
 
 def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
     """x W_j^T + b_j for each of up to three weights reading x, side by side in one output's last
-    dimension (FusedLinears splits it); each weight must be `linear_usable` with x.
-    x (..., K), weights (N_j, K), biases (N_j,) or None  -> (..., sum N_j) fp32"""
+    dimension (FusedLinears splits it); each weight must be `linear_usable` with x. In bf16 the
+    sums are fp32 and the output rounded once, as oneDNN's are.
+    x (..., K), weights (N_j, K), biases (N_j,) or None  -> (..., sum N_j) in x's dtype"""
     k = x.shape[-1]
     rows = _rows(x, k)
     sizes = [w.shape[0] for w in weights]
     out = x.new_empty(*x.shape[:-1], sum(sizes))
     count = len(weights)
     biases = tuple(None if b is None else b.contiguous() for b in biases)  # kept alive through the call
-    status = library().skinny_linear(
+    call = library().skinny_linear_bf16 if x.dtype == torch.bfloat16 else library().skinny_linear
+    status = call(
         rows.data_ptr(), rows.stride(0), count, (ctypes.c_void_p * count)(*[w.data_ptr() for w in weights]),
         (ctypes.c_void_p * count)(*[None if b is None else b.data_ptr() for b in biases]),
         (ctypes.c_int64 * count)(*sizes), out.data_ptr(), out.shape[-1], rows.shape[0], k, torch.get_num_threads())

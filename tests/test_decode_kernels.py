@@ -141,60 +141,81 @@ def test_add_rms_norm_equals_the_models_norm(dtype, rows):
         assert got.dtype == dtype and bool(((got.double() - ref.double()).abs() <= bound).all())
 
 
+def _bf16_linears() -> bool:
+    return bool(decode_kernels.library().linear_bf16_available())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])  # each of the kernel's tiles (1, 2, up to 8 rows), full and partial
-def test_linear_equals_reference(threads, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])  # each of the kernels' tiles, full and partial
+def test_linear_equals_reference(dtype, threads, rows):
     """Three weights reading one x, each into its own columns, against float64: 5 and 7 output rows
     (partial tiles), 300 (past the size where the call uses threads, split between threads
     mid-weight); x a strided slice, as a fused projection's output slice is. fp32 sums of K
     products differ from exact ones by at most ~K u sum|x w| (u = 2^-24; the bias add and the
-    output's rounding add ~2u of it), which bounds the assertion; a wrong row, column, stride or
-    bias is off by the size of a product."""
+    output's rounding add ~2u of it), which bounds the assertion; in bf16 the products of bf16
+    values are exact in fp32, the sums as in fp32, and the output's one rounding to bf16 adds at
+    most 2^-8 of the value. A wrong row, column, stride or bias is off by the size of a product."""
+    if dtype == torch.bfloat16 and not _bf16_linears():
+        pytest.skip("this CPU has no bf16 dot products (avx512_bf16): no bf16 linear kernel")
     gen = torch.Generator().manual_seed(rows)
     k = 64
-    wide = torch.randn(rows, 1, k + 16, generator=gen)
+    wide = torch.randn(rows, 1, k + 16, generator=gen).to(dtype)
     x = wide[..., 8 : 8 + k]  # row stride k + 16
-    weights = tuple(torch.randn(n, k, generator=gen) for n in (5, 300, 7))
-    biases = (None, torch.randn(300, generator=gen), torch.randn(7, generator=gen))
+    weights = tuple(torch.randn(n, k, generator=gen).to(dtype) for n in (5, 300, 7))
+    biases = (None, torch.randn(300, generator=gen).to(dtype), torch.randn(7, generator=gen).to(dtype))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.no_grad():
-            assert decode_kernels.linear_usable(x, weights[0])
+            assert decode_kernels.linear_usable(x, weights[0]) == (rows <= decode_kernels.LINEAR_ROWS[dtype])
             got = decode_kernels.linear(x, weights, biases)
     finally:
         torch.set_num_threads(before)
     w = torch.cat(weights).double()
-    b = torch.cat([torch.zeros(5), *biases[1:]]).double()
+    b = torch.cat([torch.zeros(5), *[bias.double() for bias in biases[1:]]]).double()
     want = x.double() @ w.T + b
     bound = (k + 2) * 2**-24 * (x.double().abs() @ w.abs().T + b.abs())
-    assert got.shape == (rows, 1, 312) and bool(((got.double() - want).abs() <= bound).all())
+    if dtype == torch.bfloat16:
+        bound = bound + 2**-8 * want.abs()
+    assert got.shape == (rows, 1, 312) and got.dtype == dtype
+    assert bool(((got.double() - want).abs() <= bound).all())
 
 
-def test_linear_usable_only_for_a_few_fp32_rows():
-    """The linear kernel takes fp32 x of at most LINEAR_ROWS rows and K a multiple of 8, without autograd."""
-    w = torch.zeros(4, 16)
+def test_linear_usable_only_for_a_few_rows():
+    """The linear kernel takes fp32 x of at most LINEAR_ROWS rows and K a multiple of 8, bf16 ones
+    of K a multiple of 32 where the CPU has bf16 dot products, without autograd."""
+    w = torch.zeros(4, 32)
+    fp32_rows = decode_kernels.LINEAR_ROWS[torch.float32]
     with torch.no_grad():
-        assert decode_kernels.linear_usable(torch.zeros(decode_kernels.LINEAR_ROWS, 1, 16), w)
-        assert not decode_kernels.linear_usable(torch.zeros(decode_kernels.LINEAR_ROWS + 1, 1, 16), w)
+        assert decode_kernels.linear_usable(torch.zeros(fp32_rows, 1, 32), w)
+        assert not decode_kernels.linear_usable(torch.zeros(fp32_rows + 1, 1, 32), w)
         assert not decode_kernels.linear_usable(torch.zeros(1, 12), torch.zeros(4, 12))
-        assert not decode_kernels.linear_usable(torch.zeros(1, 16, dtype=torch.bfloat16), w.bfloat16())
-    assert not decode_kernels.linear_usable(torch.zeros(1, 16), w)  # autograd on: no backward here
+        assert not decode_kernels.linear_usable(torch.zeros(1, 32, dtype=torch.bfloat16), w)  # mixed dtypes
+        bf16_rows = decode_kernels.LINEAR_ROWS[torch.bfloat16]
+        assert decode_kernels.linear_usable(torch.zeros(bf16_rows, 32).bfloat16(), w.bfloat16()) == _bf16_linears()
+        assert not decode_kernels.linear_usable(torch.zeros(bf16_rows + 1, 32).bfloat16(), w.bfloat16())
+        assert not decode_kernels.linear_usable(torch.zeros(1, 16).bfloat16(), torch.zeros(4, 16).bfloat16())
+    assert not decode_kernels.linear_usable(torch.zeros(1, 32), w)  # autograd on: no backward here
 
 
-def test_linears_take_the_kernel_up_to_linear_rows_on_the_packed_path():
-    """Where fp32 decoding takes the packed path (AMD CPUs), Linear and FusedLinears compute up to
-    LINEAR_ROWS rows through the kernel, bit for bit, and more rows through oneDNN, bit for bit."""
-    if torch.float32 not in PACKED_DTYPES:
-        pytest.skip("fp32 linears are not prepacked on this CPU (AMD CPUs only)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linears_take_the_kernel_up_to_linear_rows_on_the_packed_path(dtype):
+    """Where decoding in `dtype` takes the packed path (fp32: AMD CPUs; bf16: CPUs with bf16
+    instructions), Linear and FusedLinears compute up to LINEAR_ROWS rows through the kernel, bit
+    for bit, and more rows through oneDNN, bit for bit."""
+    if dtype not in PACKED_DTYPES:
+        pytest.skip(f"{dtype} linears are not prepacked on this CPU")
+    if dtype == torch.bfloat16 and not _bf16_linears():
+        pytest.skip("this CPU has no bf16 dot products (avx512_bf16): no bf16 linear kernel")
     gen = torch.Generator().manual_seed(3)
-    lin = Linear(64, 40)
-    fused = FusedLinears(Linear(64, 24, bias=False), Linear(64, 16, bias=False))
-    rows = decode_kernels.LINEAR_ROWS
+    lin = Linear(64, 40).to(dtype)
+    fused = FusedLinears(Linear(64, 24, bias=False).to(dtype), Linear(64, 16, bias=False).to(dtype))
+    rows = decode_kernels.LINEAR_ROWS[dtype]
     with torch.no_grad():
-        x = torch.randn(rows, 1, 64, generator=gen)
+        x = torch.randn(rows, 1, 64, generator=gen).to(dtype)
         assert torch.equal(lin(x), decode_kernels.linear(x, (lin.weight,), (lin.bias,)))
         want = decode_kernels.linear(x, tuple(layer.weight for layer in fused.layers), (None, None))
         assert torch.equal(torch.cat(fused(x), -1), want)
-        wide = torch.randn(rows + 1, 1, 64, generator=gen)
+        wide = torch.randn(rows + 1, 1, 64, generator=gen).to(dtype)
         assert torch.equal(lin(wide), torch.ops.mkldnn._linear_pointwise(wide, lin.weight, lin.bias, "none", [], ""))
