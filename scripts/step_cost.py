@@ -108,6 +108,7 @@ def main() -> None:
 
     decode_kernels.decode_step = named("tailrl::decode_step", decode_kernels.decode_step)
     decode_kernels.add_rms_norm = named("tailrl::add_rms_norm", decode_kernels.add_rms_norm)
+    decode_kernels.linear = named("tailrl::linear", decode_kernels.linear)
     engine_module.sample = named("tailrl::sample", engine_module.sample)
     engine_module.is_top1 = named("tailrl::sample", engine_module.is_top1)
 

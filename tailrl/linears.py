@@ -6,9 +6,10 @@ Exact mode (tailrl.model, "Row invariance") computes every matmul on blocks of e
 (no autograd) in a dtype oneDNN computes well hands it a weight reordered once into its blocked
 layout (`Linear`, `FusedLinears`) instead of the row-major parameter it would reorder on every
 call; `release_packed` drops those copies (a model's size) where no decoding needs them before the
-weights change. In fp32 a forward of at most `decode_kernels.LINEAR_ROWS` rows (a plain step of a
+weights change. A forward of at most `decode_kernels.LINEAR_ROWS[dtype]` rows (a plain step of a
 few sequences, a short chain's verify, a draft step) reads the row-major weight through
-tailrl.decode_kernels.linear instead, which streams it faster there. Training (autograd,
+tailrl.decode_kernels.linear instead where that takes the dtype (fp32; bf16 on CPUs with bf16
+dot products), which streams it faster there. Training (autograd,
 autocast) always takes F.linear.
 
 Knows: torch's CPU kernels (MKL, oneDNN), the CPU's vendor. Does not know: the architecture,
