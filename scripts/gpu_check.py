@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from tailrl.engine import Engine, EngineConfig
-from tailrl.model import CacheView, KVCache, ModelConfig, Transformer
+from tailrl.kv_cache import CacheView, KVCache
+from tailrl.model import ModelConfig, Transformer
 from tailrl.records import Request
 from tailrl.sampling import SamplingParams
 from tailrl.speculative.modes import SpeculationConfig, install

@@ -87,8 +87,8 @@ def main() -> None:
 
     from tailrl import decode_kernels, engine as engine_module
     from tailrl.engine import Engine, EngineConfig, GenerateCall, Seq
+    from tailrl.kv_cache import KVCache, whole_chunks
     from tailrl.loading import load_model, resolve_dtype, resolve_model_dir
-    from tailrl.model import KVCache, whole_chunks
     from tailrl.records import Request
     from tailrl.sampling import SamplingParams
 

@@ -73,8 +73,8 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams as VllmParams
 
+    from tailrl.kv_cache import KVCache
     from tailrl.loading import load_model
-    from tailrl.model import KVCache
     from tailrl.rollout.vllm.config import VllmRolloutConfig
     from tailrl.rollout.vllm.outputs import SequenceOutput
     from tailrl.rollout.vllm.rollout import VllmRollout

@@ -2,7 +2,8 @@
 on the new tokens' queries and keys, the new keys and values into the slotted cache, each token's
 query heads over its own first L keys where they lie in the cache; one token a row in a plain
 step, a chain of them in a verify) in one call a layer, every cached forward's two RMSNorms
-with the residual add between them in two, and its linears of a few rows (`linear`).
+with the residual add between them in two, and its linears of a few rows (`linear`; at those
+rows the MLP with its residual add in one call, `mlp_step`).
 
 Why the attention: torch's CPU SDPA (its flash kernel) computes a decode step's attention as two
 small GEMMs per (sequence, kv head, 512-key block), each a separate library call whose fixed
@@ -124,6 +125,8 @@ def library() -> ctypes.CDLL | None:
     lib.skinny_linear_bf16.argtypes = lib.skinny_linear.argtypes
     lib.skinny_linear_bf16.restype = ctypes.c_int
     lib.linear_bf16_available.restype = ctypes.c_int
+    lib.mlp_step.argtypes = [p, i, p, i, p, p, p, p, i, p, i, i, i, ctypes.c_int, ctypes.c_int]
+    lib.mlp_step.restype = ctypes.c_int
     return lib
 
 
@@ -232,4 +235,29 @@ def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[tor
         (ctypes.c_int64 * count)(*sizes), out.data_ptr(), out.shape[-1], rows.shape[0], k, torch.get_num_threads())
     if status:
         raise RuntimeError(f"linear kernel failed (status {status})")
+    return out
+
+
+def mlp_usable(x: torch.Tensor, gate: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether `mlp_step` can take x (..., E) with these gate (I, E) and down (E, I) weights: both
+    `linear_usable` (down's with an input of I)."""
+    return (linear_usable(x, gate) and down.dtype == gate.dtype and down.is_contiguous()
+            and down.shape[-1] % (32 if x.dtype == torch.bfloat16 else 8) == 0)
+
+
+def mlp_step(h: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+             down: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's SwiGLU MLP on its normed input h, and the residual add after it, in one
+    call: x + down(silu(gate h) * up h), rounded where the model's ops round in its dtype; the
+    call must be `mlp_usable`.  h, x (..., E), gate/up (I, E), down (E, I)  -> (..., E)"""
+    e, inter = h.shape[-1], gate.shape[0]
+    rows, residual = _rows(h, e), _rows(x, e)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    buf = h.new_empty(rows.shape[0] * 3 * inter)
+    status = library().mlp_step(
+        rows.data_ptr(), rows.stride(0), residual.data_ptr(), residual.stride(0), gate.data_ptr(), up.data_ptr(),
+        down.data_ptr(), out.data_ptr(), e,
+        buf.data_ptr(), rows.shape[0], e, inter, int(h.dtype == torch.bfloat16), torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"MLP kernel failed (status {status})")
     return out

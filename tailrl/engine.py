@@ -37,7 +37,8 @@ import torch
 
 from tailrl import memory
 from tailrl.kernels import check_thread_invariance, request_reproducible_kernels
-from tailrl.model import KV_CHUNK, CacheView, KVCache, Transformer, whole_chunks
+from tailrl.kv_cache import KV_CHUNK, CacheView, KVCache, whole_chunks
+from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.sampling import SamplingParams, is_top1, next_position, sample
 from tailrl.stats import EngineStats, StepRecord

@@ -4,7 +4,7 @@ The module names mirror Hugging Face's (model.layers.N.self_attn.q_proj, ...) so
 state dict loads without renaming. The architecture comes only from the checkpoint's config.
 
 Knows: weights, RMSNorm, RoPE (default / linear / llama3 scaling), grouped-query attention,
-SwiGLU, tied embeddings, Qwen2 q/k/v bias, Qwen3 q/k norm, the KV cache layout.
+SwiGLU, tied embeddings, Qwen2 q/k/v bias, Qwen3 q/k norm, the KV cache (tailrl.kv_cache).
 Does not know: sampling, drafting, RL, tokenizers.
 
 Row invariance. Lossless speculative decoding needs a token's logits to come out the same
@@ -35,26 +35,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tailrl import decode_kernels, memory
+from tailrl import decode_kernels
+from tailrl.kv_cache import KV_CHUNK, CacheView
 from tailrl.linears import FusedLinears, Head, Linear, blocked, packed_path
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
-KV_CHUNK = 128  # keys per attention matmul in exact mode, see chunked_qk and chunked_pv
-# What one more attention call costs, in key rows read (one row's keys for every kv head): an
-# SDPA call's fixed cost over its cost per key row, measured in docs/performance.md.
-SEGMENT_COST_KEYS = 160
 # New tokens a row up to which attention may take the decode kernel: plain steps, chain verifies (<= 9).
 DECODE_KERNEL_TOKENS = 16
 
@@ -150,119 +144,6 @@ class ModelConfig:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed model config: {e!r}") from e
-
-
-class KVCache:
-    """Preallocated keys/values: C slots x M positions, one tensor per layer.  k[l], v[l]: (C, K, M, D)
-
-    A sequence owns one slot; the engine keeps running sequences in slots 0..B-1 so a batch's
-    cache is a view, never a gather. A tensor per layer, so that `resize` holds the old and the
-    new cache together for one layer at a time, not whole.
-    """
-
-    def __init__(self, cfg: ModelConfig, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
-        self.slots, self.capacity = slots, whole_chunks(capacity)
-        self.k = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
-        self.v = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
-
-    def _empty(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        # Zeros (exact mode's chunked_pv multiplies unwritten positions by 0), resident as written.
-        return memory.lazy_zeros((self.slots, cfg.num_kv_heads, self.capacity, cfg.head_dim), dtype, device)
-
-    @staticmethod
-    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        for kv in (*self.k, *self.v):
-            kv[dst, :, :length] = kv[src, :, :length]
-
-    def resize(self, slots: int, capacity: int, keep: int, length: int) -> None:
-        """Reallocate to `slots` x `capacity` (whole chunks, lazily zeroed as the first cache: resident
-        where kept or written), keeping the first `length` positions of slots 0..keep-1."""
-        capacity = whole_chunks(capacity)
-        if keep > slots or length > capacity:
-            raise ValueError(f"cannot keep {keep} slots x {length} positions in {slots} x {capacity}")
-        for kvs in (self.k, self.v):
-            for layer, old in enumerate(kvs):
-                new = memory.lazy_zeros((slots, old.shape[1], capacity, old.shape[3]), old.dtype, old.device)
-                new[:keep, :, :length] = old[:keep, :, :length]
-                kvs[layer] = new  # the old layer's memory goes before the next layer's is allocated
-        self.slots, self.capacity = slots, capacity
-
-
-def row_segments(keys: Sequence[int], cost: int) -> list[tuple[int, int, int]]:
-    """Split rows 0..B-1 into consecutive ranges [i, j), each attending the first max(keys[i:j])
-    keys, to minimise sum((j - i) * max(keys[i:j]) + cost): the key rows read (masked ones
-    included) plus `cost` key rows' worth per extra attention call. Exact dynamic programme over
-    the cut points (a numpy pass per row: B is at most a few hundred).  -> [(i, j, keys)]"""
-    k = np.asarray(keys, dtype=np.int64)
-    best = np.zeros(len(k) + 1, dtype=np.int64)
-    cut = np.zeros(len(k) + 1, dtype=np.int64)
-    for j in range(1, len(k) + 1):
-        longest = np.maximum.accumulate(k[j - 1 :: -1])  # max(keys[i:j]) for i = j-1 .. 0
-        total = best[j - 1 :: -1] + cost + np.arange(1, j + 1) * longest
-        at = int(total.argmin())
-        best[j], cut[j] = total[at], j - 1 - at
-    out, j = [], len(k)
-    while j > 0:
-        i = int(cut[j])
-        out.append((i, j, int(k[i:j].max())))
-        j = i
-    return out[::-1]
-
-
-def whole_chunks(positions: int) -> int:
-    """Positions rounded up to whole KV_CHUNKs, so chunked_pv never copies the values to pad them."""
-    return -(-positions // KV_CHUNK) * KV_CHUNK
-
-
-@dataclass
-class CacheView:
-    """What one forward reads and writes: rows `first..first+B` of the cache.
-
-    write_pos (B, T): cache index each new token's K/V goes to. kv_len: keys attended (S).
-    mask (B, T, S): True where a query may attend a key.
-    The derived tensors below are built once per forward and shared by every layer.
-    """
-
-    cache: KVCache
-    first: int
-    write_pos: torch.Tensor  # (B, T)
-    kv_len: int
-    mask: torch.Tensor  # (B, T, S)
-
-    @cached_property
-    def hidden_keys(self) -> torch.Tensor:
-        """Where a query may not attend, shaped to broadcast over scores.  # (B, 1, 1, T, S)"""
-        return ~self.mask[:, None, None]
-
-    @cached_property
-    def segments(self) -> list[tuple[int, int, int, torch.Tensor | None]]:
-        """The non-exact attention's groups of consecutive rows (`row_segments`): (first row, end
-        row, keys S' (the group's longest row), mask (B', T, S') or None where every query
-        attends every key)."""
-        keys = (self.kv_len - self.mask.any(1).flip(-1).int().argmax(-1)).tolist()  # (B,) last attended key + 1
-        out = []
-        for i, j, s in row_segments(keys, SEGMENT_COST_KEYS):
-            m = self.mask[i:j, :, :s]
-            out.append((i, j, s, None if bool(m.all()) else m))
-        return out
-
-    @cached_property
-    def token_keys(self) -> torch.Tensor | None:
-        """Where every new token's mask is a prefix of the keys (a plain step's, a chain verify's):
-        each token's key count, for the decode kernel (tailrl.decode_kernels); else None (a
-        tree's verify, a padded prefill).  # (B, T) int32"""
-        count = self.mask.sum(-1)  # (B, T)
-        last = self.kv_len - self.mask.flip(-1).int().argmax(-1)  # last attended key + 1
-        return count.to(torch.int32) if bool((count == last).all()) else None
-
-    @cached_property
-    def rows(self) -> torch.Tensor:
-        """Each new token's row in the view, beside write_pos for indexing the cache.  # (B, T)"""
-        b, t = self.write_pos.shape
-        return torch.arange(b, device=self.write_pos.device).unsqueeze(1).expand(b, t)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -405,6 +286,14 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x, exact), self.up_proj(x, exact)
         return self.down_proj(F.silu(gate) * up, exact)
 
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """x + self(h), an engine's forward: in one compiled call where its linears take the few-row
+        loop (decode_kernels.mlp_step)."""
+        gate, down = self.gate_proj.weight, self.down_proj.weight
+        if packed_path(h, gate) and decode_kernels.mlp_usable(h, gate, down):
+            return decode_kernels.mlp_step(h, x, gate, self.up_proj.weight, down)
+        return x + self(h)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, input_norm: bool = True):
@@ -423,7 +312,7 @@ class DecoderLayer(nn.Module):
             # module).
             h = decode_kernels.add_rms_norm(x, None, one.weight, one.eps)[1] if isinstance(one, RMSNorm) else x
             x, h = decode_kernels.add_rms_norm(x, self.self_attn(h, cos, sin, layer, view, mask), two.weight, two.eps)
-            return x + self.mlp(h)
+            return self.mlp.add_to(x, h)
         x = x + self.self_attn(one(x), cos, sin, layer, view, mask, exact)
         return x + self.mlp(two(x), exact)
 

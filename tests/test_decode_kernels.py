@@ -12,12 +12,16 @@ can land one step (2^-7 of it) away when the two sit on either side of a tie), s
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tailrl import decode_kernels
+from tailrl.kv_cache import CacheView, KVCache
 from tailrl.linears import PACKED_DTYPES, FusedLinears, Linear
-from tailrl.model import CacheView, KVCache, RMSNorm
+from tailrl.model import MLP, RMSNorm
 
 pytestmark = pytest.mark.skipif(decode_kernels.library() is None, reason="no C compiler: the kernel is not built")
 
@@ -219,3 +223,40 @@ def test_linears_take_the_kernel_up_to_linear_rows_on_the_packed_path(dtype):
         assert torch.equal(torch.cat(fused(x), -1), want)
         wide = torch.randn(rows + 1, 1, 64, generator=gen).to(dtype)
         assert torch.equal(lin(wide), torch.ops.mkldnn._linear_pointwise(wide, lin.weight, lin.bias, "none", [], ""))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_mlp_step_equals_the_models_mlp(dtype, threads, rows):
+    """x + MLP(h) in one call against the model's own ops on the packed path (its linears through
+    the same loop, torch's SiLU, product and add): in bf16 bit for bit (the same products summed
+    in the same order, each op rounded where torch rounds it); in fp32 the two SiLUs' exp may
+    differ in its last bits, 4u of the activation, which the down projection carries to at most
+    4u |W_down| |a| (asserted with 16u; a wrong row, column or stride is off by a product's size)."""
+    if dtype not in PACKED_DTYPES or (dtype == torch.bfloat16 and not _bf16_linears()):
+        pytest.skip(f"{dtype} decoding takes no few-row loop on this CPU")
+    gen = torch.Generator().manual_seed(rows)
+    mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96)).to(dtype)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / 8)
+    h = torch.randn(rows, 1, 64, generator=gen).to(dtype)
+    x = torch.randn(rows, 1, 64, generator=gen).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            assert decode_kernels.mlp_usable(h, mlp.gate_proj.weight, mlp.down_proj.weight)
+            got = decode_kernels.mlp_step(h, x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+            want = x + mlp(h)
+            assert torch.equal(mlp.add_to(x, h), got)  # the model's engine path takes it
+    finally:
+        torch.set_num_threads(before)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        with torch.no_grad():
+            a = F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)
+        bound = 16 * 2**-24 * (a.double().abs() @ mlp.down_proj.weight.double().abs().T) + 2**-24 * want.double().abs()
+        assert bool(((got.double() - want.double()).abs() <= bound).all())

@@ -11,8 +11,8 @@ import torch
 
 from tailrl import cli, engine as engine_mod, memory, model as model_mod
 from tailrl.engine import Engine, EngineConfig
+from tailrl.kv_cache import KV_CHUNK, KVCache
 from tailrl.loading import load_model
-from tailrl.model import KV_CHUNK, KVCache
 from tailrl.records import Request
 from tailrl.sampling import SamplingParams, process_logits
 

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 from conftest import build_hf
 
-import tailrl.model as model_module
+import tailrl.kv_cache as kv_cache_module
 from tailrl import decode_kernels
 from tailrl.engine import EngineConfig
+from tailrl.kv_cache import CacheView, KVCache, row_segments
 from tailrl.linears import PACKED_DTYPES
 from tailrl.loading import ModelError, load_model
-from tailrl.model import CacheView, KVCache, row_segments
 
 ATOL = 1e-4
 
@@ -83,7 +83,7 @@ def test_row_segments_minimise_keys_read_plus_calls():
 # The decode steps' attention: the compiled kernel (tailrl.decode_kernels), or SDPA over row
 # groups with `cost` (0: a group per distinct length).
 @pytest.mark.parametrize("kernel,cost",
-                         [("1", model_module.SEGMENT_COST_KEYS), ("0", 0), ("0", model_module.SEGMENT_COST_KEYS)])
+                         [("1", kv_cache_module.SEGMENT_COST_KEYS), ("0", 0), ("0", kv_cache_module.SEGMENT_COST_KEYS)])
 @torch.no_grad()  # as the engine decodes: the kernels have no backward
 def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkeypatch, kernel, cost):
     """A right-padded prefill of prompts of 7, 30 and 15 tokens, then 5 decode steps each at its
@@ -98,7 +98,7 @@ def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkey
     counting("decode_step")
     counting("add_rms_norm")
     monkeypatch.setenv(decode_kernels.SWITCH, kernel)
-    monkeypatch.setattr(model_module, "SEGMENT_COST_KEYS", cost)
+    monkeypatch.setattr(kv_cache_module, "SEGMENT_COST_KEYS", cost)
     model = load_model(tiny_dir, dtype="fp32")
     torch.manual_seed(0)
     lens, steps = torch.tensor([7, 30, 15]), 5

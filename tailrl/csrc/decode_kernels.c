@@ -12,7 +12,7 @@
  * Built by tailrl/decode_kernels.py with the machine's C compiler for the machine's own
  * instruction set; see that module for why it exists and how it is checked.
  *
- * Layout (tailrl.model.KVCache): keys and values of one layer are (C, K, M, D) with unit stride
+ * Layout (tailrl.kv_cache.KVCache): keys and values of one layer are (C, K, M, D) with unit stride
  * along D; `slot_stride` and `head_stride` are the element strides of C and K (equal for keys
  * and values). The new tokens' q, k and v are rows of (B x T, heads x D), token t of row b at
  * b x T + t, with unit stride along the row and their own row strides (slices of one fused
@@ -525,4 +525,94 @@ int skinny_linear_bf16(const uint16_t *x, int64_t xs, int count, const uint16_t 
     (void)x; (void)xs; (void)count; (void)w; (void)b; (void)n; (void)y; (void)ys; (void)m; (void)k; (void)threads;
     return 1;
 #endif
+}
+
+/* ---- A decoder layer's MLP of a few rows in one call (mlp_step) -----------------------------------
+ *
+ * y = x + down(round(round(silu(g)) * u)) with g, u = round(gate h), round(up h): SwiGLU on the
+ * normed input h with the residual add of x after it, rounded where torch rounds in the model's
+ * dtype (every op's output in bf16; none in fp32). At a few rows the model's MLP is three linear
+ * calls, each ~10 us of Python around its arithmetic and its own OpenMP region, and three small
+ * ops (docs/performance.md, "Linears of a few rows"); here one OpenMP region computes gate, up
+ * and the activation (threads over the intermediate columns), then down and the add (over the
+ * hidden ones), with one barrier between. h, x, y (m, hidden) with row strides hs, xs, ys (y is
+ * neither h nor x); gate, up (inter, hidden) and down (hidden, inter) contiguous; all of one dtype;
+ * buf m x 3 x inter elements of it. Returns 1 for what it does not take: bf16 without the bf16
+ * instructions, hidden or inter not a multiple of the vector width. */
+static inline float silu(float g) { return g / (1.f + expf(-g)); }
+
+typedef struct {
+    const void *h, *x, *gate, *up, *down;
+    void *y, *buf;
+    int64_t hs, xs, ys, m, hidden, inter;
+    int bf16;
+} mlp_t;
+
+/* Rows [lo, hi) of a weight of `rows` rows into out (row stride os), reading in (row stride is). */
+static void mlp_linear(const mlp_t *j, const void *in, int64_t is, const void *w, void *out, int64_t os, int64_t rows,
+                       int64_t k, int64_t lo, int64_t hi) {
+    const int64_t n[1] = {rows};
+#ifdef DPBF16
+    if (j->bf16) {
+        const uint16_t *ws[1] = {w}, *bs[1] = {NULL};
+        linear_range_bf(in, is, ws, bs, n, 1, out, os, j->m, k, lo, hi);
+        return;
+    }
+#endif
+    const float *ws[1] = {w}, *bs[1] = {NULL};
+    linear_range(in, is, ws, bs, n, 1, out, os, j->m, k, lo, hi);
+}
+
+/* Thread t of nt: its share of gate/up, the activation, down and the residual add. */
+static void mlp_part(const mlp_t *j, int64_t t, int64_t nt) {
+    const int64_t I = j->inter, E = j->hidden, m = j->m;
+    const size_t size = j->bf16 ? 2 : 4;
+    char *g = j->buf, *u = g + (size_t)(m * I) * size, *a = u + (size_t)(m * I) * size;
+    int64_t per = ((I + nt - 1) / nt + 7) / 8 * 8, lo = t * per, hi = lo + per < I ? lo + per : I;
+    if (lo < hi) {
+        mlp_linear(j, j->h, j->hs, j->gate, g, I, I, E, lo, hi);
+        mlp_linear(j, j->h, j->hs, j->up, u, I, I, E, lo, hi);
+    }
+    /* The activation a of the thread's own columns of g and u (no barrier before it); every
+     * thread's down rows read the whole of a (the barrier after it). */
+    for (int64_t r = 0; r < m && lo < hi; r++)
+        for (int64_t c = lo; c < hi; c++) {
+            if (j->bf16) {
+                const float s = from_bf16(to_bf16(silu(from_bf16(((uint16_t *)g)[r * I + c]))));
+                ((uint16_t *)a)[r * I + c] = to_bf16(s * from_bf16(((uint16_t *)u)[r * I + c]));
+            } else {
+                ((float *)a)[r * I + c] = silu(((float *)g)[r * I + c]) * ((float *)u)[r * I + c];
+            }
+        }
+#pragma omp barrier
+    per = ((E + nt - 1) / nt + 7) / 8 * 8, lo = t * per, hi = lo + per < E ? lo + per : E;
+    if (lo >= hi) return;
+    mlp_linear(j, a, I, j->down, j->y, j->ys, E, I, lo, hi);
+    for (int64_t r = 0; r < m; r++) /* the residual: y = round(x + round(down a)) */
+        for (int64_t c = lo; c < hi; c++) {
+            if (j->bf16) {
+                uint16_t *y = (uint16_t *)j->y + r * j->ys + c;
+                *y = to_bf16(from_bf16(((const uint16_t *)j->x)[r * j->xs + c]) + from_bf16(*y));
+            } else {
+                ((float *)j->y)[r * j->ys + c] += ((const float *)j->x)[r * j->xs + c];
+            }
+        }
+}
+
+int mlp_step(const void *h, int64_t hs, const void *x, int64_t xs, const void *gate, const void *up,
+             const void *down, void *y, int64_t ys, void *buf, int64_t m, int64_t hidden, int64_t inter, int bf16,
+             int threads) {
+    const int64_t width = bf16 ? 32 : W;
+#ifndef DPBF16
+    if (bf16) return 1;
+#endif
+    if (hidden % width || inter % width) return 1;
+    const mlp_t job = {h, x, gate, up, down, y, buf, hs, xs, ys, m, hidden, inter, bf16};
+    if (threads <= 1) {
+        mlp_part(&job, 0, 1);
+        return 0;
+    }
+#pragma omp parallel num_threads(threads)
+    mlp_part(&job, omp_get_thread_num(), omp_get_num_threads());
+    return 0;
 }

@@ -33,7 +33,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from tailrl.engine import Engine, GenerateCall, Seq
-from tailrl.model import CacheView, KVCache
+from tailrl.kv_cache import CacheView, KVCache
 from tailrl.speculative.accept import accept_walk
 from tailrl.speculative.ngram import NgramConfig, NgramIndex, propose_tree
 from tailrl.speculative.tree import DraftTree, verify_layout

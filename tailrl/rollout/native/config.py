@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Mapping
 
 from tailrl.engine import EngineConfig
+from tailrl.kv_cache import KVCache, whole_chunks
 from tailrl.linears import PACKED_DTYPES
 from tailrl.memory import parameters_gb
-from tailrl.model import KVCache, Transformer, whole_chunks
+from tailrl.model import Transformer
 from tailrl.rollout.adapt import AdaptiveDrafter
 from tailrl.rollout.native.pool import NativeRolloutState, WorkerPool
 from tailrl.rollout.native.runtimes import InProcessRuntime, ProcessRuntime, Runtime

@@ -48,8 +48,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tailrl.engine import Engine, Seq
+from tailrl.kv_cache import CacheView, KVCache
 from tailrl.linears import Linear
-from tailrl.model import CacheView, DecoderLayer, KVCache, ModelConfig, Transformer, rope_inv_freq
+from tailrl.model import DecoderLayer, ModelConfig, Transformer, rope_inv_freq
 from tailrl.speculative.tree import DraftTree, Expansion, Frontier, build_tree, chain
 from tailrl.tuner import Arm
 
