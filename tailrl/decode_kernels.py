@@ -127,6 +127,9 @@ def library() -> ctypes.CDLL | None:
     lib.linear_bf16_available.restype = ctypes.c_int
     lib.mlp_step.argtypes = [p, i, p, i, p, p, p, p, i, p, i, i, i, ctypes.c_int, ctypes.c_int]
     lib.mlp_step.restype = ctypes.c_int
+    lib.attn_step.argtypes = [p, i, p, p, p, p, p, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i,
+                              ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.attn_step.restype = ctypes.c_int
     return lib
 
 
@@ -152,6 +155,13 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _step_inputs(cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, rows: int,
+                 d: int) -> tuple[torch.Tensor, ...]:
+    """cos, sin (rows, D) and pos (rows,) int64, lens (rows,) int32, contiguous: what the C calls read."""
+    return (cos.reshape(rows, d).contiguous(), sin.reshape(rows, d).contiguous(),
+            pos.reshape(rows).to(torch.int64).contiguous(), lens.reshape(rows).to(torch.int32).contiguous())
+
+
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pos: torch.Tensor, lens: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """T new tokens per row (a plain step: 1; a chain's verify: its tokens): writes RoPE(k) and v
@@ -167,8 +177,7 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     if keys.stride() != values.stride():
         raise ValueError("keys and values must share one layout")
     q, k, v = _rows(q, heads * d), _rows(k, kv * d), _rows(v, kv * d)
-    cos, sin = cos.reshape(b * t, d).contiguous(), sin.reshape(b * t, d).contiguous()
-    pos, lens = pos.reshape(b * t).to(torch.int64).contiguous(), lens.reshape(b * t).to(torch.int32).contiguous()
+    cos, sin, pos, lens = _step_inputs(cos, sin, pos, lens, b * t, d)
     out = q.new_empty(b, t, heads * d)
     status = library().decode_step(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
@@ -177,6 +186,43 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         torch.get_num_threads())
     if status:
         raise RuntimeError(f"decode attention kernel failed (status {status})")
+    return out
+
+
+def attn_usable(h: torch.Tensor, wq: torch.Tensor, wo: torch.Tensor, keys: torch.Tensor, group: int,
+                tokens: int) -> bool:
+    """Whether `attn_step` can take h (B, T, E) through these projections over this cache view:
+    `usable` for the attention, `linear_usable` for the q/k/v projections (k and v of wq's
+    layout) and o's (wo (E, H*D), its input a multiple of the vector width)."""
+    return (usable(keys, h.dtype, group, tokens) and linear_usable(h, wq) and wo.dtype == wq.dtype
+            and wo.is_contiguous() and wo.shape[-1] % (32 if h.dtype == torch.bfloat16 else 8) == 0)
+
+
+def attn_step(h: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+              biases: tuple[torch.Tensor | None, ...], wo: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              pos: torch.Tensor, lens: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's attention block on its normed input h in one call: the q, k, v
+    projections (weights, biases), then what `decode_step` does with them, then the output
+    projection wo; the call must be `attn_usable`.  h (B, T, E), the rest as decode_step's
+    -> (B, T, E) in h's dtype"""
+    b, kv, _, d = keys.shape
+    t, e = pos.shape[-1], h.shape[-1]
+    heads = weights[0].shape[0] // d
+    if keys.stride() != values.stride():
+        raise ValueError("keys and values must share one layout")
+    rows = _rows(h, e)
+    cos, sin, pos, lens = _step_inputs(cos, sin, pos, lens, b * t, d)
+    biases = tuple(None if x is None else x.contiguous() for x in biases)  # kept alive through the call
+    out = h.new_empty(b, t, e)
+    buf = h.new_empty(b * t * (2 * heads + 2 * kv) * d)
+    status = library().attn_step(
+        rows.data_ptr(), rows.stride(0), *(w.data_ptr() for w in weights),
+        *(None if x is None else x.data_ptr() for x in biases), wo.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        pos.data_ptr(), lens.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), buf.data_ptr(), b, t,
+        kv, heads // kv, d, e, keys.stride(0), keys.stride(1), 1.0 / d**0.5, int(h.dtype == torch.bfloat16),
+        torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"attention block kernel failed (status {status})")
     return out
 
 

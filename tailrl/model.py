@@ -207,6 +207,17 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None, exact: bool = False):
         b, t, _ = x.shape
+        if view is not None and not exact and not self.qk_norm and packed_path(x, self.q_proj.weight):
+            rows = slice(view.first, view.first + b)
+            ck, cv = view.cache.k[layer][rows], view.cache.v[layer][rows]  # (B, K, M, D) views
+            if (decode_kernels.attn_usable(x, self.q_proj.weight, self.o_proj.weight, ck, self.h // self.k, t)
+                    and view.token_keys is not None):
+                # A few rows: the projections, the decode kernel's work and o_proj in one call (the
+                # kernels' module says why).
+                return decode_kernels.attn_step(
+                    x, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight),
+                    (self.q_proj.bias, self.k_proj.bias, self.v_proj.bias), self.o_proj.weight, cos, sin,
+                    view.write_pos, view.token_keys, ck, cv)
         if not exact and packed_path(x, self.q_proj.weight):
             q, k, v = self.qkv(x)
         else:

@@ -260,3 +260,45 @@ def test_mlp_step_equals_the_models_mlp(dtype, threads, rows):
             a = F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)
         bound = 16 * 2**-24 * (a.double().abs() @ mlp.down_proj.weight.double().abs().T) + 2**-24 * want.double().abs()
         assert bool(((got.double() - want.double()).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,tokens,bias", [(3, 1, False), (1, 3, True), (2, 2, True)])
+def test_attn_step_equals_its_parts(dtype, threads, rows, tokens, bias):
+    """The attention block in one call against its three parts called one after another (the q/k/v
+    linear, decode_step, the o linear; each against float64 above): the same output and the same
+    cache writes, bit for bit (each part computes the same sums in the same order), for plain
+    steps of a few rows and short chains, with q/k/v biases (Qwen2) and without."""
+    if dtype == torch.bfloat16 and not _bf16_linears():
+        pytest.skip("this CPU has no bf16 dot products (avx512_bf16): no bf16 linear kernel")
+    gen = torch.Generator().manual_seed(rows * 10 + tokens)
+    e, kv, group, d = 64, 2, 2, 32
+    h = kv * group
+    lens = torch.tensor([40, 7, 21][:rows])[:, None] + torch.arange(tokens)  # (B, T)
+    pos = lens - 1
+    caches = [torch.randn(rows + 1, kv, 64, d, generator=gen).to(dtype) for _ in range(2)]
+    weights = tuple((torch.randn(n, e, generator=gen) / 8).to(dtype) for n in (h * d, kv * d, kv * d))
+    biases = tuple((torch.randn(w.shape[0], generator=gen) if bias else None) for w in weights)
+    biases = tuple(None if b is None else b.to(dtype) for b in biases)
+    wo = (torch.randn(e, h * d, generator=gen) / 8).to(dtype)
+    x = torch.randn(rows, tokens, e, generator=gen).to(dtype)
+    angle = torch.rand(rows, tokens, d // 2, generator=gen, dtype=torch.float64) * 300
+    cos, sin = torch.cat((angle, angle), -1).cos().to(dtype), torch.cat((angle, angle), -1).sin().to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            views = [(c.clone()[1:], c.clone()[1:]) for c in caches]  # rows 1.. of the cache: strided views
+            keys, values = views[0][0], views[1][0]
+            assert decode_kernels.attn_usable(x, weights[0], wo, keys, group, tokens)
+            got = decode_kernels.attn_step(x, weights, biases, wo, cos[:, None], sin[:, None], pos, lens, keys,
+                                           values)
+            keys2, values2 = views[0][1], views[1][1]
+            q, k, v = decode_kernels.linear(x, weights, biases).split([h * d, kv * d, kv * d], -1)
+            att = decode_kernels.decode_step(q, k, v, cos[:, None], sin[:, None], pos, lens, keys2, values2)
+            want = decode_kernels.linear(att, (wo,), (None,))
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (rows, tokens, e) and got.dtype == dtype
+    assert torch.equal(got, want) and torch.equal(keys, keys2) and torch.equal(values, values2)

@@ -88,7 +88,8 @@ def test_row_segments_minimise_keys_read_plus_calls():
 def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkeypatch, kernel, cost):
     """A right-padded prefill of prompts of 7, 30 and 15 tokens, then 5 decode steps each at its
     own position: every row's logits are those of a full forward over that row alone. With the
-    kernel, each decode step's attention and norms are counted to have gone through it."""
+    kernel, each decode step's attention (`decode_step`, or `attn_step` where the few-row loop
+    takes its projections too: fp32 on AMD CPUs) and norms are counted to have gone through it."""
     calls = []
 
     def counting(name):
@@ -96,6 +97,7 @@ def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkey
         monkeypatch.setattr(decode_kernels, name, lambda *args: calls.append(name) or real(*args))
 
     counting("decode_step")
+    counting("attn_step")
     counting("add_rms_norm")
     monkeypatch.setenv(decode_kernels.SWITCH, kernel)
     monkeypatch.setattr(kv_cache_module, "SEGMENT_COST_KEYS", cost)
@@ -114,7 +116,7 @@ def test_rows_of_different_lengths_equal_their_own_full_forward(tiny_dir, monkey
     got = torch.cat(got, 1)  # (3, 1 + steps, V)
     built = decode_kernels.library() is not None
     through = kernel == "1" and built
-    assert calls.count("decode_step") == (steps * model.cfg.num_layers if through else 0)
+    assert calls.count("decode_step") + calls.count("attn_step") == (steps * model.cfg.num_layers if through else 0)
     assert calls.count("add_rms_norm") == (2 * (1 + steps) * model.cfg.num_layers if through else 0)  # prefill too
     for i in range(3):
         own = torch.cat([prompts[i, : lens[i]], fed[i]])
@@ -128,11 +130,15 @@ def test_a_chain_verify_equals_the_full_forward(tiny_dir, monkeypatch, kernel):
     """After a right-padded prefill of 7, 30 and 15 tokens, one forward of 4 tokens a row, token t
     at the row's position L + t over its prefix (a chain's verify): every row's logits are those
     of a full forward over that row alone, and with the kernel each layer's attention went
-    through it once. The verify's cache writes are then what a full forward computes: a plain step
-    after it agrees too. (fp32; the kernel's bf16 arithmetic: test_decode_kernels.py.)"""
+    through it once (`decode_step`, or `attn_step` with the projections where the few-row loop
+    takes them: the 3-row plain step on AMD CPUs). The verify's cache writes are then what a full
+    forward computes: a plain step after it agrees too. (fp32; the kernel's bf16 arithmetic:
+    test_decode_kernels.py.)"""
     calls = []
-    real = decode_kernels.decode_step
-    monkeypatch.setattr(decode_kernels, "decode_step", lambda *args: calls.append(args[5].shape) or real(*args))
+    for name, at in (("decode_step", 5), ("attn_step", 6)):  # at: the new tokens' cache positions (B, T)
+        real = getattr(decode_kernels, name)
+        monkeypatch.setattr(decode_kernels, name, lambda *args, real=real, at=at: calls.append(args[at].shape)
+                            or real(*args))
     monkeypatch.setenv(decode_kernels.SWITCH, kernel)
     model = load_model(tiny_dir, dtype="fp32")
     torch.manual_seed(0)

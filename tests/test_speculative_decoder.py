@@ -249,16 +249,18 @@ def test_a_stop_inside_a_speculative_step_ends_the_response_where_plain_decoding
 
 def test_a_chain_verify_takes_the_decode_kernel_when_it_is_built(model, monkeypatch):
     """Where the C decode kernel is built (tailrl.decode_kernels), a chain's verify forward runs
-    its attention there: one call of CHAIN's 6 tokens a row per layer and verify, counted; and the
-    tokens stay plain decoding's."""
+    its attention there (`decode_step`, or `attn_step` with the projections where the few-row loop
+    takes them): one call of CHAIN's 6 tokens a row per layer and verify, counted; and the tokens
+    stay plain decoding's."""
     if decode_kernels.library() is None:
         pytest.skip("no C compiler: the kernel is not built")
     monkeypatch.setenv(decode_kernels.SWITCH, "1")
     calls = []
-    real = decode_kernels.decode_step
-    # args[5]: each new token's cache position (B, T); a verify's first is past the prompt.
-    monkeypatch.setattr(decode_kernels, "decode_step",
-                        lambda *args: calls.append((args[5].shape[1], int(args[5][:, 0].min()))) or real(*args))
+    # args[at]: each new token's cache position (B, T); a verify's first is past the prompt.
+    for name, at in (("decode_step", 5), ("attn_step", 6)):
+        real = getattr(decode_kernels, name)
+        monkeypatch.setattr(decode_kernels, name, lambda *args, real=real, at=at: calls.append(
+            (args[at].shape[1], int(args[at][:, 0].min()))) or real(*args))
     params, reqs = PARAMS["greedy"], requests(6)
     plain, _ = run(model, reqs, params)
     oracle = ChainOracle(reference(model, reqs, params, CHAIN))

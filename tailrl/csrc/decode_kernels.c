@@ -548,19 +548,26 @@ typedef struct {
     int bf16;
 } mlp_t;
 
+/* Rows [lo, hi) of `count` weights' concatenated rows (biases may be NULL) into y, in either dtype. */
+static void any_linear_range(int bf16, const void *x, int64_t xs, const void *const *w, const void *const *b,
+                             const int64_t *n, int count, void *y, int64_t ys, int64_t m, int64_t k, int64_t lo,
+                             int64_t hi) {
+#ifdef DPBF16
+    if (bf16) {
+        linear_range_bf(x, xs, (const uint16_t *const *)w, (const uint16_t *const *)b, n, count, y, ys, m, k, lo, hi);
+        return;
+    }
+#endif
+    (void)bf16;
+    linear_range(x, xs, (const float *const *)w, (const float *const *)b, n, count, y, ys, m, k, lo, hi);
+}
+
 /* Rows [lo, hi) of a weight of `rows` rows into out (row stride os), reading in (row stride is). */
 static void mlp_linear(const mlp_t *j, const void *in, int64_t is, const void *w, void *out, int64_t os, int64_t rows,
                        int64_t k, int64_t lo, int64_t hi) {
     const int64_t n[1] = {rows};
-#ifdef DPBF16
-    if (j->bf16) {
-        const uint16_t *ws[1] = {w}, *bs[1] = {NULL};
-        linear_range_bf(in, is, ws, bs, n, 1, out, os, j->m, k, lo, hi);
-        return;
-    }
-#endif
-    const float *ws[1] = {w}, *bs[1] = {NULL};
-    linear_range(in, is, ws, bs, n, 1, out, os, j->m, k, lo, hi);
+    const void *ws[1] = {w}, *bs[1] = {NULL};
+    any_linear_range(j->bf16, in, is, ws, bs, n, 1, out, os, j->m, k, lo, hi);
 }
 
 /* Thread t of nt: its share of gate/up, the activation, down and the residual add. */
@@ -615,4 +622,60 @@ int mlp_step(const void *h, int64_t hs, const void *x, int64_t xs, const void *g
 #pragma omp parallel num_threads(threads)
     mlp_part(&job, omp_get_thread_num(), omp_get_num_threads());
     return 0;
+}
+
+/* ---- A decoder layer's attention block of a few rows in one call (attn_step) -----------------------
+ *
+ * out = o_proj(attention(q, k, v)) with q, k, v = h Wq^T + bq, h Wk^T + bk, h Wv^T + bv: the
+ * projections (threads over the three weights' concatenated rows, into buf), then decode_step's
+ * work (RoPE, the cache write, each token's attention: threads over (row, kv head)), then the
+ * output projection (threads over its rows), in one OpenMP region: at a few rows these were
+ * three calls and a dozen small ops of Python a layer (docs/performance.md, "Linears of a few
+ * rows"). Shapes and layout as decode_step's, q, k and v rows of buf; h (B x T, E) with row
+ * stride hs, out (B x T, E) contiguous; wq (H x D, E), wk, wv (K x D, E), wo (E, H x D)
+ * contiguous, biases NULL or of their weight's rows; buf (B x T) x (2 H + 2 K) x D elements.
+ * Returns decode_step's statuses, or 1 for a dtype or width the linears do not take. */
+int attn_step(const void *h, int64_t hs, const void *wq, const void *wk, const void *wv, const void *bq,
+              const void *bk, const void *bv, const void *wo, const void *cos, const void *sin, const int64_t *pos,
+              const int32_t *lens, void *k, void *v, void *out, void *buf, int64_t batch, int64_t tokens,
+              int64_t heads, int64_t rows, int64_t dim, int64_t hidden, int64_t slot_stride, int64_t head_stride,
+              float scale, int bf16, int threads) {
+    const int64_t width = bf16 ? 32 : W, m = batch * tokens, hd = heads * rows * dim, kd = heads * dim;
+    const int64_t qkv = hd + 2 * kd, n[3] = {hd, kd, kd};
+#ifndef DPBF16
+    if (bf16) return 1;
+#endif
+    if (tokens * rows > MAX_ROWS || dim > MAX_DIM || dim % W || hidden % width || hd % width) return 1;
+    const size_t size = bf16 ? 2 : 4;
+    char *proj = buf, *att = proj + (size_t)(m * qkv) * size;
+    const job_t job = {proj, proj + hd * size, proj + (hd + kd) * size, cos, sin, qkv, qkv, qkv, pos, lens, k, v, att,
+                       batch, tokens, heads, rows, dim, slot_stride, head_stride, scale, bf16};
+    const void *ws[3] = {wq, wk, wv}, *bs[3] = {bq, bk, bv}, *wos[1] = {wo}, *none[1] = {NULL};
+    const int64_t no[1] = {hidden};
+    int64_t longest = 1;
+    for (int64_t r = 0; r < m; r++)
+        if (lens[r] > longest) longest = lens[r];
+    const int64_t qrows = tokens * rows;
+    int status = 0;
+#pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t per = ((qkv + nt - 1) / nt + 7) / 8 * 8, lo = t * per, hi = lo + per < qkv ? lo + per : qkv;
+        if (lo < hi) any_linear_range(bf16, h, hs, ws, bs, n, 3, proj, qkv, m, hidden, lo, hi);
+        float *scratch = malloc(sizeof(float) * (size_t)(qrows * longest + 2 * qrows * dim));
+        if (!scratch) {
+#pragma omp atomic write
+            status = 2;
+        }
+#pragma omp barrier
+#pragma omp for schedule(static, 1)
+        for (int64_t w = 0; w < batch * heads; w++)
+            if (scratch)
+                attend(&job, w / heads, w % heads, scratch, scratch + qrows * longest,
+                       scratch + qrows * longest + qrows * dim);
+        free(scratch);
+        per = ((hidden + nt - 1) / nt + 7) / 8 * 8, lo = t * per, hi = lo + per < hidden ? lo + per : hidden;
+        if (lo < hi && !status) any_linear_range(bf16, att, hd, wos, none, no, 1, out, hidden, m, hd, lo, hi);
+    }
+    return status;
 }
