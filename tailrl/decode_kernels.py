@@ -3,7 +3,8 @@ on the new tokens' queries and keys, the new keys and values into the slotted ca
 query heads over its own first L keys where they lie in the cache; one token a row in a plain
 step, a chain of them in a verify) in one call a layer, every cached forward's two RMSNorms
 with the residual add between them in two, and its linears of a few rows (`linear`; at those
-rows the MLP with its residual add in one call, `mlp_step`).
+rows a layer's MLP with its residual add in one call, `mlp_step`, and its attention block with
+the q/k/v and o projections in one, `attn_step`).
 
 Why the attention: torch's CPU SDPA (its flash kernel) computes a decode step's attention as two
 small GEMMs per (sequence, kv head, 512-key block), each a separate library call whose fixed

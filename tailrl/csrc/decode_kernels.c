@@ -1,5 +1,6 @@
-/* A decode step's attention, its norms (add_rms_norm) and its linears of a few fp32 rows
- * (skinny_linear, at the end).
+/* A decode step's attention, its norms (add_rms_norm), its linears of a few rows (skinny_linear,
+ * skinny_linear_bf16) and, at those rows, a layer's MLP (mlp_step) and attention block
+ * (attn_step) in one call each: these after the attention, in that order.
  *
  * The attention over a slotted KV cache, from the QKV projection's output to the
  * output projection's input: RoPE on the new tokens' queries and keys, the new keys and values
