@@ -56,11 +56,13 @@ from tailrl.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode_kernels.c"
 MAX_ROWS, MAX_DIM, MAX_HIDDEN = 64, 256, 8192  # the C source's fixed limits
-# Rows up to which `linear` computes a linear, by dtype. fp32: on a Zen 3 it streams a model's
-# weights 1.1-1.2x faster than oneDNN's prepacked kernel at 1-8 rows, and decode steps of 12 and 16
-# rows were slower with it. bf16: on a Zen 4 1.2-1.3x at 1-4 rows, even at 5-8, slower from 10
-# (docs/performance.md, "Linears of a few rows").
-LINEAR_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+# Rows up to which `linear` (and with it `mlp_step`, `attn_step`) computes, by dtype. fp32: on a
+# Zen 3 it streams a model's weights 1.1-1.2x faster than oneDNN's prepacked kernel at 1-8 rows,
+# and decode steps of 12 and 16 rows were slower with it. bf16, on a Zen 4: the linears alone
+# 1.2-1.3x at 1-4 rows, even at 5-8; decode steps with the layer calls 0.61-0.82x the time at
+# 1-4 rows, 0.70-0.79x at 5-8, 0.89x at 10, even at 12, 1.11x at 16 (docs/performance.md,
+# "Linears of a few rows").
+LINEAR_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 DTYPES = (torch.bfloat16, torch.float32)
 # "0" turns the kernel off (SDPA then computes every step), read at each call so that one process
 # can compare the two (scripts/step_cost.py).

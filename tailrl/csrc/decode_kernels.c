@@ -437,8 +437,8 @@ int skinny_linear(const float *x, int64_t xs, int count, const float *const *w, 
  * bf16 x and W, y = round_bf16(fp32 sum of the exact bf16 products + b), as oneDNN's bf16 kernel
  * computes it (fp32 accumulation, one rounding at the end), in another summation order. 32
  * dimensions an instruction (pairs of products into fp32 lanes); tiles of R weight rows x MB
- * rows of x keep R x MB sums in 8 or 16 of the 32 AVX-512 registers. What made it faster than
- * oneDNN at 1-4 rows is the prefetch: each step of a tile fetches a line of each of the next
+ * rows of x (8 x 1, 8 x 2, 4 x 4, 2 x 8) keep R x MB sums in 8 or 16 of the 32 AVX-512
+ * registers. What made it faster than oneDNN at 1-4 rows is the prefetch: each step of a tile fetches a line of each of the next
  * tile's rows (the fp32 loop's fixed distance ahead, 2 KB, lands in the tile's own later rows
  * when a row is 1 KB). K a multiple of 32. Without the instructions (the build has no DPBF16) it
  * returns 1 and linear_bf16_available() says 0. */
@@ -478,6 +478,7 @@ int linear_bf16_available(void) {
 TILE_BF(tile1_bf, 8, 1)
 TILE_BF(tile2_bf, 8, 2)
 TILE_BF(tile4_bf, 4, 4)
+TILE_BF(tile8_bf, 2, 8)
 
 static void linear_rows_bf(const uint16_t *x, int64_t xs, const uint16_t *w, const uint16_t *b, uint16_t *y,
                            int64_t ys, int64_t m, int64_t r0, int64_t r1, int64_t k) {
@@ -488,9 +489,9 @@ static void linear_rows_bf(const uint16_t *x, int64_t xs, const uint16_t *w, con
     } else if (m <= 4) {
         for (int64_t r = r0; r < r1; r += 4) tile4_bf(x, xs, w, b, y, ys, 0, m, r, r1 - r < 4 ? r1 - r : 4, k, 1);
     } else {
-        for (int64_t r = r0; r < r1; r += 4)
-            for (int64_t i = 0; i < m; i += 4) /* the weight rows stay in L1 after the first 4 rows of x */
-                tile4_bf(x, xs, w, b, y, ys, i, m - i < 4 ? m - i : 4, r, r1 - r < 4 ? r1 - r : 4, k, i == 0);
+        for (int64_t r = r0; r < r1; r += 2)
+            for (int64_t i = 0; i < m; i += 8) /* the weight rows stay in L1 after the first 8 rows of x */
+                tile8_bf(x, xs, w, b, y, ys, i, m - i < 8 ? m - i : 8, r, r1 - r < 2 ? r1 - r : 2, k, i == 0);
     }
 }
 
