@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top; a module belongs to the first layer with a prefix it matches (the seam before
 # the rest of rollout).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("tailrl.cache_dir", "tailrl.decode_kernels", "tailrl.model", "tailrl.linears", "tailrl.kernels",
+    ("base", ("tailrl.cache_dir", "tailrl.decode_kernels", "tailrl.model", "tailrl.kv_cache", "tailrl.linears",
+              "tailrl.kernels",
               "tailrl.loading", "tailrl.memory", "tailrl.sampling", "tailrl.stats", "tailrl.records", "tailrl.tuner",
               "tailrl.config")),
     ("engine", ("tailrl.engine",)),

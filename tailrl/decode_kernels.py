@@ -123,10 +123,8 @@ def library() -> ctypes.CDLL | None:
     lib.decode_step.restype = ctypes.c_int
     lib.add_rms_norm.argtypes = [p, p, p, p, p, i, i, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.add_rms_norm.restype = ctypes.c_int
-    lib.skinny_linear.argtypes = [p, i, ctypes.c_int, p, p, p, p, i, i, i, ctypes.c_int]
+    lib.skinny_linear.argtypes = [p, i, ctypes.c_int, p, p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
     lib.skinny_linear.restype = ctypes.c_int
-    lib.skinny_linear_bf16.argtypes = lib.skinny_linear.argtypes
-    lib.skinny_linear_bf16.restype = ctypes.c_int
     lib.linear_bf16_available.restype = ctypes.c_int
     lib.mlp_step.argtypes = [p, i, p, i, p, p, p, p, i, p, i, i, i, ctypes.c_int, ctypes.c_int]
     lib.mlp_step.restype = ctypes.c_int
@@ -277,11 +275,11 @@ def linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[tor
     out = x.new_empty(*x.shape[:-1], sum(sizes))
     count = len(weights)
     biases = tuple(None if b is None else b.contiguous() for b in biases)  # kept alive through the call
-    call = library().skinny_linear_bf16 if x.dtype == torch.bfloat16 else library().skinny_linear
-    status = call(
+    status = library().skinny_linear(
         rows.data_ptr(), rows.stride(0), count, (ctypes.c_void_p * count)(*[w.data_ptr() for w in weights]),
         (ctypes.c_void_p * count)(*[None if b is None else b.data_ptr() for b in biases]),
-        (ctypes.c_int64 * count)(*sizes), out.data_ptr(), out.shape[-1], rows.shape[0], k, torch.get_num_threads())
+        (ctypes.c_int64 * count)(*sizes), out.data_ptr(), out.shape[-1], rows.shape[0], k,
+        int(x.dtype == torch.bfloat16), torch.get_num_threads())
     if status:
         raise RuntimeError(f"linear kernel failed (status {status})")
     return out

@@ -19,20 +19,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from tailrl import memory
 
-if TYPE_CHECKING:
-    from tailrl.model import ModelConfig
-
 KV_CHUNK = 128  # keys per attention matmul in exact mode, see tailrl.model's chunked_qk and chunked_pv
 # What one more attention call costs, in key rows read (one row's keys for every kv head): an
 # SDPA call's fixed cost over its cost per key row, measured in docs/performance.md.
 SEGMENT_COST_KEYS = 160
+
+
+class CacheShape(Protocol):
+    """What the cache needs of a model's config (tailrl.model.ModelConfig has it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
 
 class KVCache:
@@ -43,17 +48,17 @@ class KVCache:
     new cache together for one layer at a time, not whole.
     """
 
-    def __init__(self, cfg: ModelConfig, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: CacheShape, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
         self.slots, self.capacity = slots, whole_chunks(capacity)
         self.k = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
         self.v = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
 
-    def _empty(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    def _empty(self, cfg: CacheShape, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         # Zeros (exact mode's chunked_pv multiplies unwritten positions by 0), resident as written.
         return memory.lazy_zeros((self.slots, cfg.num_kv_heads, self.capacity, cfg.head_dim), dtype, device)
 
     @staticmethod
-    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_token(cfg: CacheShape, dtype: torch.dtype) -> int:
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:

@@ -1,5 +1,5 @@
 /* A decode step's attention, its norms (add_rms_norm), its linears of a few rows (skinny_linear,
- * skinny_linear_bf16) and, at those rows, a layer's MLP (mlp_step) and attention block
+ * fp32 or bf16) and, at those rows, a layer's MLP (mlp_step) and attention block
  * (attn_step) in one call each: these after the attention, in that order.
  *
  * The attention over a slotted KV cache, from the QKV projection's output to the
@@ -351,7 +351,7 @@ int add_rms_norm(const void *x, const void *delta, const void *w, void *x_out, v
     return 0;
 }
 
-/* ---- A linear of a few fp32 rows (skinny_linear) ------------------------------------------------
+/* ---- A linear of a few rows (skinny_linear): the fp32 loop here, the bf16 one below ---------------
  *
  * y = x W^T + b for up to three weights that read the same x (q, k, v; gate, up), each into its
  * own columns of y: at a few rows a decode step's linears stream their weights from memory, and
@@ -413,26 +413,7 @@ static void linear_range(const float *x, int64_t xs, const float *const *w, cons
     }
 }
 
-/* Returns 0, or 1 for shapes it does not take (K not a multiple of 8, more than MAX_WEIGHTS). */
-int skinny_linear(const float *x, int64_t xs, int count, const float *const *w, const float *const *b,
-                  const int64_t *n, float *y, int64_t ys, int64_t m, int64_t k, int threads) {
-    if (k % W || count < 1 || count > MAX_WEIGHTS) return 1;
-    int64_t total = 0;
-    for (int j = 0; j < count; j++) total += n[j];
-    if (threads <= 1 || total < 256) { /* a small weight costs less than entering an OpenMP region */
-        linear_range(x, xs, w, b, n, count, y, ys, m, k, 0, total);
-        return 0;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), per = ((total + nt - 1) / nt + 7) / 8 * 8;
-        const int64_t lo = t * per, hi = lo + per < total ? lo + per : total;
-        if (lo < hi) linear_range(x, xs, w, b, n, count, y, ys, m, k, lo, hi);
-    }
-    return 0;
-}
-
-/* ---- The same linear in bf16 (skinny_linear_bf16), where the CPU has bf16 dot products ------------
+/* ---- The same linear in bf16, where the CPU has bf16 dot products -------------------------------
  *
  * bf16 x and W, y = round_bf16(fp32 sum of the exact bf16 products + b), as oneDNN's bf16 kernel
  * computes it (fp32 accumulation, one rounding at the end), in another summation order. 32
@@ -506,27 +487,49 @@ static void linear_range_bf(const uint16_t *x, int64_t xs, const uint16_t *const
 }
 #endif
 
-int skinny_linear_bf16(const uint16_t *x, int64_t xs, int count, const uint16_t *const *w, const uint16_t *const *b,
-                       const int64_t *n, uint16_t *y, int64_t ys, int64_t m, int64_t k, int threads) {
+/* Thread t of nt's share [lo, hi) of `total` rows: contiguous, whole tiles of 8 where it can. */
+static inline void share(int64_t total, int64_t t, int64_t nt, int64_t *lo, int64_t *hi) {
+    const int64_t per = ((total + nt - 1) / nt + 7) / 8 * 8;
+    *lo = t * per;
+    *hi = *lo + per < total ? *lo + per : total;
+}
+
+/* Rows [lo, hi) of `count` weights' concatenated rows (biases may be NULL) into y, in either dtype. */
+static void any_linear_range(int bf16, const void *x, int64_t xs, const void *const *w, const void *const *b,
+                             const int64_t *n, int count, void *y, int64_t ys, int64_t m, int64_t k, int64_t lo,
+                             int64_t hi) {
 #ifdef DPBF16
-    if (k % BF || count < 1 || count > MAX_WEIGHTS) return 1;
+    if (bf16) {
+        linear_range_bf(x, xs, (const uint16_t *const *)w, (const uint16_t *const *)b, n, count, y, ys, m, k, lo, hi);
+        return;
+    }
+#endif
+    (void)bf16;
+    linear_range(x, xs, (const float *const *)w, (const float *const *)b, n, count, y, ys, m, k, lo, hi);
+}
+
+/* The linear of x through up to MAX_WEIGHTS weights into their own columns of y, in fp32 or bf16.
+ * Returns 0, or 1 for what it does not take (K not a multiple of the vector width, more than
+ * MAX_WEIGHTS, bf16 without the bf16 instructions). */
+int skinny_linear(const void *x, int64_t xs, int count, const void *const *w, const void *const *b, const int64_t *n,
+                  void *y, int64_t ys, int64_t m, int64_t k, int bf16, int threads) {
+#ifndef DPBF16
+    if (bf16) return 1;
+#endif
+    if (k % (bf16 ? 32 : W) || count < 1 || count > MAX_WEIGHTS) return 1;
     int64_t total = 0;
     for (int j = 0; j < count; j++) total += n[j];
-    if (threads <= 1 || total < 256) {
-        linear_range_bf(x, xs, w, b, n, count, y, ys, m, k, 0, total);
+    if (threads <= 1 || total < 256) { /* a small weight costs less than entering an OpenMP region */
+        any_linear_range(bf16, x, xs, w, b, n, count, y, ys, m, k, 0, total);
         return 0;
     }
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), per = ((total + nt - 1) / nt + 7) / 8 * 8;
-        const int64_t lo = t * per, hi = lo + per < total ? lo + per : total;
-        if (lo < hi) linear_range_bf(x, xs, w, b, n, count, y, ys, m, k, lo, hi);
+        int64_t lo, hi;
+        share(total, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        if (lo < hi) any_linear_range(bf16, x, xs, w, b, n, count, y, ys, m, k, lo, hi);
     }
     return 0;
-#else
-    (void)x; (void)xs; (void)count; (void)w; (void)b; (void)n; (void)y; (void)ys; (void)m; (void)k; (void)threads;
-    return 1;
-#endif
 }
 
 /* ---- A decoder layer's MLP of a few rows in one call (mlp_step) -----------------------------------
@@ -550,20 +553,6 @@ typedef struct {
     int bf16;
 } mlp_t;
 
-/* Rows [lo, hi) of `count` weights' concatenated rows (biases may be NULL) into y, in either dtype. */
-static void any_linear_range(int bf16, const void *x, int64_t xs, const void *const *w, const void *const *b,
-                             const int64_t *n, int count, void *y, int64_t ys, int64_t m, int64_t k, int64_t lo,
-                             int64_t hi) {
-#ifdef DPBF16
-    if (bf16) {
-        linear_range_bf(x, xs, (const uint16_t *const *)w, (const uint16_t *const *)b, n, count, y, ys, m, k, lo, hi);
-        return;
-    }
-#endif
-    (void)bf16;
-    linear_range(x, xs, (const float *const *)w, (const float *const *)b, n, count, y, ys, m, k, lo, hi);
-}
-
 /* Rows [lo, hi) of a weight of `rows` rows into out (row stride os), reading in (row stride is). */
 static void mlp_linear(const mlp_t *j, const void *in, int64_t is, const void *w, void *out, int64_t os, int64_t rows,
                        int64_t k, int64_t lo, int64_t hi) {
@@ -577,7 +566,8 @@ static void mlp_part(const mlp_t *j, int64_t t, int64_t nt) {
     const int64_t I = j->inter, E = j->hidden, m = j->m;
     const size_t size = j->bf16 ? 2 : 4;
     char *g = j->buf, *u = g + (size_t)(m * I) * size, *a = u + (size_t)(m * I) * size;
-    int64_t per = ((I + nt - 1) / nt + 7) / 8 * 8, lo = t * per, hi = lo + per < I ? lo + per : I;
+    int64_t lo, hi;
+    share(I, t, nt, &lo, &hi);
     if (lo < hi) {
         mlp_linear(j, j->h, j->hs, j->gate, g, I, I, E, lo, hi);
         mlp_linear(j, j->h, j->hs, j->up, u, I, I, E, lo, hi);
@@ -594,7 +584,7 @@ static void mlp_part(const mlp_t *j, int64_t t, int64_t nt) {
             }
         }
 #pragma omp barrier
-    per = ((E + nt - 1) / nt + 7) / 8 * 8, lo = t * per, hi = lo + per < E ? lo + per : E;
+    share(E, t, nt, &lo, &hi);
     if (lo >= hi) return;
     mlp_linear(j, a, I, j->down, j->y, j->ys, E, I, lo, hi);
     for (int64_t r = 0; r < m; r++) /* the residual: y = round(x + round(down a)) */
@@ -662,7 +652,8 @@ int attn_step(const void *h, int64_t hs, const void *wq, const void *wk, const v
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t per = ((qkv + nt - 1) / nt + 7) / 8 * 8, lo = t * per, hi = lo + per < qkv ? lo + per : qkv;
+        int64_t lo, hi;
+        share(qkv, t, nt, &lo, &hi);
         if (lo < hi) any_linear_range(bf16, h, hs, ws, bs, n, 3, proj, qkv, m, hidden, lo, hi);
         float *scratch = malloc(sizeof(float) * (size_t)(qrows * longest + 2 * qrows * dim));
         if (!scratch) {
@@ -676,7 +667,7 @@ int attn_step(const void *h, int64_t hs, const void *wq, const void *wk, const v
                 attend(&job, w / heads, w % heads, scratch, scratch + qrows * longest,
                        scratch + qrows * longest + qrows * dim);
         free(scratch);
-        per = ((hidden + nt - 1) / nt + 7) / 8 * 8, lo = t * per, hi = lo + per < hidden ? lo + per : hidden;
+        share(hidden, t, nt, &lo, &hi);
         if (lo < hi && !status) any_linear_range(bf16, att, hd, wos, none, no, 1, out, hidden, m, hd, lo, hi);
     }
     return status;
