@@ -207,12 +207,16 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, view: CacheView | None, mask: torch.Tensor | None, exact: bool = False):
         b, t, _ = x.shape
-        if view is not None and not exact and not self.qk_norm and packed_path(x, self.q_proj.weight):
+        g = self.h // self.k
+        kernel = view is not None and not exact and t <= DECODE_KERNEL_TOKENS  # the decode kernels may take it
+        if kernel:
             rows = slice(view.first, view.first + b)
             ck, cv = view.cache.k[layer][rows], view.cache.v[layer][rows]  # (B, K, M, D) views
-            if (decode_kernels.attn_usable(x, self.q_proj.weight, self.o_proj.weight, ck, self.h // self.k, t)
+            # The usability checks first: the key counts cost a device sync where the kernel cannot run.
+            if (not self.qk_norm and packed_path(x, self.q_proj.weight)
+                    and decode_kernels.attn_usable(x, self.q_proj.weight, self.o_proj.weight, ck, g, t)
                     and view.token_keys is not None):
-                # A few rows: the projections, the decode kernel's work and o_proj in one call (the
+                # A few rows: the projections, the kernel's attention and o_proj in one call (the
                 # kernels' module says why).
                 return decode_kernels.attn_step(
                     x, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight),
@@ -225,15 +229,10 @@ class Attention(nn.Module):
         q, k, v = q.view(b, t, self.h, self.d), k.view(b, t, self.k, self.d), v.view(b, t, self.k, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if view is not None and not exact and t <= DECODE_KERNEL_TOKENS:
-            rows = slice(view.first, view.first + b)
-            ck, cv = view.cache.k[layer][rows], view.cache.v[layer][rows]  # (B, K, M, D) views
-            # The usability check first: the key counts cost a device sync where the kernel cannot run.
-            if decode_kernels.usable(ck, q.dtype, self.h // self.k, t) and view.token_keys is not None:
-                # RoPE, the cache write and each token's attention over its own keys in one call
-                # (the kernel's module says why).
-                out = decode_kernels.decode_step(q, k, v, cos, sin, view.write_pos, view.token_keys, ck, cv)
-                return self.o_proj(out, exact)
+        if kernel and decode_kernels.usable(ck, q.dtype, g, t) and view.token_keys is not None:
+            # RoPE, the cache write and each token's attention over its own keys in one call.
+            out = decode_kernels.decode_step(q, k, v, cos, sin, view.write_pos, view.token_keys, ck, cv)
+            return self.o_proj(out, exact)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, K, T, D)
         v = v.transpose(1, 2)
