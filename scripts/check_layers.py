@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the rest of rollout).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("tailrl.cache_dir", "tailrl.decode_kernels", "tailrl.model", "tailrl.kv_cache", "tailrl.linears",
-              "tailrl.kernels",
+              "tailrl.kernels", "tailrl.step_graphs",
               "tailrl.loading", "tailrl.memory", "tailrl.sampling", "tailrl.stats", "tailrl.records", "tailrl.tuner",
               "tailrl.config")),
     ("engine", ("tailrl.engine",)),

@@ -10,9 +10,13 @@
 #
 #     OUT=$(mktemp -d) bash scripts/gpu_run.sh .gpu        # results: $OUT/*.json, *.log
 #     OUT=... bash scripts/gpu_run.sh .gpu passes,rollout  # some parts only (a lent machine's minutes are few)
+#
+# The engine's plain and verify forwards run as CUDA graphs there (tailrl.step_graphs, EngineConfig
+# graphs = auto); gpu_check.py costs both ways. `static` (last, at most 200 s) runs bench generate
+# against transformers with its static cache, which it compiles on CUDA.
 set -u
 TOKENIZER_DIR=${1:?usage: gpu_run.sh TOKENIZER_DIR [check,passes,generate,rollout]}
-PARTS=,${2:-check,passes,generate,rollout},
+PARTS=,${2:-check,passes,generate,rollout,static},
 OUT=${OUT:?set OUT to a results folder}
 DEVICE=${DEVICE:-cuda}
 export PYTHONPATH=$PWD
@@ -20,7 +24,7 @@ MODELS=$(mktemp -d)  # the random models, outside $OUT (its files come back from
 
 nvidia-smi -L; lscpu | grep -m1 "Model name"
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-[[ $PARTS == *,check,* ]] && python3 scripts/gpu_check.py --device "$DEVICE" --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+[[ $PARTS == *,check,* ]] && timeout 240 python3 scripts/gpu_check.py --device "$DEVICE" --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 
 python3 - "$TOKENIZER_DIR" "$MODELS" <<'PY'
 import shutil, sys
@@ -63,7 +67,9 @@ for part in (0, 1):
     for t in (1.0, 1.0, 0.0):
         t0 = time.perf_counter()
         engine.generate(requests, SamplingParams(t), 64)
-        print(f"prompts {part}, T = {t}: {time.perf_counter() - t0:.2f} s for {engine.stats.tokens} tokens", flush=True)
+        g = engine.graphs
+        print(f"prompts {part}, T = {t}: {time.perf_counter() - t0:.2f} s for {engine.stats.tokens} tokens; graphs "
+              f"captured so far {g.captures} in {g.capture_seconds:.2f} s" if g else "", flush=True)
 # Inside auto a plain step cost ~45 ms against ~32 ms in off on the H200 (docs/performance.md): the
 # plain decoder against a speculative one that always picks plain (auto's arms, so auto's cache
 # reservation), same requests, alternated.
@@ -100,12 +106,25 @@ from tailrl.bench import generate, rollout
 models, out, device, parts = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 for name in ("smollm2-135m", "llama-1b") if ",generate," in parts else ():
     print(f"bench generate, {name} (random weights), {device}", flush=True)
-    cfg = generate.BenchGenerateConfig(model=str(models / name), device=device, batch_sizes=(1, 8, 64), max_new_tokens=128)
+    cfg = generate.BenchGenerateConfig(model=str(models / name), device=device, batch_sizes=(1, 8, 64), max_new_tokens=128,
+                                       repeats=2)
     (out / f"generate-{name}.json").write_text(json.dumps(generate.report(cfg, log=lambda line: print(line, flush=True))))
 if ",rollout," not in parts:
     sys.exit()
 print(f"bench rollout, smollm2-135m (random weights), {device}", flush=True)
+# Every repetition opens a new engine, so its graphs are captured inside the timed rollout (~30 ms each).
 cfg = rollout.BenchRolloutConfig(model=str(models / "smollm2-135m"), device=device, modes=("off", "ngram", "auto"),
-                                 reps=1, num_prompts=8, max_new_tokens=128, plot=str(out / "rollout.png"))
+                                 reps=2, num_prompts=16, max_new_tokens=256, plot=str(out / "rollout.png"))
 (out / "rollout.json").write_text(json.dumps(rollout.run(cfg, log=lambda line: print(line, flush=True))))
 PY
+[[ $PARTS == *,static,* ]] && timeout 200 python3 - "$MODELS" "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/static.log"
+import json, sys
+from pathlib import Path
+from tailrl.bench import generate
+models, out, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+print(f"bench generate, smollm2-135m (random weights), {device}, transformers with its static cache", flush=True)
+cfg = generate.BenchGenerateConfig(model=str(models / "smollm2-135m"), device=device, batch_sizes=(8, 64),
+                                   max_new_tokens=128, repeats=2, hf_cache="static")
+(out / "generate-static-smollm2-135m.json").write_text(json.dumps(generate.report(cfg, log=lambda line: print(line, flush=True))))
+PY
+true

@@ -42,6 +42,7 @@ from tailrl.model import Transformer
 from tailrl.records import Completion, Progress, Request, Stop
 from tailrl.sampling import SamplingParams, is_top1, next_position, sample
 from tailrl.stats import EngineStats, StepRecord
+from tailrl.step_graphs import StepGraphs
 
 # Padded tokens per batched prefill forward: bounds its attention scores (heads x tokens x prompt
 # length x 4 bytes: ~75 MB for SmolLM2 at 512-token prompts) while batching short prompts.
@@ -57,8 +58,14 @@ class EngineConfig:
     capture_hidden: bool = field(default=False, metadata={"help": "record each token's target hidden state"})
     exact: bool = field(default=False, metadata={"help": "bit-exact speculative decoding (row-invariant forwards, "
                                                  "slower; see docs/lossless.md)"})
+    graphs: str = field(default="auto", metadata={
+        "help": "plain and verify forwards as CUDA graphs, one per bucket of rows, tokens and keys "
+                "(tailrl.step_graphs): auto = on CUDA; on a CPU 'on' runs the same buckets without capture",
+        "choices": ["auto", "on", "off"]})
 
     def __post_init__(self) -> None:
+        if self.graphs not in ("auto", "on", "off"):
+            raise ValueError(f"graphs must be auto, on or off, got {self.graphs!r}")
         if self.exact:  # before this process's first matmul, where that is still possible (tailrl.kernels)
             request_reproducible_kernels()
 
@@ -131,6 +138,9 @@ class Engine:
         self.cache: KVCache | None = None
         self.stats = EngineStats()
         self.decoder: StepDecoder = PlainDecoder()
+        cuda = self.device.type == "cuda"
+        use = self.cfg.graphs == "on" or (self.cfg.graphs == "auto" and cuda)
+        self.graphs = StepGraphs(model, self.cfg.exact, capture=cuda) if use else None
         if self.cfg.exact:
             request_reproducible_kernels()  # a config unpickled in a worker process skipped __post_init__
             check_thread_invariance(model)
@@ -402,20 +412,23 @@ class Engine:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, view: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's logits and hidden states over cached positions, row-invariant in exact
-        mode.  # (B, T), (B, T) -> (B, T, V), (B, T, E)"""
+        mode; through the step graphs where the engine has them.  # (B, T), (B, T) -> (B, T, V), (B, T, E)"""
+        if self.graphs is not None:
+            return self.graphs.forward(ids, positions, view)
         return self.model(ids, positions, view, return_hidden=True, exact=self.cfg.exact)
 
     def plain_step(self, running: list[Seq], call: GenerateCall) -> None:
         """Feed each sequence's pending token; sample the next one."""
-        lens = torch.tensor([s.length for s in running], device=self.device)
-        kv_len = int(lens.max()) + 1
+        lengths = [s.length for s in running]
+        lens = torch.tensor(lengths, device=self.device)
+        kv_len = max(lengths) + 1  # from the host's list: a device max would be a sync
         mask = (torch.arange(kv_len, device=self.device)[None] <= lens[:, None])[:, None]  # (B, 1, S)
         ids = torch.tensor([[s.pending] for s in running], device=self.device)
         logits, h = self.forward(ids, lens[:, None], CacheView(self.cache, 0, lens[:, None], kv_len, mask))
         # fp32 once: sampling works in fp32 anyway, and a bf16 argmax is a slow kernel on CPU.
         logits = logits[:, 0].float()  # (B, V)
         seeds = [s.req.seed for s in running]
-        toks, lps = sample(logits, call.params, seeds, [next_position(n) for n in lens.tolist()])
+        toks, lps = sample(logits, call.params, seeds, [next_position(n) for n in lengths])
         top = is_top1(logits, toks).tolist()
         keep = self.keep_hidden
         # One host transfer per tensor, not one tensor index per row.

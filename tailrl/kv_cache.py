@@ -16,6 +16,7 @@ M cache capacity (tokens).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -27,6 +28,7 @@ import torch
 from tailrl import memory
 
 KV_CHUNK = 128  # keys per attention matmul in exact mode, see tailrl.model's chunked_qk and chunked_pv
+_LAYOUTS = itertools.count()  # tags KVCache.layout
 # What one more attention call costs, in key rows read (one row's keys for every kv head): an
 # SDPA call's fixed cost over its cost per key row, measured in docs/performance.md.
 SEGMENT_COST_KEYS = 160
@@ -50,6 +52,9 @@ class KVCache:
 
     def __init__(self, cfg: CacheShape, slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str):
         self.slots, self.capacity = slots, whole_chunks(capacity)
+        # Unique to this cache's tensors, new at every resize: what holds their addresses (a CUDA
+        # graph, tailrl.step_graphs) checks it. An object's id and a tensor's address can recur.
+        self.layout = next(_LAYOUTS)
         self.k = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
         self.v = [self._empty(cfg, dtype, device) for _ in range(cfg.num_layers)]
 
@@ -76,7 +81,7 @@ class KVCache:
                 new = memory.lazy_zeros((slots, old.shape[1], capacity, old.shape[3]), old.dtype, old.device)
                 new[:keep, :, :length] = old[:keep, :, :length]
                 kvs[layer] = new  # the old layer's memory goes before the next layer's is allocated
-        self.slots, self.capacity = slots, capacity
+        self.slots, self.capacity, self.layout = slots, capacity, next(_LAYOUTS)
 
 
 def row_segments(keys: Sequence[int], cost: int) -> list[tuple[int, int, int]]:
@@ -119,6 +124,9 @@ class CacheView:
     write_pos: torch.Tensor  # (B, T)
     kv_len: int
     mask: torch.Tensor  # (B, T, S)
+    # Every row in one attention call over kv_len keys, decided without reading the mask on the
+    # host (a captured forward, tailrl.step_graphs, cannot).
+    one_group: bool = False
 
     @cached_property
     def hidden_keys(self) -> torch.Tensor:
@@ -130,6 +138,8 @@ class CacheView:
         """The non-exact attention's groups of consecutive rows (`row_segments`): (first row, end
         row, keys S' (the group's longest row), mask (B', T, S') or None where every query
         attends every key)."""
+        if self.one_group:
+            return [(0, self.mask.shape[0], self.kv_len, self.mask)]
         keys = (self.kv_len - self.mask.any(1).flip(-1).int().argmax(-1)).tolist()  # (B,) last attended key + 1
         out = []
         for i, j, s in row_segments(keys, SEGMENT_COST_KEYS):

@@ -35,10 +35,15 @@ class BenchGenerateConfig:
     repeats: int = field(default=3, metadata={"help": "runs per side and batch size, alternating (median reported)"})
     threads: int = field(default=0, metadata={"help": "torch threads for both sides (0: torch's default)"})
     device: str = field(default="auto", metadata={"help": "auto = cuda when present, else cpu", "choices": DEVICES})
+    hf_cache: str = field(default="dynamic", metadata={
+        "help": "transformers' KV cache: dynamic, or static (on CUDA transformers then compiles its forward)",
+        "choices": ["dynamic", "static"]})
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.threads < 0:
             raise ValueError(f"repeats must be >= 1 and threads >= 0, got {self.repeats} and {self.threads}")
+        if self.hf_cache not in ("dynamic", "static"):
+            raise ValueError(f"hf_cache must be dynamic or static, got {self.hf_cache!r}")
 
 
 @dataclass
@@ -59,7 +64,7 @@ def _prompts(tok, n: int) -> list[tuple[int, ...]]:
     return [encode_prompt(tok, format_prompt(task.sample(0, i).question)) for i in range(n)]
 
 
-def _hf_generate(hf, tok, prompts: list[tuple[int, ...]], max_new_tokens: int) -> tuple[int, float]:
+def _hf_generate(hf, tok, prompts: list[tuple[int, ...]], max_new_tokens: int, cache: str) -> tuple[int, float]:
     """Left-padded batch through transformers; returns (generated tokens up to EOS, seconds)."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     width = max(len(p) for p in prompts)
@@ -70,7 +75,7 @@ def _hf_generate(hf, tok, prompts: list[tuple[int, ...]], max_new_tokens: int) -
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                          pad_token_id=pad)
+                          pad_token_id=pad, **({"cache_implementation": "static"} if cache == "static" else {}))
     if out.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -98,13 +103,15 @@ def run(cfg: BenchGenerateConfig, log=print) -> list[GenerateRow]:
     for b in cfg.batch_sizes:
         prompts = _prompts(tok, b)
         engine = Engine(model, EngineConfig(max_batch=max(cfg.batch_sizes)))
-        engine.generate(make_requests(prompts[:1], 1, 0), greedy, 4)  # warm-up: allocate the cache
-        _hf_generate(hf, tok, prompts[:1], 4)
+        # Warm-up, one whole run a side: the cache allocated, CUDA graphs captured (each side's
+        # are made the first time a shape is met), a static cache's forward compiled.
+        engine.generate(make_requests(prompts, 1, 0), greedy, cfg.max_new_tokens)
+        _hf_generate(hf, tok, prompts, cfg.max_new_tokens, cfg.hf_cache)
         ours, theirs = [], []
         for _ in range(cfg.repeats):
             engine.generate(make_requests(prompts, 1, 0), greedy, cfg.max_new_tokens)
             ours.append(engine.stats.tokens_per_s)
-            hf_tokens, hf_s = _hf_generate(hf, tok, prompts, cfg.max_new_tokens)
+            hf_tokens, hf_s = _hf_generate(hf, tok, prompts, cfg.max_new_tokens, cfg.hf_cache)
             theirs.append(hf_tokens / hf_s)
         row = GenerateRow(b, statistics.median(ours), statistics.median(theirs), engine.stats.tokens, hf_tokens)
         log(f"batch {b:3d}: tailrl {row.tailrl_tok_s:7.1f} tok/s | transformers {row.hf_tok_s:7.1f} tok/s | "

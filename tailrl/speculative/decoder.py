@@ -215,7 +215,7 @@ def _verify_forward(engine: Engine, running: list[Seq], tree: DraftTree) -> tupl
     ancestry, depths = verify_layout(tree.parents)  # (B, T, T), (B, T)
     positions = lens[:, None] + depths  # (B, T): length + depth
     write_pos = lens[:, None] + torch.arange(t, device=device)  # (B, T): length .. length + N
-    kv_len = int(lens.max()) + t
+    kv_len = max(s.length for s in running) + t  # from the host: a device max would be a sync
     # Each verify token sees the row's prefix (< length) and, among this forward's tokens, itself
     # and its ancestors; keys past the row's own writes are stale cache and stay masked.
     mask = (torch.arange(kv_len, device=device) < lens[:, None])[:, None].repeat(1, t, 1)  # (B, T, S)
