@@ -429,13 +429,14 @@ class Engine:
         logits = logits[:, 0].float()  # (B, V)
         seeds = [s.req.seed for s in running]
         toks, lps = sample(logits, call.params, seeds, [next_position(n) for n in lengths])
-        top = is_top1(logits, toks).tolist()
+        # The step's one read of the device: tokens, log-probs and top-1 flags together, in fp64
+        # (exact for all three), not one transfer per tensor nor one tensor index per row.
+        out = torch.stack((toks.double(), lps.double(), is_top1(logits, toks).double())).tolist()
         keep = self.keep_hidden
-        # One host transfer per tensor, not one tensor index per row.
-        for i, (s, tok, lp) in enumerate(zip(running, toks.tolist(), lps.tolist())):
+        for i, (s, tok, lp, top) in enumerate(zip(running, *out)):
             s.length += 1
-            s.pending = tok
-            self.emit(s, call, [tok], [lp], [top[i]], h[i] if keep else None)
+            s.pending = int(tok)
+            self.emit(s, call, [s.pending], [lp], [top == 1.0], h[i] if keep else None)
 
 
 class PlainDecoder:
