@@ -172,7 +172,8 @@ class TLTGeneration(VLLMGeneration):
         vllm_internals.check_engine(engine, speculative=True)
         # Each process's tuner explores with its own seed, as TRL seeds each process's engine.
         seed = self.tlt.seed + processes.rank()
-        schedule = Schedule(engine, lengths, self.tlt.tuner, None, seed) if self.tlt.spec == "auto" else None
+        schedule = (Schedule(vllm_internals.draft_length_lookup(engine), lengths, self.tlt.tuner, None, seed)
+                    if self.tlt.spec == "auto" else None)
         self.steps = EngineSteps(engine, schedule, f"eagle-{lengths[0]}")
 
     def _start(self, llm_kwargs: dict[str, object]) -> None:

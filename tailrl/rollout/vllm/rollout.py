@@ -294,7 +294,8 @@ class VllmRollout(AdaptingRollout):
         ceiling_depth = drafting.num_speculative_tokens if drafting is not None else draft_depth
         schedule = None
         if drafting is not None and drafting.table is None:
-            schedule = Schedule(engine, drafting.tuned, tuner, state.tuner if state is not None else None, seed)
+            schedule = Schedule(internals.draft_length_lookup(engine), drafting.tuned, tuner,
+                                state.tuner if state is not None else None, seed)
         rollout_ = cls(engine, counters, dtype, model.cfg, max_len, arm, schedule, adapting, tuner.bucket_edges,
                        ceiling_depth)
         if adapting is not None and adapting.version > 0:

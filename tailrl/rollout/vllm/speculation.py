@@ -96,29 +96,44 @@ class Schedule:
     """Each engine step's draft length, chosen by tailrl's tuner (TLT's adaptive engine).
 
     vLLM's scheduler drafts K(batch) tokens per sequence in a step, read from a dense lookup by
-    running batch size (internals.draft_length_lookup); before every step the whole lookup is
-    set to the chosen arm's length (0 = plain). The drafts a step proposes are verified in the
-    next step, so a step's reward (tokens per second per sequence) goes to the arm chosen before
-    the step that proposed them (PLAIN when the step verified none)."""
+    running batch size (`lookup`, internals.draft_length_lookup); before every step the whole
+    lookup is set to the chosen arm's length (0 = plain). The drafts a step proposes are verified
+    in the next step, so a step's time is the verify of the arm before it plus the drafting of the
+    arm chosen for it. Only a step that drafts with the arm it verifies is an arm's own cost: its
+    reward (tokens per second per sequence) goes to that arm. A step between two arms (a switch)
+    tells the tuner nothing, and the step after a switch keeps the new arm so that it is measured.
+    (Rewarding every step to the arm it verified charged a plain step that followed a drafting
+    one, or preceded one, with a 6-token draft: the tuner saw plain steps at a third of their
+    speed and kept drafting where plain decoding was faster; docs/vllm.md.)"""
 
-    def __init__(self, engine: LLMEngine, lengths: Sequence[int], cfg: TunerConfig, state: dict[str, object] | None,
+    def __init__(self, lookup: list[int], lengths: Sequence[int], cfg: TunerConfig, state: dict[str, object] | None,
                  seed: int):
-        self.lookup = internals.draft_length_lookup(engine)
+        self.lookup = lookup
         self.arms = {PLAIN: 0, **{Arm("drafter", k, 1, k): k for k in lengths}}
         self.tuner = Tuner(list(self.arms), cfg, seed=seed)
         if state:
             self.tuner.load_state_dict(state)
         self.proposed = PLAIN  # the arm whose drafts the next step verifies
+        self._switched = False  # the last step drafted with another arm than it verified
 
     def new_rollout(self) -> None:
         self.tuner.new_rollout()
         self.proposed = PLAIN
+        self._switched = False
 
-    def before_step(self, running: int) -> Arm:
-        """Set the lookup for the step about to run; returns the arm its verifies belong to."""
-        verified, self.proposed = self.proposed, self.tuner.step(running) if running else PLAIN
+    def before_step(self, running: int) -> tuple[Arm, bool]:
+        """Set the lookup for the step about to run. Returns the arm its verifies belong to, and
+        whether the step's time is that arm's own (it drafts with the same arm)."""
+        verified = self.proposed
+        if not running:
+            self.proposed = PLAIN
+        elif self._switched:  # keep the arm just switched to for one step: the gate still counts it
+            self.proposed = verified if self.tuner.gate(running) else PLAIN
+        else:
+            self.proposed = self.tuner.step(running)
+        self._switched = self.proposed != verified
         self.lookup[:] = [self.arms[self.proposed]] * len(self.lookup)
-        return verified
+        return verified, not self._switched
 
     def after_step(self, batch: int, arm: Arm, tokens: int, seconds: float) -> None:
         if batch and seconds > 0:
@@ -137,6 +152,7 @@ class Steering:
         self.schedule, self.arm, self.counters = schedule, arm, counters
         self.tallies: Tallies = {}
         self._verified: Arm | None = None
+        self._measured = False  # the step's time is its verified arm's own (Schedule.before_step)
 
     def begin(self) -> None:
         """A generate call starts: its tallies and counters from zero, the tuner's rollout anew."""
@@ -147,7 +163,8 @@ class Steering:
 
     def before(self, running: int) -> None:
         """The step about to run, with `running` requests unfinished."""
-        self._verified = self.schedule.before_step(running) if self.schedule is not None else None
+        if self.schedule is not None:
+            self._verified, self._measured = self.schedule.before_step(running)
 
     def after(self, seconds: float, batch: int | None = None, tokens: int | None = None,
               prefill: bool | None = None) -> tuple[str, StepCount]:
@@ -162,6 +179,6 @@ class Steering:
         batch = count.running if batch is None else batch
         tokens = count.tokens if tokens is None else tokens
         prefill = count.prompt_tokens > 0 if prefill is None else prefill
-        if self._verified is not None and not prefill and tokens:
+        if self._verified is not None and self._measured and not prefill and tokens:
             self.schedule.after_step(batch, self._verified, tokens, seconds)
         return label, count
