@@ -163,8 +163,8 @@ class Steering:
 
     def before(self, running: int) -> None:
         """The step about to run, with `running` requests unfinished."""
-        if self.schedule is not None:
-            self._verified, self._measured = self.schedule.before_step(running)
+        self._verified, self._measured = (self.schedule.before_step(running) if self.schedule is not None
+                                          else (None, False))
 
     def after(self, seconds: float, batch: int | None = None, tokens: int | None = None,
               prefill: bool | None = None) -> tuple[str, StepCount]:
