@@ -58,6 +58,8 @@ def accept_walk(
         raise ValueError(
             f"need one seed and one root position per row ({b}), got {len(seeds)} and {len(root_positions)}"
         )
+    if tree.is_chain:
+        return _accept_chain(logits, tree, params, seeds, root_positions)
     device = logits.device
     node_parents = tree.parents.to(device) + 1  # (B, N) verify index of each node's parent
     node_tokens = tree.tokens.to(device)  # (B, N)
@@ -92,6 +94,40 @@ def accept_walk(
                 still.append(i)
         rows, depth = still, depth + 1
     return AcceptResult(tokens, logprobs, top1, path, [len(t) for t in tokens])
+
+
+def _accept_chain(
+    logits: Tensor, tree: DraftTree, params: SamplingParams, seeds: list[int], root_positions: list[int]
+) -> AcceptResult:
+    """accept_walk on chains without reading the device until the end. On a chain the node at
+    verify index j sits at depth j, so every position's pick is known before the walk: the
+    accepted drafts are the leading nodes whose token is the pick before them. Picks past a row's
+    first mismatch are computed and dropped (a chain's tokens are few), and the step reads the
+    device once, not once per depth (on a GPU each read waits for the queue). Depth by depth, as
+    the walk: B rows of the vocabulary at a time stay in the CPU's cache where all B (N + 1) would
+    not. Each pick, log-prob and top-1 flag comes from the same functions on the same logits row
+    as the walk's: the same bits."""
+    b, n = tree.tokens.shape
+    picks, parts = [], []
+    for j in range(n + 1):
+        rows = logits[:, j].float()  # (B, V)
+        u = uniforms(seeds, [next_position(root + j) for root in root_positions])
+        x = inverse_cdf(process_logits(rows, params), u)  # (B,)
+        picks.append(x)
+        parts.append(torch.stack((x.double(), token_logprobs(rows, x, params).double(), is_top1(rows, x).double())))
+    accepted = (tree.tokens.to(logits.device) == torch.stack(picks, 1)[:, :n]).long().cumprod(1).sum(1)  # (B,)
+    out = torch.cat((torch.stack(parts, 2).flatten(), accepted.double())).tolist()  # (3, B, N+1), then (B,)
+    k = b * (n + 1)
+    toks, lps, top, acc = out[:k], out[k : 2 * k], out[2 * k : 3 * k], out[3 * k :]
+    result = AcceptResult([], [], [], [], [])
+    for i in range(b):
+        a, at = int(acc[i]), i * (n + 1)
+        result.tokens.append([int(t) for t in toks[at : at + a + 1]])
+        result.logprobs.append(lps[at : at + a + 1])
+        result.top1.append([t == 1.0 for t in top[at : at + a + 1]])
+        result.path.append(list(range(1, a + 1)))
+        result.accept_len.append(a + 1)
+    return result
 
 
 def _first_true(match: Tensor) -> Tensor:

@@ -57,6 +57,12 @@ class DraftTree:
         """Depth of each node: the root's children are at depth 1.  # (B, N)"""
         return _ancestors(self.parents)[1]
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether every row is a chain (node i's parent is node i - 1), as `chain` builds."""
+        n = self.num_nodes
+        return bool((self.parents == torch.arange(-1, n - 1, device=self.parents.device)).all())
+
     def verify_ids(self, root_tokens: Tensor) -> Tensor:
         """The target's verify input [root, node_0, ..., node_{N-1}].  # (B,) -> (B, N + 1)"""
         return torch.cat([root_tokens.reshape(-1, 1).to(self.tokens), self.tokens], dim=1)
