@@ -28,7 +28,9 @@ Shapes: B rows, T new tokens a row, S attended keys, V vocabulary, E hidden size
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -36,6 +38,7 @@ from tailrl.kv_cache import CacheView, KVCache
 from tailrl.model import Transformer
 
 KEYS_MIN = 256  # smallest key bucket: below it a graph per doubling buys nothing measurable
+T = TypeVar("T")
 
 
 def bucket(n: int, least: int, most: int) -> int:
@@ -111,19 +114,26 @@ class StepGraphs:
         return self.model(step.ids, step.positions, view, return_hidden=True, exact=self.exact)
 
     def _capture(self, step: _Step, cache: KVCache) -> None:
-        """Warm the forward up on a side stream (lazy initialisations must not be captured), then
-        capture it into the shared pool. The warm-up is the step's own forward: it writes the same
-        K/V the replay then writes again."""
         t0 = time.perf_counter()
-        device = step.ids.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self._run(step, cache)
-        torch.cuda.current_stream(device).wait_stream(side)
-        step.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(step.graph, pool=self._pool):
-            step.logits, step.hidden = self._run(step, cache)
-        self._pool = step.graph.pool()
+        step.graph, (step.logits, step.hidden), self._pool = capture(lambda: self._run(step, cache), step.ids.device,
+                                                                     self._pool)
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
+
+
+def capture(run: Callable[[], T], device: torch.device,
+            pool: tuple[int, int] | None) -> tuple[torch.cuda.CUDAGraph, T, tuple[int, int]]:
+    """`run` captured as a CUDA graph on `device` into `pool` (None: a new one); the graph, what `run`
+    returned during the capture (the graph's outputs, rewritten by every replay) and the pool.
+    `run` first runs once on a side stream: lazy initialisations must not be captured. That
+    run is the captured work itself, so it must be one whose repetition changes nothing (a
+    forward writing the same K/V at the same positions)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out, graph.pool()

@@ -16,6 +16,7 @@ import torch
 from conftest import build_hf
 from rollout_helpers import train_seqs
 
+from tailrl.engine import Engine, EngineConfig
 from tailrl.loading import load_model
 from tailrl.records import Request
 from tailrl.sampling import SamplingParams
@@ -267,7 +268,7 @@ def test_root_children_are_the_training_forwards_top_k(target, seqs):
     running = [_start(s, i) for i, s in enumerate(seqs)]
     for s, full in zip(running, seqs):
         _advance(s, full, 3)
-    tree = DrafterProposer(d).propose(None, running, arm)
+    tree = DrafterProposer(d).propose(Engine(target), running, arm)
     for b, (s, full) in enumerate(zip(running, seqs)):
         # Training view of the same prefix: tokens up to the root (pending), hidden up to L - 1.
         prefix = TrainSeq(full.tokens[: s.length + 1], full.hidden[: s.length], full.prompt_len)
@@ -282,10 +283,11 @@ def test_root_children_are_the_training_forwards_top_k(target, seqs):
         assert tree.parents[b].tolist() == [-1] * 5
 
 
-def _replay(proposers, seqs, arm, steps, switch_on, retire_at):
+def _replay(proposers, seqs, arm, steps, switch_on, retire_at, engine):
     """Drive proposers over the same running rows, advancing 1-3 tokens per step (as verifies
     would), retiring row 0 at step `retire_at` (the last row moves into its slot). proposers[k]
-    starts proposing at step switch_on[k]. Returns, per step, the trees of the active proposers."""
+    starts proposing at step switch_on[k], for `engine`. Returns, per step, the trees of the
+    active proposers."""
     g = torch.Generator().manual_seed(0)
     running = [_start(s, i) for i, s in enumerate(seqs)]
     for p in proposers:
@@ -297,7 +299,7 @@ def _replay(proposers, seqs, arm, steps, switch_on, retire_at):
             for p in proposers:
                 p.moved(len(running), 0, last)
             running[0] = last
-        trees.append([p.propose(None, running, arm) if step >= on else None for p, on in zip(proposers, switch_on)])
+        trees.append([p.propose(engine, running, arm) if step >= on else None for p, on in zip(proposers, switch_on)])
         for s in running:
             room = seqs[s.req_index].tokens.shape[0] - 1 - s.length
             _advance(s, seqs[s.req_index], min(int(torch.randint(1, 4, (1,), generator=g)), room))
@@ -310,7 +312,8 @@ def test_catch_up_equals_drafting_from_the_start(target, seqs, arm, layers):
     """SD on from the first step, switched on at step 3, or at step 6 (after a slot move):
     the same trees once on, and every tree is valid."""
     d = _drafter(target, layers=layers)
-    runs = _replay([DrafterProposer(d) for _ in range(3)], seqs, arm, steps=8, switch_on=[0, 3, 6], retire_at=5)
+    runs = _replay([DrafterProposer(d) for _ in range(3)], seqs, arm, steps=8, switch_on=[0, 3, 6], retire_at=5,
+                   engine=Engine(target))
     allowed = set(VOCAB)
     for step, trees in enumerate(runs):
         ref = trees[0]
@@ -329,14 +332,17 @@ class _TreePath(DrafterProposer):
         return self.propose_tree(engine, running, arm)
 
 
+@pytest.mark.parametrize("graphs", ["off", "on"])
 @pytest.mark.parametrize("arm,layers", [(Arm("drafter", 4, 1, 4), 1), (Arm("drafter", 6, 1, 3), 1),
                                         (Arm("drafter", 1, 1, 1), 1), (Arm("drafter", 4, 1, 4), 2)])
-def test_chain_fast_path_equals_the_build_tree_path(target, seqs, arm, layers):
+def test_chain_fast_path_equals_the_build_tree_path(target, seqs, arm, layers, graphs):
     """Chains skip build_tree; they must give its trees, step after step (catch-up, slot moves),
-    in fp32 and in bf16."""
+    in fp32 and in bf16; and so must the chain loop over the step graphs' buckets (on a CPU
+    without capture: from step 5 five rows padded to the cache's six, keys to 256)."""
     for dtype in (torch.float32, torch.bfloat16):
         d = _drafter(target, layers=layers).to(dtype)
-        runs = _replay([_TreePath(d), DrafterProposer(d)], seqs, arm, steps=8, switch_on=[0, 0], retire_at=5)
+        runs = _replay([_TreePath(d), DrafterProposer(d)], seqs, arm, steps=8, switch_on=[0, 0], retire_at=5,
+                       engine=Engine(target, EngineConfig(graphs=graphs)))
         for ref, fast in runs:
             assert ref.parents.tolist() == [list(range(-1, arm.num_draft_tokens - 1))] * ref.batch_size
             assert torch.equal(fast.tokens, ref.tokens) and torch.equal(fast.parents, ref.parents)

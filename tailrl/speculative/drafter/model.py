@@ -51,6 +51,7 @@ from tailrl.engine import Engine, Seq
 from tailrl.kv_cache import CacheView, KVCache
 from tailrl.linears import Linear
 from tailrl.model import DecoderLayer, ModelConfig, Transformer, rope_inv_freq
+from tailrl.speculative.drafter.chain_graphs import ChainGraphs, draft_chain, top_drafts
 from tailrl.speculative.tree import DraftTree, Expansion, Frontier, build_tree, chain
 from tailrl.tuner import Arm
 
@@ -316,6 +317,7 @@ class DrafterProposer:
         self.cache: KVCache | None = None
         self.owner: list[Seq | None] = []  # the Seq each slot's entries belong to
         self.covered: list[int] = []  # valid entries per slot (cache indices 0..covered-1)
+        self.graphs: ChainGraphs | None = None  # the chain loop's graphs, made with the engine's
 
     def begin(self, engine: Engine | None = None) -> None:
         self.owner, self.covered = [], []
@@ -350,14 +352,26 @@ class DrafterProposer:
     def propose(self, engine: Engine, running: list[Seq], arm: Arm) -> DraftTree:
         """One tree per running row; root = seq.pending at position seq.length; target token ids.
 
-        A chain (topk 1) takes `_chain`: the tree `propose_tree` builds, with a fraction of its
-        tensor bookkeeping (the tests compare the two)."""
+        A chain (topk 1) takes `draft_chain`: the tree `propose_tree` builds, with a fraction of
+        its tensor bookkeeping (the tests compare the two); as CUDA graphs where the engine runs
+        its own forwards as graphs (tailrl.speculative.drafter.chain_graphs)."""
         if arm.topk > 1:
             return self.propose_tree(engine, running, arm)
         first, lens = self._prepare(running, arm)
-        tree = self._chain(first, lens, arm.num_draft_tokens)
-        self.covered[: len(running)] = lens.tolist()
-        return tree
+        out = self._root_forward(first)  # (B, 1, E)
+        lengths = [s.length for s in running]
+        n = arm.num_draft_tokens
+        if engine.graphs is None:
+            nodes = draft_chain(self.drafter, self.cache, out, lens, n, max(lengths) + n - 1)
+        else:
+            if self.graphs is None or self.graphs.capture != engine.graphs.capture:
+                self.graphs = ChainGraphs(self.drafter, engine.graphs.capture)
+            nodes, padded = self.graphs.draft(self.cache, out, lens, max(lengths) + n - 1, n)
+            self._grow_slots(padded)
+            for i in range(len(running), padded):  # padded rows wrote entries there
+                self.owner[i], self.covered[i] = None, 0
+        self.covered[: len(running)] = lengths
+        return chain(nodes)
 
     def propose_tree(self, engine: Engine, running: list[Seq], arm: Arm) -> DraftTree:
         """`propose` for any arm, through build_tree (the reference for chains)."""
@@ -367,7 +381,7 @@ class DrafterProposer:
 
         def expand(fr: Frontier) -> Expansion:
             out = self._root_forward(first) if fr.step == 0 else self._tree_forward(fr, lens, arm.topk)
-            log_probs, idx = self._top(out, arm.topk)
+            log_probs, idx = top_drafts(d, out, arm.topk)
             return Expansion(log_probs, d.d2t[idx], out)
 
         root_state = first.hidden[torch.arange(b, device=device), first.root]  # (B, E) h_{L-1}
@@ -388,28 +402,6 @@ class DrafterProposer:
         self._ensure_cache(b, max(lengths) + scratch)
         device = self.drafter.fc.weight.device
         return self._root_inputs(running, device), torch.tensor(lengths, device=device)
-
-    def _top(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k draft log-probs and their draft indices.  # (B, F, E) -> (B, F, k) each"""
-        return torch.log_softmax(self.drafter.logits(out).float(), dim=-1).topk(k, dim=-1)
-
-    def _chain(self, first: _RootInputs, lens: torch.Tensor, n: int) -> DraftTree:
-        """n nodes, each the drafter's top-1 after its parent. build_tree would draft draft_depth
-        >= n and keep the n best, which on a chain (scores never rise along it, ties to the
-        earlier node) are the first n; so n forwards suffice. Node s (s >= 1) is entry
-        L_b - 1 + s at scratch index L_b + s - 1 and sees every key before its own: the prefix,
-        the root entry and its ancestors, i.e. the same keys and cache writes as `_tree_forward`."""
-        dev = lens.device
-        out = self._root_forward(first)  # (B, 1, E)
-        nodes = [self.drafter.d2t[self._top(out, 1)[1]][:, 0]]  # (B, 1) each
-        top = int(lens.max())
-        keys = torch.arange(top + n, device=dev)[None, None]  # (1, 1, S)
-        for s in range(1, n):
-            at = lens[:, None] + (s - 1)  # (B, 1) its scratch index, equal to its position L_b - 1 + s
-            view = CacheView(self.cache, 0, at, top + s, keys[:, :, : top + s] <= at[:, :, None])
-            out = self.drafter(out, nodes[-1], at, view)
-            nodes.append(self.drafter.d2t[self._top(out, 1)[1]][:, 0])
-        return chain(torch.cat(nodes, 1))
 
     def _root_inputs(self, running: list, device) -> _RootInputs:
         # The root entry is always (re)computed: its output starts the tree.
