@@ -10,6 +10,8 @@ engine, sampling, speculative decoding) from this checkout. Within minutes:
 2. Costs: a plain decode step and a verify step of a chain of K drafts (K + 1 rows per
    sequence), per running batch size, for a SmolLM2-135M-shaped and a ~1B Llama-shaped model
    (random weights, bf16 on CUDA, the rollout dtype elsewhere), over a ~400-token context.
+   The learned drafter's chain loop (a random one-layer drafter of the same shape, 6-chains at
+   1, 8 and 32 rows), eager and as graphs (tailrl.speculative.drafter.chain_graphs).
 3. Projection: the default batch's response lengths and the learned drafter's acceptance, as
    measured on CPU (`--inputs`, JSON: "batches", each a rollout's response lengths, "accept_len"
    and the chain depth it was measured at), decoded in simulation: each step's running batch takes plain decoding or the
@@ -39,6 +41,8 @@ from tailrl.kv_cache import CacheView, KVCache
 from tailrl.model import ModelConfig, Transformer
 from tailrl.records import Request
 from tailrl.sampling import SamplingParams
+from tailrl.speculative.drafter.chain_graphs import ChainGraphs, draft_chain
+from tailrl.speculative.drafter.model import Drafter
 from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.step_graphs import StepGraphs
 
@@ -143,6 +147,36 @@ def costs(cfg: ModelConfig, device: str, dtype: torch.dtype) -> dict[str, dict[s
     return out
 
 
+def chain_costs(cfg: ModelConfig, device: str, dtype: torch.dtype, n: int = 6) -> dict[str, dict[int, float]]:
+    """Seconds of a learned drafter's chain loop (n - 1 forwards of one layer and a 4,096-token
+    head after the root's) over a CONTEXT-token drafter cache, eager and as graphs."""
+    target = model_on(cfg, device, dtype)
+    drafter = Drafter.from_target(target, list(range(4096)), "random").to(device=device, dtype=dtype).eval()
+    drafter.attach(target)
+    graphs = ChainGraphs(drafter, capture=device.startswith("cuda"))
+    out: dict[str, dict[int, float]] = {"eager": {}, "graphs": {}}
+    for b in (1, 8, 32):
+        cache = KVCache(drafter.cfg.layer, b, CONTEXT + 128, dtype, device)
+        root = torch.randn(b, 1, cfg.hidden_size, device=device, dtype=dtype)
+        lens = torch.full((b,), CONTEXT, device=device)
+        runs = {"eager": lambda: draft_chain(drafter, cache, root, lens, n, CONTEXT + n - 1),
+                "graphs": lambda: graphs.draft(cache, root, lens, CONTEXT + n - 1, n)}
+        with torch.inference_mode():
+            for kind, run in runs.items():
+                run()
+                sync(device)
+                best = math.inf
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    run()
+                    sync(device)
+                    best = min(best, time.perf_counter() - t0)
+                out[kind][b] = best
+        print(f"  drafter {n}-chain loop, batch {b:3d}: eager {out['eager'][b] * 1e3:6.2f} ms, "
+              f"graphs {out['graphs'][b] * 1e3:6.2f} ms", flush=True)
+    return out
+
+
 def per_token_acceptance(accept_len: float, depth: int) -> float:
     """a with (1 - a^(depth+1)) / (1 - a) = accept_len, by bisection."""
     lo, hi = 0.0, 1.0 - 1e-9
@@ -218,6 +252,7 @@ def main() -> None:
         eager, graphs = tables["eager"]["plain"], tables["graphs"]["plain"]
         print(f"{label}: plain step eager / graphs " + ", ".join(f"{b}: {eager[b] / graphs[b]:.1f}x" for b in BATCHES),
               flush=True)
+        entry["drafter_chain_s"] = chain_costs(cfg, device, dtype)
         report["models"][label] = entry
     print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
     if args.out:
