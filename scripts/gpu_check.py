@@ -41,10 +41,12 @@ from tailrl.kv_cache import CacheView, KVCache
 from tailrl.model import ModelConfig, Transformer
 from tailrl.records import Request
 from tailrl.sampling import SamplingParams
+from tailrl.speculative.decoder import fixed
 from tailrl.speculative.drafter.chain_graphs import ChainGraphs, draft_chain
-from tailrl.speculative.drafter.model import Drafter
+from tailrl.speculative.drafter.model import Drafter, DrafterProposer
 from tailrl.speculative.modes import SpeculationConfig, install
 from tailrl.step_graphs import StepGraphs
+from tailrl.tuner import Arm
 
 SMOLLM2 = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -87,12 +89,16 @@ def checks(device: str) -> None:
     out = spec.generate(reqs, SamplingParams(1.0), 24)
     same = sum(a.token_ids == b.token_ids for a, b in zip(plain, out))
     eager = Engine(model, EngineConfig(max_batch=8, exact=True, graphs="off")).generate(reqs, SamplingParams(1.0), 24)
+    learned = Engine(model, EngineConfig(max_batch=8, exact=True))  # a random drafter's 4-chains, its loop graphed
+    random_drafter = Drafter.from_target(model, list(range(96)), "tiny")
+    learned.decoder = fixed(Arm("drafter", 4, 1, 4), DrafterProposer(random_drafter))
+    drafted = sum(a.token_ids == b.token_ids for a, b in zip(plain, learned.generate(reqs, SamplingParams(1.0), 24)))
     graphed = sum(a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in zip(plain, eager))
     # Exact mode's row invariance is measured on CPU kernels (docs/lossless.md); on another device
     # this line is the measurement.
     print(f"checks on {device}: greedy = full forward; speculative (n-gram) = plain in exact mode for {same}/8 "
           f"sequences, {spec.stats.spec.verify_steps} verifies; step graphs (auto) = eager forwards in exact mode "
-          f"(tokens and log-probs) for {graphed}/8", flush=True)
+          f"(tokens and log-probs) for {graphed}/8; a learned drafter's chains = plain for {drafted}/8", flush=True)
 
 
 def sync(device: str) -> None:
