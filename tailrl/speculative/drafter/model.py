@@ -349,19 +349,20 @@ class DrafterProposer:
         else:  # keep what the old cache held
             c.resize(max(slots, c.slots), max(capacity, c.capacity), c.slots, c.capacity)
 
-    def propose(self, engine: Engine, running: list[Seq], arm: Arm) -> DraftTree:
+    def propose(self, engine: Engine | None, running: list[Seq], arm: Arm) -> DraftTree:
         """One tree per running row; root = seq.pending at position seq.length; target token ids.
 
         A chain (topk 1) takes `draft_chain`: the tree `propose_tree` builds, with a fraction of
         its tensor bookkeeping (the tests compare the two); as CUDA graphs where the engine runs
-        its own forwards as graphs (tailrl.speculative.drafter.chain_graphs)."""
+        its own forwards as graphs (tailrl.speculative.drafter.chain_graphs). engine None: a
+        replay without one (training.simulate_accept), eager."""
         if arm.topk > 1:
             return self.propose_tree(engine, running, arm)
         first, lens = self._prepare(running, arm)
         out = self._root_forward(first)  # (B, 1, E)
         lengths = [s.length for s in running]
         n = arm.num_draft_tokens
-        if engine.graphs is None:
+        if engine is None or engine.graphs is None:
             nodes = draft_chain(self.drafter, self.cache, out, lens, n, max(lengths) + n - 1)
         else:
             if self.graphs is None or self.graphs.capture != engine.graphs.capture:
@@ -373,7 +374,7 @@ class DrafterProposer:
         self.covered[: len(running)] = lengths
         return chain(nodes)
 
-    def propose_tree(self, engine: Engine, running: list[Seq], arm: Arm) -> DraftTree:
+    def propose_tree(self, engine: Engine | None, running: list[Seq], arm: Arm) -> DraftTree:
         """`propose` for any arm, through build_tree (the reference for chains)."""
         d = self.drafter
         first, lens = self._prepare(running, arm)
