@@ -292,10 +292,9 @@ class VllmRollout(AdaptingRollout):
             vocab = torch.tensor(drafter_cfg.draft_vocab, dtype=torch.long)
             engine.collective_rpc(install_draft_head, args=(drafter_state["head.weight"].to(dtype), vocab))
         ceiling_depth = drafting.num_speculative_tokens if drafting is not None else draft_depth
-        schedule = None
-        if drafting is not None and drafting.table is None:
-            schedule = Schedule(internals.draft_length_lookup(engine), drafting.tuned, tuner,
-                                state.tuner if state is not None else None, seed)
+        tuner_state = state.tuner if state is not None else None
+        schedule = (Schedule(internals.draft_length_lookup(engine), drafting.tuned, tuner, tuner_state, seed)
+                    if drafting is not None and drafting.table is None else None)
         rollout_ = cls(engine, counters, dtype, model.cfg, max_len, arm, schedule, adapting, tuner.bucket_edges,
                        ceiling_depth)
         if adapting is not None and adapting.version > 0:
