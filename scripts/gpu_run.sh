@@ -112,9 +112,10 @@ for name in ("smollm2-135m", "llama-1b") if ",generate," in parts else ():
 if ",rollout," not in parts:
     sys.exit()
 print(f"bench rollout, smollm2-135m (random weights), {device}", flush=True)
-# Every repetition opens a new engine, so its graphs are captured inside the timed rollout (~30 ms each).
+# Every repetition opens a new engine, so its graphs are captured inside the timed rollout (~0.1 s
+# each); three batches a repetition, as an RL run's steps reuse its engine, so that they amortise.
 cfg = rollout.BenchRolloutConfig(model=str(models / "smollm2-135m"), device=device, modes=("off", "ngram", "auto"),
-                                 reps=2, num_prompts=16, max_new_tokens=256, plot=str(out / "rollout.png"))
+                                 reps=2, batches=3, num_prompts=16, max_new_tokens=256, plot=str(out / "rollout.png"))
 (out / "rollout.json").write_text(json.dumps(rollout.run(cfg, log=lambda line: print(line, flush=True))))
 PY
 [[ $PARTS == *,static,* ]] && timeout 200 python3 - "$MODELS" "$OUT" "$DEVICE" <<'PY' 2>&1 | tee "$OUT/static.log"
