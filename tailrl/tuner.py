@@ -3,11 +3,17 @@
 An arm is one way to decode a step: plain (one target forward, one token per sequence), or
 speculative decoding with the learned drafter or the n-gram drafter and a draft-tree shape
 (draft_depth, topk, num_draft_tokens). The reward of a step is the tokens it emitted per wall
-second per running sequence. (TLT rewards tokens per second; but a bucket spans batch sizes up to
-2x apart and a rollout walks through it from the top, so the arms tried first would get the
-larger batches' higher throughput and an arm tried last would look slow for where it was tried,
-not for what it is (docs/history.md). Per sequence, a step's reward hardly depends on where in
-its bucket it was taken.) Rewards are kept per (bucket, arm), the bucket being the range the
+second per running sequence, and arms are ranked at equal batch sizes: each reward is weighed by
+what a plain step of its size costs, alpha + beta * b seconds, a line fitted to the plain steps in
+the windows (`plain_step_line`), which makes it the step's speed-up over plain decoding at that
+size. Why: a bucket spans batch sizes up to 2x apart and a rollout walks down through it, so its
+arms are tried at different sizes. TLT's tokens per second favours the arms tried at the larger
+ones (docs/history.md); per sequence, the arms tried at the smaller ones: a plain step's rate per
+sequence, 1 / (alpha + beta * b), is 1.6x higher at 33 running than at 64 on a 2-core Zen 4 (alpha
+23 ms, beta 1.24 ms), and the tuner played 4-chains there where plain steps were faster at every
+size (docs/performance.md, "The tuner at equal batch sizes"). The weight removes both biases: with
+beta = 0 it ranks by the rate per sequence, with alpha = 0 by tokens per second. Until plain has
+been timed at two sizes the weight is 1. Rewards are kept per (bucket, arm), the bucket being the range the
 running batch size falls in, in a sliding window of the last `window` rewards. Within a bucket the tuner plays
 arms with too few rewards first (fewest first, then in the order given): `min_pulls`, or fewer
 where every step of the bucket decodes many sequences (`pulls_needed`: a step of b sequences
@@ -15,11 +21,11 @@ averages b sequences' acceptance, so one step of 33+ running tells about what th
 and trying an arm that loses at a full batch costs most there: in exact mode on a 2-core Zen 3
 one n-gram verify of 64 rows took 5 s against 0.85 s for a plain step); then
 with probability epsilon a uniformly random arm (the greedy one included), else the arm with
-the best median reward over its window (TLT's rule; the median shrugs off the odd slow step,
+the best median weighted reward over its window (TLT's rule; the median shrugs off the odd slow step,
 once an arm has 3 rewards: with one, a single step slowed by another process could bury the
 best arm, which epsilon then revisits only rarely). Ties go to the arm listed first. An
-exploration that draws a clear loser (the upper quartile of its last LOSER_RECENT rewards more
-than `loser_margin` below the best arm's median) plays it only one time in
+exploration that draws a clear loser (the upper quartile of its last LOSER_RECENT weighted rewards
+more than `loser_margin` below the best arm's median) plays it only one time in
 LOSER_EXPLORE_INVERSE, the greedy arm otherwise: where no speculative arm pays, uniform
 exploration spent epsilon of the steps on arms several times slower than plain decoding, while
 a loser still gets rechecked now and then (a drafter that adapts may turn one into a winner:
@@ -48,7 +54,8 @@ explored once for all workers rather than once per worker.
 One random.Random, seeded, serves every bucket, so the whole sequence of choices is a function
 of the seed and the rewards; state_dict() captures it as plain JSON-serialisable data.
 
-Knows: arms, buckets, rewards (tokens per second per sequence), its own random generator.
+Knows: arms, buckets, rewards (tokens per second per sequence) and the batch sizes they were
+measured at, its own random generator.
 Does not know: torch, models, how an arm is executed, what a token is.
 """
 
@@ -107,6 +114,24 @@ class Arm:
 
 
 PLAIN = Arm("plain")
+
+
+def plain_step_line(seconds: dict[int, float]) -> tuple[float, float]:
+    """(alpha, beta) of a plain step's seconds = alpha + beta * b, least squares over {b: seconds},
+    both >= 0 (through the origin where the intercept would be negative); (1, 0), every size alike,
+    from fewer than two sizes or where the time does not grow with b."""
+    if len(seconds) < 2:
+        return 1.0, 0.0
+    n = len(seconds)
+    mean_b, mean_s = sum(seconds) / n, sum(seconds.values()) / n
+    beta = (sum((b - mean_b) * (s - mean_s) for b, s in seconds.items())
+            / sum((b - mean_b) ** 2 for b in seconds))
+    if beta <= 0:
+        return 1.0, 0.0
+    alpha = mean_s - beta * mean_b
+    if alpha < 0:
+        return 0.0, sum(b * s for b, s in seconds.items()) / sum(b * b for b in seconds)
+    return alpha, beta
 
 
 def bucket_index(edges: Sequence[int], batch_size: int) -> int:
@@ -190,10 +215,16 @@ class Tuner:
         self._index = {arm: i for i, arm in enumerate(self.arms)}
         self._rng = random.Random(seed)
         num_buckets = len(self.config.bucket_edges) + 1
-        self._rewards = [[deque(maxlen=self.config.window) for _ in self.arms] for _ in range(num_buckets)]
+        # (batch size, reward) per bucket and arm
+        self._rewards: list[list[deque[tuple[int, float]]]] = [
+            [deque(maxlen=self.config.window) for _ in self.arms] for _ in range(num_buckets)]
         self._pulls = [[0] * len(self.arms) for _ in range(num_buckets)]
         self._gate_run = 0  # consecutive steps at <= switch_batch, capped at switch_patience
         self._new: list[tuple[int, int, float]] = []  # update()s since take_new(), for other tuners
+        # Plain's step seconds (1 / reward) per batch size over its windows, each list sorted.
+        self._plain_seconds: dict[int, list[float]] = {}
+        self._line: tuple[float, float] | None = None  # plain_cost(), until a plain reward changes it
+        self._weighted: dict[int, list[list[float]]] = {}  # _weighted_rewards(b), kept while the line holds
 
     def bucket(self, batch_size: int) -> int:
         """Index of the bucket whose range (edges[i-1], edges[i]] holds batch_size."""
@@ -233,13 +264,14 @@ class Tuner:
         return self._best(b)
 
     def _loses(self, b: int, arm: Arm) -> bool:
-        """Whether the upper quartile of `arm`'s last LOSER_RECENT rewards in bucket b is more than
-        loser_margin below the best arm's median."""
+        """Whether the upper quartile of `arm`'s last LOSER_RECENT weighted rewards in bucket b is
+        more than loser_margin below the best arm's median."""
         best = self._best(b)
-        window, top = self._rewards[b][self._index[arm]], self._rewards[b][self._index[best]]
+        weighted = self._weighted_rewards(b)
+        window, top = weighted[self._index[arm]], weighted[self._index[best]]
         if not window:
             return False
-        recent = sorted(list(window)[-LOSER_RECENT:])
+        recent = sorted(window[-LOSER_RECENT:])
         return recent[3 * len(recent) // 4] < (1.0 - self.config.loser_margin) * median(top)
 
     def step(self, batch_size: int) -> Arm:
@@ -252,25 +284,66 @@ class Tuner:
 
     def _best(self, b: int) -> Arm | None:
         best, best_median = None, -math.inf
-        for arm, window in zip(self.arms, self._rewards[b]):
+        for arm, window in zip(self.arms, self._weighted_rewards(b)):
             if window and (m := median(window)) > best_median:
                 best, best_median = arm, m
         return best
 
+    def plain_cost(self) -> tuple[float, float]:
+        """(alpha, beta): a plain step of b sequences takes alpha + beta * b seconds, fitted to the
+        median step time at each batch size in plain's windows (plain_step_line)."""
+        if self._line is None:
+            self._line = plain_step_line({size: median(s) for size, s in self._plain_seconds.items() if s})
+        return self._line
+
+    def _weighted_rewards(self, b: int) -> list[list[float]]:
+        """Bucket b's rewards per arm, each times plain's step seconds at its batch size."""
+        weighted = self._weighted.get(b)
+        if weighted is None:
+            alpha, beta = self.plain_cost()
+            weighted = self._weighted[b] = [[r * (alpha + beta * size) for size, r in w] for w in self._rewards[b]]
+        return weighted
+
     def update(self, batch_size: int, arm: Arm, reward: float) -> None:
-        """Record the reward (tokens emitted per wall second per sequence) of one step decoded with arm."""
-        b = self.bucket(batch_size)
+        """Record the reward (tokens emitted per wall second per sequence) of one step of
+        batch_size sequences decoded with arm."""
         i = self._index.get(arm)
         if i is None:
             raise ValueError(f"{arm!r} is not one of this tuner's arms")
         if not (math.isfinite(reward) and reward >= 0.0):
             raise ValueError(f"reward must be a finite number >= 0 (tokens per second per sequence), got {reward}")
-        self._rewards[b][i].append(float(reward))
+        self._record(self.bucket(batch_size), i, batch_size, float(reward))
+        self._new.append((batch_size, i, float(reward)))
+
+    def _record(self, b: int, i: int, size: int, reward: float) -> None:
+        window = self._rewards[b][i]
+        full = len(window) == window.maxlen
+        if full and self.arms[i] == PLAIN:
+            self._plain_time(*window[0], add=False)
+        window.append((size, reward))
         self._pulls[b][i] += 1
-        self._new.append((b, i, float(reward)))
+        if self.arms[i] == PLAIN:  # the line moves, and every bucket's weights with it
+            self._plain_time(size, reward, add=True)
+            self._line = None
+            self._weighted.clear()
+        elif (weighted := self._weighted.get(b)) is not None:  # the window's weights, kept in step
+            alpha, beta = self.plain_cost()
+            if full:
+                del weighted[i][0]
+            weighted[i].append(reward * (alpha + beta * size))
+
+    def _plain_time(self, size: int, reward: float, add: bool) -> None:
+        """Count a plain reward's step seconds in (or out of) _plain_seconds. A plain step emits a
+        token a sequence, so its reward per sequence is 1 / its seconds."""
+        if reward > 0:
+            times = self._plain_seconds.setdefault(size, [])
+            if add:
+                bisect.insort(times, 1.0 / reward)
+            else:
+                times.remove(1.0 / reward)
 
     def take_new(self) -> list[tuple[int, int, float]]:
-        """The (bucket, arm index, reward) records of update() since the last call: what tuners
+        """The (batch size, arm index, reward) records of update() since the last call: what tuners
         of the same arms and buckets elsewhere (other rollout workers) can `absorb`."""
         new, self._new = self._new, []
         return new
@@ -278,9 +351,8 @@ class Tuner:
     def absorb(self, records: Sequence[Sequence[float]]) -> None:
         """Count rewards observed by another tuner of the same arms and buckets as if updated here
         (not passed on by take_new; draws no randomness)."""
-        for b, i, reward in records:
-            self._rewards[int(b)][int(i)].append(float(reward))
-            self._pulls[int(b)][int(i)] += 1
+        for size, i, reward in records:
+            self._record(self.bucket(int(size)), int(i), int(size), float(reward))
 
     def state_dict(self) -> dict:
         """Everything that decides future choices, as JSON-serialisable lists and numbers."""
@@ -288,7 +360,7 @@ class Tuner:
         return {
             "arms": [asdict(arm) for arm in self.arms],
             "bucket_edges": list(self.config.bucket_edges),
-            "rewards": [[list(window) for window in bucket] for bucket in self._rewards],
+            "rewards": [[[list(pair) for pair in window] for window in bucket] for bucket in self._rewards],
             "pulls": [list(pulls) for pulls in self._pulls],
             "rng": [version, list(internal), gauss_next],
             "gate_run": self._gate_run,
@@ -307,8 +379,18 @@ class Tuner:
                 f"state has bucket_edges {tuple(state['bucket_edges'])} "
                 f"but this tuner has {self.config.bucket_edges}"
             )
-        window = self.config.window
-        self._rewards = [[deque(w, maxlen=window) for w in bucket] for bucket in state["rewards"]]
+        window, edges = self.config.window, self.config.bucket_edges
+        # A checkpoint from before the batch sizes were kept holds bare rewards: each gets its
+        # bucket's smallest size.
+        self._rewards = [[deque(((int(r[0]), float(r[1])) if isinstance(r, list) else
+                                 (edges[b - 1] + 1 if b else 1, float(r)) for r in w), maxlen=window)
+                          for w in bucket] for b, bucket in enumerate(state["rewards"])]
+        self._plain_seconds = {}
+        for bucket in self._rewards:
+            for size, reward in bucket[self._index[PLAIN]]:
+                self._plain_time(size, reward, add=True)
+        self._line = None
+        self._weighted.clear()
         self._pulls = [list(pulls) for pulls in state["pulls"]]
         version, internal, gauss_next = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss_next))
@@ -316,7 +398,7 @@ class Tuner:
 
     def summary(self) -> dict:
         """Per bucket with any pulls, keyed like "3-4" or "33+": best arm label, pulls per arm,
-        median reward per tried arm."""
+        median reward per tried arm (as measured: tokens per second per sequence)."""
         out = {}
         for b, (windows, pulls) in enumerate(zip(self._rewards, self._pulls)):
             if not any(pulls):
@@ -324,6 +406,6 @@ class Tuner:
             out[bucket_label(self.config.bucket_edges, b)] = {
                 "best": self._best(b).label,
                 "pulls": {arm.label: n for arm, n in zip(self.arms, pulls)},
-                "median": {arm.label: median(w) for arm, w in zip(self.arms, windows) if w},
+                "median": {arm.label: median(r for _, r in w) for arm, w in zip(self.arms, windows) if w},
             }
         return out

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tailrl.tuner import LOSER_RECENT, PLAIN, Arm, Tuner, TunerConfig, bucket_label
+from tailrl.tuner import LOSER_RECENT, PLAIN, Arm, Tuner, TunerConfig, bucket_label, plain_step_line
 
 DRAFTER = Arm("drafter", 3, 4, 8)
 NGRAM = Arm("ngram", 2, 2, 4)
@@ -282,12 +282,13 @@ def test_summary_hand_computed():
 
 
 def _drive(tuner: Tuner, batches: list[int], noise: random.Random) -> list[Arm]:
-    """One step()/update() per batch size, rewards depending on arm and batch."""
-    base = {PLAIN: 10.0, DRAFTER: 12.0, NGRAM: 11.0}
+    """One step()/update() per batch size: plain steps take 20 + b ms, the others gain less the
+    more sequences run."""
+    gain = {PLAIN: 0.0, DRAFTER: 0.6, NGRAM: 0.4}
     picks = []
     for batch in batches:
         arm = tuner.step(batch)
-        mean = base[arm] * (1 + batch / (8 if arm == PLAIN else 16))  # plain scales better with batch
+        mean = (1 + gain[arm] * (1 - batch / 64)) / (0.02 + 0.001 * batch)
         tuner.update(batch, arm, max(0.0, noise.gauss(mean, 2.0)))
         picks.append(arm)
     return picks
@@ -308,6 +309,12 @@ def test_state_round_trip_gives_identical_choices():
     assert _drive(a, schedule[cut:], random.Random(1)) == _drive(b, schedule[cut:], random.Random(1))
     assert a.summary() == b.summary()
     assert len(a.summary()) >= 5  # several buckets were exercised
+    # The line and the weighted rewards a tuner keeps up to date step by step (windows of 7, so
+    # rewards left them) equal those a tuner computes afresh from the same windows.
+    fresh = Tuner(arms, config)
+    fresh.load_state_dict(a.state_dict())
+    assert a.plain_cost() == fresh.plain_cost() and a.plain_cost()[1] > 0
+    assert all(a._weighted_rewards(k) == fresh._weighted_rewards(k) for k in range(len(config.bucket_edges) + 1))
 
     with pytest.raises(ValueError):
         Tuner([PLAIN, DRAFTER], config).load_state_dict(state)
@@ -343,4 +350,45 @@ def test_tuners_learn_together_through_take_new_and_absorb():
     assert b.state_dict()["rng"] == rng_before
     assert a.take_new() == []  # each record is passed on once
     assert b.summary()["3-4"] == a.summary()["3-4"] and b.step(3) == DRAFTER  # explored by a, exploited by b
-    assert b.take_new() == [(b.bucket(40), 0, 5.0)]  # its own only: absorbed rewards are not passed on again
+    assert b.take_new() == [(40, 0, 5.0)]  # its own only: absorbed rewards are not passed on again
+
+
+def test_plain_step_line_hand_computed():
+    assert plain_step_line({10: 0.03, 20: 0.05}) == pytest.approx((0.01, 0.002))
+    assert plain_step_line({10: 0.03, 20: 0.05, 30: 0.07}) == pytest.approx((0.01, 0.002))
+    # A negative intercept: through the origin, beta = sum(b s) / sum(b^2) = 0.7 / 500.
+    assert plain_step_line({10: 0.01, 20: 0.03}) == pytest.approx((0.0, 0.0014))
+    # One size, or a time that falls with the size: every size alike.
+    assert plain_step_line({}) == plain_step_line({5: 0.01}) == plain_step_line({10: 0.05, 20: 0.03}) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("drafter_faster", [False, True])
+def test_arms_are_ranked_at_equal_batch_sizes(drafter_faster):
+    # A plain step of b sequences takes 23 + 1.24 b ms (the Zen 4's line in the 33+ bucket), so
+    # its reward per sequence is 1.6x higher at 33 than at 64. The drafter decodes 0.95x (or
+    # 1.10x) plain's rate at whatever size it runs. Measured at the other end of the bucket from
+    # plain, per-sequence medians would rank the two the wrong way round (the first assertion
+    # says so); at equal sizes the faster one wins.
+    def plain_rate(b: int) -> float:
+        return 1.0 / (0.023 + 0.00124 * b)
+
+    speed, plain_sizes, drafter_sizes = (1.10, [33, 36, 40], [64, 62]) if drafter_faster else (0.95, [64, 60], [34, 36])
+    tuner = Tuner([PLAIN, DRAFTER], TunerConfig(epsilon=0.0, min_pulls=1))
+    for b in plain_sizes:
+        tuner.update(b, PLAIN, plain_rate(b))
+    for b in drafter_sizes:
+        tuner.update(b, DRAFTER, speed * plain_rate(b))
+    raw = {arm: tuner.summary()["33+"]["median"][arm.label] for arm in (PLAIN, DRAFTER)}
+    assert (raw[DRAFTER] > raw[PLAIN]) != drafter_faster  # the per-sequence rule would pick the slower
+    assert tuner.plain_cost() == pytest.approx((0.023, 0.00124))
+    assert tuner.best(48) == (DRAFTER if drafter_faster else PLAIN)
+
+
+def test_state_from_before_batch_sizes_were_kept_loads():
+    # Bare rewards (an older checkpoint) take their bucket's smallest size.
+    tuner = Tuner([PLAIN, DRAFTER], TunerConfig(bucket_edges=(1, 2, 4)))
+    state = tuner.state_dict()
+    state["rewards"] = [[[2.0], []], [[1.0, 3.0], [4.0]], [[], []], [[5.0], []]]
+    tuner.load_state_dict(state)
+    assert tuner.state_dict()["rewards"] == [[[[1, 2.0]], []], [[[2, 1.0], [2, 3.0]], [[2, 4.0]]], [[], []],
+                                             [[[5, 5.0]], []]]

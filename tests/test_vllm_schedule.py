@@ -33,7 +33,8 @@ def test_an_arm_is_rewarded_only_with_steps_that_draft_with_the_arm_they_verify(
     own = {arm: rows * (1 + k // 2) / ((10 + k + 5 * k) / 1e3) / rows
            for arm, k in ((PLAIN, 0), (Arm("drafter", 2, 1, 2), 2), (Arm("drafter", 6, 1, 6), 6))}
     tuner = schedule.tuner
-    rewards = tuner.state_dict()["rewards"][tuner.bucket(rows)]  # per arm, in the tuner's order
-    for arm, got in zip(tuner.arms, rewards):
+    windows = tuner.state_dict()["rewards"][tuner.bucket(rows)]  # per arm, in the tuner's order
+    for arm, window in zip(tuner.arms, windows):
+        got = [reward for _, reward in window]  # (batch size, reward) pairs
         assert len(got) >= 3 and got == pytest.approx([own[arm]] * len(got), rel=1e-12), arm.label
     assert tuner.best(rows) == PLAIN  # 100 tokens/s a row against 90.9 and 87.0
