@@ -220,7 +220,7 @@ class Tuner:
             [deque(maxlen=self.config.window) for _ in self.arms] for _ in range(num_buckets)]
         self._pulls = [[0] * len(self.arms) for _ in range(num_buckets)]
         self._gate_run = 0  # consecutive steps at <= switch_batch, capped at switch_patience
-        self._new: list[tuple[int, int, float]] = []  # update()s since take_new(), for other tuners
+        self._new: list[tuple[int, int, float, int]] = []  # update()s since take_new(), for other tuners
         # Plain's step seconds (1 / reward) per batch size over its windows, each list sorted.
         self._plain_seconds: dict[int, list[float]] = {}
         self._line: tuple[float, float] | None = None  # plain_cost(), until a plain reward changes it
@@ -312,8 +312,9 @@ class Tuner:
             raise ValueError(f"{arm!r} is not one of this tuner's arms")
         if not (math.isfinite(reward) and reward >= 0.0):
             raise ValueError(f"reward must be a finite number >= 0 (tokens per second per sequence), got {reward}")
-        self._record(self.bucket(batch_size), i, batch_size, float(reward))
-        self._new.append((batch_size, i, float(reward)))
+        b = self.bucket(batch_size)
+        self._record(b, i, batch_size, float(reward))
+        self._new.append((b, i, float(reward), batch_size))
 
     def _record(self, b: int, i: int, size: int, reward: float) -> None:
         window = self._rewards[b][i]
@@ -342,17 +343,22 @@ class Tuner:
             else:
                 times.remove(1.0 / reward)
 
-    def take_new(self) -> list[tuple[int, int, float]]:
-        """The (batch size, arm index, reward) records of update() since the last call: what tuners
-        of the same arms and buckets elsewhere (other rollout workers) can `absorb`."""
+    def take_new(self) -> list[tuple[int, int, float, int]]:
+        """The (bucket, arm index, reward, batch size) records of update() since the last call: what
+        tuners of the same arms and buckets elsewhere (other rollout workers) can `absorb`."""
         new, self._new = self._new, []
         return new
 
     def absorb(self, records: Sequence[Sequence[float]]) -> None:
         """Count rewards observed by another tuner of the same arms and buckets as if updated here
-        (not passed on by take_new; draws no randomness)."""
-        for size, i, reward in records:
-            self._record(self.bucket(int(size)), int(i), int(size), float(reward))
+        (not passed on by take_new; draws no randomness). A record without its batch size (a
+        checkpoint's, from before they were kept) gets its bucket's smallest."""
+        for b, i, reward, *size in records:
+            self._record(int(b), int(i), int(size[0]) if size else self._smallest(int(b)), float(reward))
+
+    def _smallest(self, b: int) -> int:
+        """The smallest batch size in bucket b."""
+        return self.config.bucket_edges[b - 1] + 1 if b else 1
 
     def state_dict(self) -> dict:
         """Everything that decides future choices, as JSON-serialisable lists and numbers."""
@@ -379,11 +385,10 @@ class Tuner:
                 f"state has bucket_edges {tuple(state['bucket_edges'])} "
                 f"but this tuner has {self.config.bucket_edges}"
             )
-        window, edges = self.config.window, self.config.bucket_edges
         # A checkpoint from before the batch sizes were kept holds bare rewards: each gets its
         # bucket's smallest size.
-        self._rewards = [[deque(((int(r[0]), float(r[1])) if isinstance(r, list) else
-                                 (edges[b - 1] + 1 if b else 1, float(r)) for r in w), maxlen=window)
+        self._rewards = [[deque(((int(r[0]), float(r[1])) if isinstance(r, list) else (self._smallest(b), float(r))
+                                 for r in w), maxlen=self.config.window)
                           for w in bucket] for b, bucket in enumerate(state["rewards"])]
         self._plain_seconds = {}
         for bucket in self._rewards:

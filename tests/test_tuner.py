@@ -350,7 +350,9 @@ def test_tuners_learn_together_through_take_new_and_absorb():
     assert b.state_dict()["rng"] == rng_before
     assert a.take_new() == []  # each record is passed on once
     assert b.summary()["3-4"] == a.summary()["3-4"] and b.step(3) == DRAFTER  # explored by a, exploited by b
-    assert b.take_new() == [(40, 0, 5.0)]  # its own only: absorbed rewards are not passed on again
+    assert b.take_new() == [(b.bucket(40), 0, 5.0, 40)]  # its own only: absorbed rewards are not passed on again
+    b.absorb([(b.bucket(3), 0, 2.0)])  # a checkpoint's pending record from before batch sizes were kept
+    assert b.state_dict()["rewards"][b.bucket(3)][0][-1] == [3, 2.0]  # its bucket's smallest size
 
 
 def test_plain_step_line_hand_computed():
