@@ -10,8 +10,8 @@ size. Why: a bucket spans batch sizes up to 2x apart and a rollout walks down th
 arms are tried at different sizes. TLT's tokens per second favours the arms tried at the larger
 ones (docs/history.md); per sequence, the arms tried at the smaller ones: a plain step's rate per
 sequence, 1 / (alpha + beta * b), is 1.6x higher at 33 running than at 64 on a 2-core Zen 4 (alpha
-23 ms, beta 1.24 ms), and the tuner played 4-chains there where plain steps were faster at every
-size (docs/performance.md, "The tuner at equal batch sizes"). The weight removes both biases: with
+23 ms, beta 1.24 ms), so 4-chains timed at 40-51 running outranked plain steps timed at 60-64,
+though at 64 plain decoding was 1.4x faster (docs/performance.md, "The tuner at equal batch sizes"). The weight removes both biases: with
 beta = 0 it ranks by the rate per sequence, with alpha = 0 by tokens per second. Until plain has
 been timed at two sizes the weight is 1. Rewards are kept per (bucket, arm), the bucket being the range the
 running batch size falls in, in a sliding window of the last `window` rewards. Within a bucket the tuner plays
