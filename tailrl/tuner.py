@@ -11,28 +11,28 @@ arms are tried at different sizes. TLT's tokens per second favours the arms trie
 ones (docs/history.md); per sequence, the arms tried at the smaller ones: a plain step's rate per
 sequence, 1 / (alpha + beta * b), is 1.6x higher at 33 running than at 64 on a 2-core Zen 4 (alpha
 23 ms, beta 1.24 ms), so 4-chains timed at 40-51 running outranked plain steps timed at 60-64,
-though at 64 plain decoding was 1.4x faster (docs/performance.md, "The tuner at equal batch sizes"). The weight removes both biases: with
-beta = 0 it ranks by the rate per sequence, with alpha = 0 by tokens per second. Until plain has
-been timed at two sizes the weight is 1. Rewards are kept per (bucket, arm), the bucket being the range the
-running batch size falls in, in a sliding window of the last `window` rewards. Within a bucket the tuner plays
-arms with too few rewards first (fewest first, then in the order given): `min_pulls`, or fewer
-where every step of the bucket decodes many sequences (`pulls_needed`: a step of b sequences
-averages b sequences' acceptance, so one step of 33+ running tells about what three of 11 do,
-and trying an arm that loses at a full batch costs most there: in exact mode on a 2-core Zen 3
-one n-gram verify of 64 rows took 5 s against 0.85 s for a plain step); then
-with probability epsilon a uniformly random arm (the greedy one included), else the arm with
-the best median weighted reward over its window (TLT's rule; the median shrugs off the odd slow step,
-once an arm has 3 rewards: with one, a single step slowed by another process could bury the
-best arm, which epsilon then revisits only rarely). Ties go to the arm listed first. An
-exploration that draws a clear loser (the upper quartile of its last LOSER_RECENT weighted rewards
-more than `loser_margin` below the best arm's median) plays it only one time in
-LOSER_EXPLORE_INVERSE, the greedy arm otherwise: where no speculative arm pays, uniform
-exploration spent epsilon of the steps on arms several times slower than plain decoding, while
-a loser still gets rechecked now and then (a drafter that adapts may turn one into a winner:
-its recent rewards clear it, whatever its older ones were). The quartile, not the best reward:
-a speculative step's reward swings with what it accepted, so an arm at half plain's speed kept
-a lucky step or two in its window and was never judged a loser (docs/performance.md); nor do a
-few unlucky steps condemn an arm, as a median would.
+though at 64 plain decoding was 1.4x faster (docs/performance.md, "The tuner at equal batch
+sizes"). The weight removes both biases: with beta = 0 it ranks by the rate per sequence, with
+alpha = 0 by tokens per second. Until plain has been timed at two sizes the weight is 1. Rewards
+are kept per (bucket, arm), the bucket being the range the running batch size falls in, in a
+sliding window of the last `window` rewards. Within a bucket the tuner plays arms with too few
+rewards first (fewest first, then in the order given): `min_pulls`, or fewer where every step of
+the bucket decodes many sequences (`pulls_needed`: a step of b sequences averages b sequences'
+acceptance, so one step of 33+ running tells about what three of 11 do, and trying an arm that
+loses at a full batch costs most there: in exact mode on a 2-core Zen 3 one n-gram verify of 64
+rows took 5 s against 0.85 s for a plain step); then with probability epsilon a uniformly random
+arm (the greedy one included), else the arm with the best median weighted reward over its window
+(TLT's rule; the median shrugs off the odd slow step, once an arm has 3 rewards: with one, a single
+step slowed by another process could bury the best arm, which epsilon then revisits only rarely).
+Ties go to the arm listed first. An exploration that draws a clear loser (the upper quartile of its
+last LOSER_RECENT weighted rewards more than `loser_margin` below the best arm's median) plays it
+only one time in LOSER_EXPLORE_INVERSE, the greedy arm otherwise: where no speculative arm pays,
+uniform exploration spent epsilon of the steps on arms several times slower than plain decoding,
+while a loser still gets rechecked now and then (a drafter that adapts may turn one into a winner:
+its recent rewards clear it, whatever its older ones were). The quartile, not the best reward: a
+speculative step's reward swings with what it accepted, so an arm at half plain's speed kept a
+lucky step or two in its window and was never judged a loser (docs/performance.md); nor do a few
+unlucky steps condemn an arm, as a median would.
 
 A switch gate sits in front (TLT's rule): SD is considered only once the running batch has
 stayed <= switch_batch for switch_patience consecutive decode steps, counting the current one.
